@@ -1,0 +1,65 @@
+"""What one engine step asks of a runner, and what the runner gives back.
+
+A step is a flat list of tokens from any number of sequences (prefill chunks and decode tokens
+mixed), the paged-KV bookkeeping that places them, and the rows whose next token is sampled.
+Everything is a small numpy array so a device runner can copy it to the device as it is and one
+recorded step can serve every batch of the same shape. This module holds data only.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SamplingRows:
+    """Per sampled row: the sampling parameters, as arrays (one entry per row).
+
+    temperature 0 means greedy. top_k 0 means no top-k cut, top_p 1 and min_p 0 mean no cut.
+    The random draw of a row is a pure function of (seed, step): see sampling.uniform.
+    n_logprobs is how many top alternatives to report (0: none); the chosen token's log
+    probability is always reported.
+    """
+    temperature: np.ndarray   # float32 [R]
+    top_k: np.ndarray         # int32 [R]
+    top_p: np.ndarray         # float32 [R]
+    min_p: np.ndarray         # float32 [R]
+    seed: np.ndarray          # uint64 [R]
+    step: np.ndarray          # int64 [R]: how many tokens this sequence has sampled before
+    n_logprobs: int = 0
+
+    @classmethod
+    def greedy(cls, rows):
+        return cls(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
+                   top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32),
+                   seed=np.zeros(rows, np.uint64), step=np.zeros(rows, np.int64))
+
+
+@dataclass
+class StepBatch:
+    """T tokens of S sequences; R of the tokens are sampled.
+
+    tokens[t] sits at position positions[t] of the sequence in row seq_rows[t] of block_tables.
+    Its key/value go to cache slot block_tables[row, pos // block_size] * block_size
+    + pos % block_size, and it attends to positions 0..positions[t] of its own sequence (causal
+    by position, so prefill chunks and decode tokens need no separate paths).
+    sample_tokens[r] is the index into tokens whose logits row r samples from.
+    """
+    tokens: np.ndarray        # int32 [T]
+    positions: np.ndarray     # int32 [T]
+    seq_rows: np.ndarray      # int32 [T]
+    block_tables: np.ndarray  # int32 [S, max_blocks_per_seq]
+    sample_tokens: np.ndarray  # int32 [R]
+    sampling: SamplingRows
+
+    @property
+    def num_tokens(self):
+        return len(self.tokens)
+
+
+@dataclass
+class StepOutput:
+    """The sampled token of each row, its log probability, and the top alternatives."""
+    tokens: np.ndarray        # int32 [R]
+    logprobs: np.ndarray      # float32 [R]: log p of the chosen token under the model
+    top_ids: np.ndarray       # int32 [R, n_logprobs]
+    top_logprobs: np.ndarray  # float32 [R, n_logprobs]

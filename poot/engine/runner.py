@@ -1,0 +1,35 @@
+"""The reference runner: the model's step graph interpreted in numpy, behind the runner interface.
+
+A runner turns a StepBatch into a StepOutput (batch.py) and owns the paged KV cache of
+`num_blocks` blocks of `block_size` tokens; which blocks belong to which sequence is the
+scheduler's business. Device runners implement the same interface.
+"""
+import numpy as np
+
+from ..ir.reference import ReferenceInterpreter
+from .sampling import sample
+
+
+class ReferenceRunner:
+    backend = "reference"
+
+    def __init__(self, model, num_blocks, block_size=16):
+        self.model = model
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.vocab_size = model.config.vocab_size
+        self.max_context = model.context_length
+        self.graph = model.step_graph(num_blocks, block_size)
+        state = {name: np.zeros(t.shape, np.float32) for name, t in self.graph.state.items()}
+        self.interpreter = ReferenceInterpreter(self.graph, model.weight_array, state)
+
+    def logits(self, batch):
+        """Runs the step and returns the logits of the sampled rows, float32 [R, vocab]."""
+        if batch.positions.size and int(batch.positions.max()) >= self.num_blocks * self.block_size:
+            raise ValueError("a position lies beyond the KV cache")
+        inputs = {"tokens": batch.tokens, "positions": batch.positions,
+                  "seq_rows": batch.seq_rows, "block_tables": batch.block_tables,
+                  "sample_tokens": batch.sample_tokens}
+        return self.interpreter.run(inputs)["logits"]
+
+    def step(self, batch):
+        return sample(self.logits(batch), batch.sampling)

@@ -1,0 +1,138 @@
+"""The graph IR: a model's forward step as a flat list of typed operations.
+
+A `Graph` names its step inputs (token ids, positions, KV bookkeeping), its weights (each in the
+storage dtype of the model file, e.g. Q4_1), its state (the paged KV cache) and a list of `Op`s
+in execution order. Shapes are tuples of ints and symbolic sizes: "T" (tokens in the step),
+"S" (sequences in the step), "R" (sampled rows), "B" (KV blocks per sequence row), "NB" (KV
+blocks in the cache). Every backend lowers the same graph; `reference.py` interprets it in
+numpy. This module builds and describes graphs; it computes nothing.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# The operations a graph may use, with what each computes (the reference interpreter is the
+# executable definition).
+OPS = {
+    "embedding":  "out[t] = table[ids[t]]",
+    "rms_norm":   "out = x / sqrt(mean(x*x, last axis) + eps) * weight",
+    "matmul":     "out[n, m] = sum_k x[n, k] * w[m, k]   (w in its storage dtype)",
+    "add":        "out = a + b   (b broadcast over leading axes)",
+    "mul":        "out = a * b",
+    "reshape":    "out = x viewed with another shape",
+    "rope":       "rotate pairs of x[t, h, :] by positions[t] * inv_freq (normal or neox pairing)",
+    "store_kv":   "write k, v of each token into its paged cache slot",
+    "attention":  "causal attention of q over the paged cache of its sequence, grouped KV heads",
+    "swiglu":     "out = silu(gate) * up",
+    "gather":     "out[r] = x[index[r]]",
+}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple
+    dtype: str      # "f32", "i32" for values; a storage dtype ("F16", "Q4_K", ...) for weights
+    kind: str       # "input", "weight", "const", "state" or "value"
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    inputs: tuple
+    output: Tensor
+    attrs: dict = field(default_factory=dict)
+
+
+class Graph:
+    """Built op by op; the builder methods return the output tensor of the op they add."""
+
+    def __init__(self):
+        self.inputs, self.weights, self.consts, self.state = {}, {}, {}, {}
+        self.ops = []
+        self.outputs = {}
+        self._count = 0
+
+    # -- declarations ---------------------------------------------------------------------------
+    def input(self, name, shape, dtype="i32"):
+        return self._declare(self.inputs, Tensor(name, tuple(shape), dtype, "input"))
+
+    def weight(self, name, shape, dtype):
+        return self._declare(self.weights, Tensor(name, tuple(shape), dtype, "weight"))
+
+    def const(self, name, array):
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        tensor = self._declare(self.consts, Tensor(name, array.shape, "f32", "const"))
+        self.consts[name] = (tensor, array)
+        return tensor
+
+    def state_tensor(self, name, shape):
+        return self._declare(self.state, Tensor(name, tuple(shape), "f32", "state"))
+
+    def output(self, name, tensor):
+        self.outputs[name] = tensor
+
+    def _declare(self, table, tensor):
+        if tensor.name in table:
+            raise ValueError(f"graph already declares {tensor.name!r}")
+        table[tensor.name] = tensor
+        return tensor
+
+    def weight_tensors(self):
+        return list(self.weights.values())
+
+    # -- operations -----------------------------------------------------------------------------
+    def _op(self, kind, inputs, shape, attrs=None, name=None):
+        self._count += 1
+        out = Tensor(name or f"%{self._count}.{kind}", tuple(shape), "f32", "value")
+        self.ops.append(Op(kind, tuple(inputs), out, dict(attrs or {})))
+        return out
+
+    def embedding(self, table, ids):
+        return self._op("embedding", (table, ids), (ids.shape[0], table.shape[1]))
+
+    def rms_norm(self, x, weight, eps):
+        if x.shape[-1] != weight.shape[0]:
+            raise ValueError(f"rms_norm: {x.shape} against weight {weight.shape}")
+        return self._op("rms_norm", (x, weight), x.shape, {"eps": float(eps)})
+
+    def matmul(self, x, w):
+        if x.shape[-1] != w.shape[1]:
+            raise ValueError(f"matmul: x {x.shape} against w {w.name} {w.shape}")
+        return self._op("matmul", (x, w), (x.shape[0], w.shape[0]))
+
+    def add(self, a, b):
+        if a.shape[-len(b.shape):] != b.shape:
+            raise ValueError(f"add: {a.shape} + {b.shape}")
+        return self._op("add", (a, b), a.shape)
+
+    def mul(self, a, b):
+        if a.shape != b.shape:
+            raise ValueError(f"mul: {a.shape} * {b.shape}")
+        return self._op("mul", (a, b), a.shape)
+
+    def reshape(self, x, shape):
+        return self._op("reshape", (x,), shape, {"shape": tuple(shape)})
+
+    def rope(self, x, positions, inv_freq, style):
+        if style not in ("normal", "neox"):
+            raise ValueError(f"rope style {style!r}")
+        if 2 * inv_freq.shape[0] > x.shape[-1]:
+            raise ValueError("rope: more frequencies than head dimensions")
+        return self._op("rope", (x, positions, inv_freq), x.shape, {"style": style})
+
+    def store_kv(self, k, v, k_cache, v_cache, positions, seq_rows, block_tables):
+        """Writes k and v into the caches; returns k_cache so later ops depend on the write."""
+        op = Op("store_kv", (k, v, k_cache, v_cache, positions, seq_rows, block_tables), k_cache)
+        self.ops.append(op)
+        return k_cache
+
+    def attention(self, q, k_cache, v_cache, positions, seq_rows, block_tables, scale):
+        return self._op("attention", (q, k_cache, v_cache, positions, seq_rows, block_tables),
+                        q.shape, {"scale": float(scale)})
+
+    def swiglu(self, gate, up):
+        return self._op("swiglu", (gate, up), gate.shape)
+
+    def gather(self, x, index):
+        return self._op("gather", (x, index), (index.shape[0],) + x.shape[1:])

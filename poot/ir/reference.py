@@ -1,0 +1,146 @@
+"""The numpy interpreter of the graph IR: the oracle every backend is tested against.
+
+Float32 math, written to be read: each op is a few lines of numpy that say what the op means.
+Weights are dequantised to float32 once, on first use, from the model file's own bytes. This
+module knows nothing of devices, scheduling or sampling.
+"""
+import numpy as np
+
+
+class ReferenceInterpreter:
+    """Runs a Graph on numpy arrays.
+
+    `weights(name) -> np.ndarray float32` supplies each weight dequantised (called once per
+    weight); `state` maps state tensor names to arrays the interpreter updates in place.
+    """
+
+    def __init__(self, graph, weights, state):
+        self.graph = graph
+        self._weight_source = weights
+        self._weights = {}
+        self.state = state
+        for name, tensor in graph.state.items():
+            if name not in state:
+                raise ValueError(f"no array for state tensor {name!r}")
+
+    def weight(self, name):
+        array = self._weights.get(name)
+        if array is None:
+            array = np.ascontiguousarray(self._weight_source(name), dtype=np.float32)
+            self._weights[name] = array
+        return array
+
+    def run(self, inputs):
+        env = dict(inputs)
+        for name, (tensor, array) in self.graph.consts.items():
+            env[name] = array
+        for name in self.graph.state:
+            env[name] = self.state[name]
+        for op in self.graph.ops:
+            args = [self._value(env, t) for t in op.inputs]
+            env[op.output.name] = KERNELS[op.kind](*args, **op.attrs)
+        return {name: env[t.name] for name, t in self.graph.outputs.items()}
+
+    def _value(self, env, tensor):
+        if tensor.kind == "weight":
+            return self.weight(tensor.name)
+        return env[tensor.name]
+
+
+def embedding(table, ids):
+    return table[ids]
+
+
+def rms_norm(x, weight, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def matmul(x, w):
+    return x @ w.T
+
+
+def add(a, b):
+    return a + b
+
+
+def mul(a, b):
+    return a * b
+
+
+def reshape(x, shape):
+    return x.reshape(tuple(x.shape[0] if d == "T" or d == "R" else d for d in shape))
+
+
+def rope(x, positions, inv_freq, style):
+    """Rotates the first 2*len(inv_freq) dims of each head; the rest pass through.
+
+    normal: dims (2i, 2i+1) form a pair (GGUF llama layout); neox: dims (i, i + n/2) do (the
+    Hugging Face layout and GGUF qwen2/qwen3).
+    """
+    n = 2 * inv_freq.shape[0]
+    angle = positions.astype(np.float32)[:, None] * inv_freq[None, :]        # [T, n/2]
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]          # [T, 1, n/2]
+    out = x.copy()
+    if style == "normal":
+        a, b = x[..., 0:n:2], x[..., 1:n:2]
+        out[..., 0:n:2] = a * cos - b * sin
+        out[..., 1:n:2] = a * sin + b * cos
+    else:
+        a, b = x[..., : n // 2], x[..., n // 2: n]
+        out[..., : n // 2] = a * cos - b * sin
+        out[..., n // 2: n] = a * sin + b * cos
+    return out
+
+
+def cache_slots(positions, seq_rows, block_tables, block_size):
+    """The flat cache slot of each token: its block from the table, then its offset in it."""
+    blocks = block_tables[seq_rows, positions // block_size]
+    return blocks.astype(np.int64) * block_size + positions % block_size
+
+
+def store_kv(k, v, k_cache, v_cache, positions, seq_rows, block_tables):
+    block_size = k_cache.shape[1]
+    slots = cache_slots(positions, seq_rows, block_tables, block_size)
+    k_cache.reshape(-1, *k_cache.shape[2:])[slots] = k
+    v_cache.reshape(-1, *v_cache.shape[2:])[slots] = v
+    return k_cache
+
+
+def attention(q, k_cache, v_cache, positions, seq_rows, block_tables, scale):
+    """Each token attends to positions 0..its own of its sequence; KV heads serve H/Hkv heads."""
+    n_tokens, n_heads, head_dim = q.shape
+    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    group = n_heads // n_kv
+    out = np.empty_like(q)
+    for row in np.unique(seq_rows):
+        mine = np.nonzero(seq_rows == row)[0]
+        length = int(positions[mine].max()) + 1
+        blocks = block_tables[row, : (length + block_size - 1) // block_size]
+        keys = k_cache[blocks].reshape(-1, n_kv, head_dim)[:length]          # [L, Hkv, D]
+        values = v_cache[blocks].reshape(-1, n_kv, head_dim)[:length]
+        keys = np.repeat(keys, group, axis=1).transpose(1, 2, 0)             # [H, D, L]
+        values = np.repeat(values, group, axis=1).transpose(1, 0, 2)         # [H, L, D]
+        scores = (q[mine].transpose(1, 0, 2) @ keys) * scale                # [H, t, L]
+        causal = np.arange(length)[None, :] > positions[mine][:, None]       # [t, L]
+        scores[:, causal] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        weights = np.exp(scores)
+        weights /= weights.sum(axis=-1, keepdims=True)
+        out[mine] = (weights @ values).transpose(1, 0, 2)
+    return out
+
+
+def swiglu(gate, up):
+    sigmoid = 0.5 * (1.0 + np.tanh(0.5 * gate))     # = 1 / (1 + exp(-gate)), without overflow
+    return gate * sigmoid * up
+
+
+def gather(x, index):
+    return x[index]
+
+
+KERNELS = {
+    "embedding": embedding, "rms_norm": rms_norm, "matmul": matmul, "add": add, "mul": mul,
+    "reshape": reshape, "rope": rope, "store_kv": store_kv, "attention": attention,
+    "swiglu": swiglu, "gather": gather,
+}

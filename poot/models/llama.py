@@ -1,0 +1,236 @@
+"""The Llama family in the graph IR: Llama 2/3/3.x, Mistral, SmolLM2, Qwen2/2.5, Qwen3.
+
+`forward` reads top to bottom as the model's forward pass; the variants are small named switches
+in `LlamaConfig` (q/k/v bias for Qwen2, q/k norm for Qwen3, rope layout and frequency scaling,
+tied embeddings). Weights are named as in GGUF files; Hugging Face names are mapped onto those.
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ModelFileError
+from ..ir.graph import Graph
+
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    context_length: int
+    norm_eps: float
+    rope_theta: float
+    rope_dim: int
+    rope_style: str              # "normal" (GGUF llama layout) or "neox" (HF, GGUF qwen)
+    rope_scaling: tuple = ()     # () | ("linear", factor) | ("llama3", factor, low, high, orig)
+    qkv_bias: bool = False       # Qwen2
+    qk_norm: bool = False        # Qwen3
+    tied_embeddings: bool = False
+
+    def rope_inv_freq(self, freq_factors=None):
+        """Rotation frequency of each dimension pair, after any frequency scaling."""
+        inv = 1.0 / self.rope_theta ** (np.arange(0, self.rope_dim, 2, dtype=np.float64)
+                                        / self.rope_dim)
+        if freq_factors is not None:             # GGUF rope_freqs: Llama 3.1 scaling, precomputed
+            inv = inv / np.asarray(freq_factors, np.float64)
+        elif self.rope_scaling and self.rope_scaling[0] == "linear":
+            inv = inv / self.rope_scaling[1]
+        elif self.rope_scaling and self.rope_scaling[0] == "llama3":
+            inv = llama3_scaled(inv, *self.rope_scaling[1:])
+        return inv.astype(np.float32)
+
+
+def llama3_scaled(inv, factor, low_factor, high_factor, original_context):
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
+    a smooth blend between."""
+    wavelen = 2 * math.pi / inv
+    low_wavelen, high_wavelen = original_context / low_factor, original_context / high_factor
+    smooth = (original_context / wavelen - low_factor) / (high_factor - low_factor)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    return np.where(wavelen < high_wavelen, inv, np.where(wavelen > low_wavelen, inv / factor,
+                                                          blended))
+
+
+def config_from_gguf(path, metadata, tensor_names):
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ModelFileError(path, f"architecture {arch!r} is not supported "
+                                   f"(supported: {', '.join(GGUF_ARCHS)})")
+
+    def key(name, default=None):
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelFileError(path, f"metadata key {arch}.{name} is missing")
+        if isinstance(value, (list, np.ndarray)):     # per-layer values: only uniform ones
+            if len(set(np.asarray(value).tolist())) != 1:
+                raise ModelFileError(path, f"{arch}.{name} differs between layers")
+            value = np.asarray(value).flat[0]
+        return value
+
+    d_model, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", d_model // n_heads))
+    scaling = ()
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        scaling = ("linear", float(key("rope.scaling.factor")))
+    elif kind not in ("none", None):
+        raise ModelFileError(path, f"rope scaling {kind!r} is not supported")
+    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+    return LlamaConfig(
+        arch=arch, n_layers=int(key("block_count")), d_model=d_model, n_heads=n_heads,
+        n_kv_heads=int(key("attention.head_count_kv", n_heads)), head_dim=head_dim,
+        d_ff=int(key("feed_forward_length")), vocab_size=int(vocab),
+        context_length=int(key("context_length")),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_dim=int(key("rope.dimension_count", head_dim)),
+        rope_style="normal" if arch == "llama" else "neox", rope_scaling=scaling,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        tied_embeddings="output.weight" not in tensor_names)
+
+
+def config_from_hf(path, config):
+    archs = config.get("architectures") or []
+    arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
+    if arch is None:
+        raise ModelFileError(path, f"architectures {archs} are not supported "
+                                   f"(supported: {', '.join(HF_ARCHS)})")
+    try:
+        d_model, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or d_model // n_heads)
+        context = int(config["max_position_embeddings"])
+        if config.get("sliding_window") and config.get("use_sliding_window", True):
+            context = min(context, int(config["sliding_window"]))   # beyond it Mistral differs
+        # transformers 5 writes rope_parameters (theta inside); earlier ones rope_scaling
+        rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        kind = rope.get("rope_type", rope.get("type", "none"))
+        if kind in ("none", "default"):
+            scaling = ()
+        elif kind == "linear":
+            scaling = ("linear", float(rope["factor"]))
+        elif kind == "llama3":
+            scaling = ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                       float(rope["high_freq_factor"]),
+                       float(rope["original_max_position_embeddings"]))
+        else:
+            raise ModelFileError(path, f"rope scaling {kind!r} is not supported")
+        return LlamaConfig(
+            arch=arch, n_layers=int(config["num_hidden_layers"]), d_model=d_model,
+            n_heads=n_heads, n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+            head_dim=head_dim, d_ff=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]), context_length=context,
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_dim=int(head_dim * config.get("partial_rotary_factor", 1.0)),
+            rope_style="neox", rope_scaling=scaling,
+            qkv_bias=arch == "qwen2" or bool(config.get("attention_bias")),
+            qk_norm=arch == "qwen3",
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)))
+    except KeyError as missing:
+        raise ModelFileError(path, f"config.json lacks {missing}") from None
+
+
+# Hugging Face tensor names -> the GGUF names the graph uses.
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+HF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+            "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf_name):
+    """The GGUF name of a Hugging Face tensor name, or None for tensors the model does not use."""
+    if hf_name in HF_NAMES:
+        return HF_NAMES[hf_name]
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in HF_LAYER_NAMES:
+        return f"blk.{parts[2]}.{HF_LAYER_NAMES[parts[3]]}"
+    return None
+
+
+def forward(cfg, weights, num_blocks, block_size, freq_factors=None):
+    """The decoder step as a graph. `weights` maps GGUF tensor names to (shape, dtype)."""
+    g = Graph()
+    tokens = g.input("tokens", ("T",))
+    positions = g.input("positions", ("T",))
+    seq_rows = g.input("seq_rows", ("T",))
+    block_tables = g.input("block_tables", ("S", "B"))
+    sample_tokens = g.input("sample_tokens", ("R",))
+    inv_freq = g.const("rope_inv_freq", cfg.rope_inv_freq(freq_factors))
+
+    def w(name, *shape):
+        """The weight called `name`, which must have this shape."""
+        if name not in g.weights:
+            if name not in weights:
+                raise MissingWeight(name, shape)
+            have, dtype = weights[name]
+            if tuple(have) != shape:
+                raise WrongShape(name, shape, tuple(have))
+            g.weight(name, shape, dtype)
+        return g.weights[name]
+
+    def project(x, name, n_out):
+        y = g.matmul(x, w(f"{name}.weight", n_out, x.shape[-1]))
+        return g.add(y, w(f"{name}.bias", n_out)) if cfg.qkv_bias else y
+
+    H, Hkv, D, E, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff
+    x = g.embedding(w("token_embd.weight", cfg.vocab_size, E), tokens)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        # attention block
+        h = g.rms_norm(x, w(p + "attn_norm.weight", E), cfg.norm_eps)
+        q = g.reshape(project(h, p + "attn_q", H * D), ("T", H, D))
+        k = g.reshape(project(h, p + "attn_k", Hkv * D), ("T", Hkv, D))
+        v = g.reshape(project(h, p + "attn_v", Hkv * D), ("T", Hkv, D))
+        if cfg.qk_norm:
+            q = g.rms_norm(q, w(p + "attn_q_norm.weight", D), cfg.norm_eps)
+            k = g.rms_norm(k, w(p + "attn_k_norm.weight", D), cfg.norm_eps)
+        q = g.rope(q, positions, inv_freq, cfg.rope_style)
+        k = g.rope(k, positions, inv_freq, cfg.rope_style)
+        k_cache = g.state_tensor(p + "k_cache", (num_blocks, block_size, Hkv, D))
+        v_cache = g.state_tensor(p + "v_cache", (num_blocks, block_size, Hkv, D))
+        g.store_kv(k, v, k_cache, v_cache, positions, seq_rows, block_tables)
+        a = g.attention(q, k_cache, v_cache, positions, seq_rows, block_tables, D ** -0.5)
+        x = g.add(x, g.matmul(g.reshape(a, ("T", H * D)), w(p + "attn_output.weight", E, H * D)))
+        # feed-forward block
+        h = g.rms_norm(x, w(p + "ffn_norm.weight", E), cfg.norm_eps)
+        gate = g.matmul(h, w(p + "ffn_gate.weight", F, E))
+        up = g.matmul(h, w(p + "ffn_up.weight", F, E))
+        x = g.add(x, g.matmul(g.swiglu(gate, up), w(p + "ffn_down.weight", E, F)))
+    # only the sampled rows need the final norm and the (large) output projection
+    x = g.rms_norm(g.gather(x, sample_tokens), w("output_norm.weight", E), cfg.norm_eps)
+    output = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    g.output("logits", g.matmul(x, w(output, cfg.vocab_size, E)))
+    return g
+
+
+class MissingWeight(KeyError):
+    def __init__(self, name, shape):
+        super().__init__(name)
+        self.name, self.shape = name, shape
+
+
+class WrongShape(ValueError):
+    def __init__(self, name, expected, found):
+        super().__init__(f"tensor {name} has shape {found}, the config implies {expected}")
+        self.name, self.expected, self.found = name, expected, found

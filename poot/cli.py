@@ -1,0 +1,129 @@
+"""The `poot` command: generate, tokenize, chat-template, serve.
+
+Every error a person can act on is a PootError; `main` turns it into one line on standard error
+and its exit status (poot/errors.py). `poot serve` is the same program as `poot-serve`.
+"""
+import argparse
+import json
+import sys
+import time
+
+from .errors import PootError, UsageError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (exit status 2, one line) instead of exiting itself."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser():
+    parser = Parser(prog="poot", description="LLM inference on the vendors' own GPU drivers.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("--model", help="GGUF file or Hugging Face folder (default: the default model)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true",
+                     help="treat the prompt as one user message and apply the model's template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--backend", default="auto")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object instead of streaming text")
+
+    tok = sub.add_parser("tokenize", help="print token ids as a JSON array")
+    tok.add_argument("--model")
+    tok.add_argument("--no-special", action="store_true",
+                     help="treat special-token text as plain text")
+    tok.add_argument("text", nargs="?",
+                     help="text to tokenize; without it, one JSON string per line on stdin")
+
+    tpl = sub.add_parser("chat-template",
+                         help="render a JSON list of messages (stdin) with the model's template")
+    tpl.add_argument("--model")
+
+    sub.add_parser("serve", help="the OpenAI-compatible server (same as poot-serve)",
+                   add_help=False)
+    return parser
+
+
+def cmd_generate(args):
+    from .llm import LLM
+    llm = LLM(args.model, backend=args.backend)
+    prompt_ids = llm.prompt_ids(args.prompt, chat=args.chat)
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
+    start = time.perf_counter()
+    text, ids, reason = [], [], None
+    for out in llm.outputs(prompt_ids, **params):
+        ids += out.token_ids
+        text.append(out.text)
+        reason = out.finish_reason or reason
+        if not args.json and out.text:
+            print(out.text, end="", flush=True)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": ids,
+                          "text": "".join(text), "finish_reason": reason}, ensure_ascii=False))
+    else:
+        print(f"\n[{len(ids)} tokens in {seconds:.2f} s: {len(ids) / seconds:.1f} tokens/s, "
+              f"{len(prompt_ids)} prompt tokens, finish: {reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_tokenize(args):
+    from .loader import load
+    tokenizer = load(args.model).tokenizer
+
+    def ids(text):
+        return tokenizer.encode(text, add_special=True, parse_special=not args.no_special)
+
+    if args.text is not None:
+        print(json.dumps(ids(args.text)))
+        return 0
+    for number, line in enumerate(sys.stdin, 1):
+        try:
+            text = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"stdin line {number}: not a JSON string ({e.msg})") from None
+        if not isinstance(text, str):
+            raise UsageError(f"stdin line {number}: expected a JSON string")
+        print(json.dumps(ids(text)), flush=True)
+    return 0
+
+
+def cmd_chat_template(args):
+    from .errors import TemplateError
+    from .loader import load
+    model = load(args.model)
+    if model.chat_template is None:
+        raise TemplateError(f"{model.name} has no chat template")
+    try:
+        messages = json.load(sys.stdin)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"stdin: not JSON ({e.msg})") from None
+    sys.stdout.write(model.chat_template.render(messages, add_generation_prompt=True))
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv[:1] == ["serve"]:
+            from .serve.cli import main as serve_main
+            return serve_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        return {"generate": cmd_generate, "tokenize": cmd_tokenize,
+                "chat-template": cmd_chat_template}[args.command](args)
+    except PootError as e:
+        print(f"poot: {e}", file=sys.stderr)
+        return e.exit_status
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,113 @@
+"""Loading a model: the file, its config, its tokenizer and chat template, and its step graph.
+
+`load(path)` checks everything it can before any device sees the model: the file's structure
+(formats/), the architecture and config (models/), every weight's presence and shape, the
+tokenizer. A model that loads here fails later only for reasons of the device.
+"""
+import os
+from pathlib import Path
+
+from .errors import ModelFileError
+from .formats import open_model
+from .models import llama
+from .text.chat import ChatTemplate
+from .text.tokenizer import Tokenizer
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def cache_dir():
+    """Where poot keeps fetched models: $POOT_CACHE, else $XDG_CACHE_HOME/poot, else ~/.cache/poot."""
+    if os.environ.get("POOT_CACHE"):
+        return Path(os.environ["POOT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "poot"
+
+
+def default_model_path():
+    return cache_dir() / "models" / DEFAULT_MODEL_FILE
+
+
+class LoadedModel:
+    """A model file, understood: config, tokenizer, chat template, and its weights by GGUF name."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.file = open_model(self.path)
+        if self.file.kind == "gguf":
+            meta = self.file.metadata
+            self._file_names = {name: name for name in self.file.tensors}
+            self.config = llama.config_from_gguf(self.path, meta, self._file_names)
+            self.tokenizer = Tokenizer.from_gguf(meta)
+            template = meta.get("tokenizer.chat_template")
+            self.name = self.path.name.removesuffix(".gguf")
+        else:
+            self._file_names = {}
+            for file_name in self.file.tensors:
+                gguf_name = llama.gguf_name(file_name)
+                if gguf_name:
+                    self._file_names[gguf_name] = file_name
+            self.config = llama.config_from_hf(self.path, self.file.config)
+            self.tokenizer = Tokenizer.from_hf(self.file.tokenizer_json or {},
+                                               self.file.tokenizer_config,
+                                               self.file.generation_config)
+            template = hf_chat_template(self.path, self.file.tokenizer_config)
+            self.name = self.path.name
+        self.freq_factors = (self.file.array("rope_freqs.weight")
+                             if "rope_freqs.weight" in self._file_names else None)
+        self.context_length = self.config.context_length
+        self.chat_template = template and ChatTemplate(
+            template, bos_token=self._token_text(self.tokenizer.bos_id),
+            eos_token=self._token_text(min(self.tokenizer.eos_ids, default=None)))
+        self.step_graph(num_blocks=1, block_size=1)     # every weight present, every shape right
+
+    def _token_text(self, token):
+        return "" if token is None else self.tokenizer.token_bytes(token).decode("utf-8", "replace")
+
+    def weight_shapes(self):
+        """GGUF name -> (shape, storage dtype) of every weight the file holds."""
+        return {name: (self.file.tensors[file_name].shape, self.file.tensors[file_name].dtype)
+                for name, file_name in self._file_names.items()}
+
+    def weight_array(self, name):
+        """A weight dequantised to float32 (the reference interpreter's view of it)."""
+        return self.file.array(self._file_names[name])
+
+    def step_graph(self, num_blocks, block_size):
+        try:
+            return llama.forward(self.config, self.weight_shapes(), num_blocks, block_size,
+                                 self.freq_factors)
+        except llama.MissingWeight as e:
+            raise ModelFileError(self.path, f"tensor {e.name} is missing", tensor=e.name) from None
+        except llama.WrongShape as e:
+            raise ModelFileError(self.path, str(e), tensor=e.name) from None
+
+    def runner(self, backend="reference", num_blocks=None, block_size=16):
+        """A runner for this model. Device backends join through backends/select.py."""
+        from .engine.runner import ReferenceRunner
+        if backend != "reference":
+            raise ValueError(f"backend {backend!r}: only 'reference' is built")
+        if num_blocks is None:
+            num_blocks = -(-self.context_length // block_size)
+        return ReferenceRunner(self, num_blocks, block_size)
+
+    def close(self):
+        self.file.close()
+
+
+def hf_chat_template(path, tokenizer_config):
+    """The chat template of a Hugging Face folder: chat_template.jinja, else tokenizer_config's."""
+    jinja_file = Path(path) / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = (tokenizer_config or {}).get("chat_template")
+    if isinstance(template, list):          # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def load(path=None):
+    """Opens a model file (GGUF) or Hugging Face folder; the default model when path is None."""
+    return LoadedModel(path or default_model_path())

@@ -1,0 +1,69 @@
+import numpy as np
+
+from poot.engine.batch import SamplingRows
+from poot.engine.sampling import choose, log_softmax, sample, uniform
+
+
+def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, n_logprobs=0):
+    return SamplingRows(temperature=np.full(n, temperature, np.float32),
+                        top_k=np.full(n, top_k, np.int32), top_p=np.full(n, top_p, np.float32),
+                        min_p=np.full(n, min_p, np.float32),
+                        seed=np.full(n, seed, np.uint64), step=np.arange(n, dtype=np.int64),
+                        n_logprobs=n_logprobs)
+
+
+def draw_many(logits, n, **params):
+    """The token chosen at steps 0..n-1 of one seeded sequence."""
+    return np.array([choose(logits, params.get("temperature", 1.0), params.get("top_k", 0),
+                            params.get("top_p", 1.0), params.get("min_p", 0.0),
+                            uniform(12345, step)) for step in range(n)])
+
+
+def test_uniform_is_a_pure_function_in_unit_interval():
+    values = [uniform(s, t) for s in (0, 1, 2**63) for t in range(200)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert uniform(99, 5) == uniform(99, 5) and uniform(99, 5) != uniform(99, 6)
+    assert abs(np.mean(values) - 0.5) < 0.05
+
+
+def test_greedy_is_argmax_and_logprobs_are_log_softmax():
+    logits = np.random.default_rng().standard_normal((3, 50)).astype(np.float32)
+    out = sample(logits, rows(3, temperature=0.0, n_logprobs=5))
+    assert out.tokens.tolist() == logits.argmax(-1).tolist()
+    expected = log_softmax(logits.astype(np.float64))
+    assert np.allclose(out.logprobs, expected[np.arange(3), out.tokens], atol=1e-5)
+    assert np.allclose(out.top_logprobs, -np.sort(-expected, axis=-1)[:, :5], atol=1e-5)
+    assert out.top_ids[:, 0].tolist() == out.tokens.tolist()
+
+
+def test_sampling_follows_the_distribution():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    counts = np.bincount(draw_many(logits, 4000), minlength=4) / 4000
+    assert np.allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+def test_temperature_sharpens():
+    logits = np.log(np.array([0.6, 0.4], np.float32))
+    hot = np.mean(draw_many(logits, 2000, temperature=0.25) == 0)
+    assert hot > 0.75     # p0 = .6^4 / (.6^4 + .4^4) = 0.835
+
+
+def test_top_k_top_p_min_p_cut_the_support():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
+    assert set(draw_many(logits, 500, top_k=2)) == {0, 1}
+    assert set(draw_many(logits, 500, top_p=0.65)) == {0, 1}      # 0.4 + 0.3 reaches 0.65
+    assert set(draw_many(logits, 500, top_p=0.69)) == {0, 1}
+    assert set(draw_many(logits, 500, top_p=0.71)) == {0, 1, 2}
+    assert set(draw_many(logits, 500, min_p=0.49)) == {0, 1, 2}   # 0.2 >= 0.49 * 0.4
+    assert set(draw_many(logits, 500, min_p=0.51)) == {0, 1}
+
+
+def test_seeded_rows_reproduce_regardless_of_batch():
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((4, 100)).astype(np.float32)
+    together = sample(logits, rows(4, seed=3)).tokens
+    alone = [sample(logits[i:i + 1], SamplingRows(
+        temperature=np.ones(1, np.float32), top_k=np.zeros(1, np.int32),
+        top_p=np.ones(1, np.float32), min_p=np.zeros(1, np.float32),
+        seed=np.full(1, 3, np.uint64), step=np.array([i]))).tokens[0] for i in range(4)]
+    assert together.tolist() == alone

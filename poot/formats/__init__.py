@@ -1,0 +1,55 @@
+"""Model files -> memory-mapped numpy arrays plus metadata.
+
+`open_model` picks the reader: a GGUF file (`gguf.GGUFFile`) or a Hugging Face folder of
+safetensors (`safetensors.HFModelFolder`). Both expose `.kind`, `.path`, `.tensors` (name ->
+`TensorInfo`, in file order), `.info(name)` (one of those, or a ModelFileError naming the
+missing tensor), `.raw(name)` (the stored bytes, zero-copy), `.array(name)` (values) and
+`.close()` / `with`. What the tensors mean is the business of `poot.models`, not of this
+package; quantisation block layouts live in `quants`.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from poot.errors import ModelFileError
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor's bytes are: `shape` in numpy order (last axis contiguous, so a weight is
+    [out_features, in_features]), `dtype` a name from `quants.QUANTS` (GGUF) or a safetensors
+    dtype, `offset` absolute in `path`."""
+    name: str
+    dtype: str
+    shape: tuple
+    offset: int
+    nbytes: int
+    path: str
+
+
+from poot.formats.gguf import GGUFFile  # noqa: E402  (the readers use TensorInfo)
+from poot.formats.safetensors import HFModelFolder  # noqa: E402
+
+
+def _starts_with(path, magic):
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError as e:
+        raise ModelFileError(path, f"cannot open: {e.strerror or e}") from None
+
+
+def open_model(path):
+    """A `.gguf` file (or any file starting with the GGUF magic) -> GGUFFile; a folder with
+    config.json, or a `.safetensors` file next to one -> HFModelFolder."""
+    path = Path(path)
+    if path.is_dir():
+        return HFModelFolder(path)
+    if not path.exists():
+        raise ModelFileError(path, "no such file or folder")
+    if path.suffix == ".gguf" or _starts_with(path, b"GGUF"):
+        return GGUFFile(path)
+    if path.suffix == ".safetensors":
+        return HFModelFolder(path)
+    raise ModelFileError(path, "expected a .gguf file, a folder with config.json and "
+                               "safetensors weights, or a .safetensors file next to a config.json")

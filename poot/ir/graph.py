@@ -18,7 +18,6 @@ OPS = {
     "rms_norm":   "out = x / sqrt(mean(x*x, last axis) + eps) * weight",
     "matmul":     "out[n, m] = sum_k x[n, k] * w[m, k]   (w in its storage dtype)",
     "add":        "out = a + b   (b broadcast over leading axes)",
-    "mul":        "out = a * b",
     "reshape":    "out = x viewed with another shape",
     "rope":       "rotate pairs of x[t, h, :] by positions[t] * inv_freq (normal or neox pairing)",
     "store_kv":   "write k, v of each token into its paged cache slot",
@@ -105,11 +104,6 @@ class Graph:
         if a.shape[-len(b.shape):] != b.shape:
             raise ValueError(f"add: {a.shape} + {b.shape}")
         return self._op("add", (a, b), a.shape)
-
-    def mul(self, a, b):
-        if a.shape != b.shape:
-            raise ValueError(f"mul: {a.shape} * {b.shape}")
-        return self._op("mul", (a, b), a.shape)
 
     def reshape(self, x, shape):
         return self._op("reshape", (x,), shape, {"shape": tuple(shape)})

@@ -63,10 +63,6 @@ def add(a, b):
     return a + b
 
 
-def mul(a, b):
-    return a * b
-
-
 def reshape(x, shape):
     return x.reshape(tuple(x.shape[0] if d == "T" or d == "R" else d for d in shape))
 
@@ -140,7 +136,7 @@ def gather(x, index):
 
 
 KERNELS = {
-    "embedding": embedding, "rms_norm": rms_norm, "matmul": matmul, "add": add, "mul": mul,
+    "embedding": embedding, "rms_norm": rms_norm, "matmul": matmul, "add": add,
     "reshape": reshape, "rope": rope, "store_kv": store_kv, "attention": attention,
     "swiglu": swiglu, "gather": gather,
 }

@@ -1,0 +1,468 @@
+"""The kernel language: GPU kernels written once, in Python, for every target.
+
+A kernel is built by calling a `KernelBuilder`: builder methods and Python operators on `Value`s
+append statements to the current block, so a kernel is a flat list of single operations
+(`Let`: one result each) nested in structured control flow (`If`, `For`). Every value is
+defined once, before its uses, in the block where it is visible - the shape PTX registers, SPIR-V
+SSA ids and C locals all accept. Mutable state lives in `Var`s. The finished `Kernel` is plain
+data: parameters, shared arrays, workgroup size, body, and the capabilities it uses, which a
+device compares with what it has. Renderers (codegen/) turn it into target code; this module
+knows no target.
+"""
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    kind: str        # "f" float, "bf" bfloat (storage and conversion only), "i", "u", "b" bool
+    bits: int
+
+    @property
+    def bytes(self):
+        return self.bits // 8
+
+    def __repr__(self):
+        return self.name
+
+
+F32, F16, BF16 = DType("f32", "f", 32), DType("f16", "f", 16), DType("bf16", "bf", 16)
+I8, U8, I16, U16 = DType("i8", "i", 8), DType("u8", "u", 8), DType("i16", "i", 16), DType("u16", "u", 16)
+I32, U32, I64, U64 = DType("i32", "i", 32), DType("u32", "u", 32), DType("i64", "i", 64), DType("u64", "u", 64)
+BOOL = DType("bool", "b", 1)
+DTYPES = {t.name: t for t in (F32, F16, BF16, I8, U8, I16, U16, I32, U32, I64, U64, BOOL)}
+
+# Operations of a Let, by family. Arithmetic takes operands of one dtype; comparisons give BOOL.
+BINARY = {"add", "sub", "mul", "div", "rem", "min", "max", "and", "or", "xor", "shl", "shr"}
+COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
+UNARY = {"neg", "not", "abs", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh",
+         "floor"}
+FLOAT_ONLY = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor"}
+SPECIAL = {"thread_id", "block_id", "num_blocks", "lane_id", "subgroup_id"}
+SUBGROUP = {"subgroup_add", "subgroup_max", "subgroup_min", "shuffle_xor", "shuffle"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """A kernel argument: a buffer of `dtype` elements (`access` "r", "w" or "rw"), or a scalar."""
+    name: str
+    dtype: DType
+    kind: str            # "buffer" or "scalar"
+    access: str = "r"
+
+
+@dataclass(frozen=True)
+class Shared:
+    name: str
+    dtype: DType
+    size: int            # elements
+
+
+class Value:
+    """The result of one Let; Python operators on Values append Lets to the builder's block."""
+
+    def __init__(self, builder, vid, dtype):
+        self.b, self.id, self.dtype = builder, vid, dtype
+
+    def __repr__(self):
+        return f"%{self.id}:{self.dtype}"
+
+    def _bin(self, op, other, swap=False):
+        other = self.b.coerce(other, self.dtype)
+        a, b = (other, self) if swap else (self, other)
+        return self.b.op(op, a, b)
+
+    __add__ = lambda s, o: s._bin("add", o)
+    __radd__ = lambda s, o: s._bin("add", o, True)
+    __sub__ = lambda s, o: s._bin("sub", o)
+    __rsub__ = lambda s, o: s._bin("sub", o, True)
+    __mul__ = lambda s, o: s._bin("mul", o)
+    __rmul__ = lambda s, o: s._bin("mul", o, True)
+    __truediv__ = lambda s, o: s._bin("div", o)
+    __rtruediv__ = lambda s, o: s._bin("div", o, True)
+    __floordiv__ = lambda s, o: s._bin("div", o)
+    __mod__ = lambda s, o: s._bin("rem", o)
+    __and__ = lambda s, o: s._bin("and", o)
+    __rand__ = lambda s, o: s._bin("and", o, True)
+    __or__ = lambda s, o: s._bin("or", o)
+    __ror__ = lambda s, o: s._bin("or", o, True)
+    __xor__ = lambda s, o: s._bin("xor", o)
+    __lshift__ = lambda s, o: s._bin("shl", o)
+    __rshift__ = lambda s, o: s._bin("shr", o)
+    __lt__ = lambda s, o: s._bin("lt", o)
+    __le__ = lambda s, o: s._bin("le", o)
+    __gt__ = lambda s, o: s._bin("gt", o)
+    __ge__ = lambda s, o: s._bin("ge", o)
+    __neg__ = lambda s: s.b.op("neg", s)
+    __invert__ = lambda s: s.b.op("not", s)
+
+    def eq(self, other):
+        return self._bin("eq", other)
+
+    def ne(self, other):
+        return self._bin("ne", other)
+
+    def to(self, dtype):
+        """Numeric conversion (float <-> int round toward zero, float widths, bf16 <-> f32)."""
+        return self if dtype == self.dtype else self.b.let("cast", dtype, (self,))
+
+    def bitcast(self, dtype):
+        if dtype.bits != self.dtype.bits:
+            raise TypeError(f"bitcast {self.dtype} -> {dtype}: sizes differ")
+        return self.b.let("bitcast", dtype, (self,))
+
+
+@dataclass(frozen=True)
+class Let:
+    """value `id` of `dtype` = op(args...), with constant attributes."""
+    id: int
+    op: str
+    dtype: DType
+    args: tuple = ()
+    attrs: tuple = ()    # (key, value) pairs
+
+    def attr(self, key, default=None):
+        return dict(self.attrs).get(key, default)
+
+
+@dataclass(frozen=True)
+class Store:
+    target: str          # a buffer param or a shared array name
+    shared: bool
+    index: Value
+    values: tuple        # `width` consecutive elements from index (index a multiple of width)
+
+
+@dataclass(frozen=True)
+class Assign:
+    var: int
+    value: Value
+
+
+@dataclass
+class If:
+    cond: Value
+    then: list = field(default_factory=list)
+    orelse: list = field(default_factory=list)
+
+
+@dataclass
+class For:
+    """for index in range(start, stop, step): body  (i32 index; step positive: an int or a
+    Value defined before the loop)."""
+    index: Value
+    start: Value
+    stop: Value
+    step: object
+    body: list = field(default_factory=list)
+    unroll: bool = False
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """Every thread of the workgroup arrives; shared memory written before is visible after."""
+
+
+@dataclass(frozen=True)
+class Return:
+    """This thread stops (no barrier may follow for threads that returned)."""
+
+
+@dataclass(frozen=True)
+class VarDecl:
+    id: int
+    dtype: DType
+    init: Value
+
+
+class Var:
+    """A mutable variable: `.get()` reads it where it is called, `.set(v)` writes it."""
+
+    def __init__(self, builder, vid, dtype):
+        self.b, self.id, self.dtype = builder, vid, dtype
+
+    def get(self):
+        return self.b.let("var_get", self.dtype, (), var=self.id)
+
+    def set(self, value):
+        self.b.emit(Assign(self.id, self.b.coerce(value, self.dtype)))
+
+
+class Buffer:
+    """A buffer parameter: `buf[i]` loads one element, `buf[i] = v` stores one."""
+
+    def __init__(self, builder, param):
+        self.b, self.param = builder, param
+
+    def __getitem__(self, index):
+        return self.load(index)
+
+    def __setitem__(self, index, value):
+        self.store(index, value)
+
+    def load(self, index, width=1):
+        """One element, or `width` consecutive ones (a tuple) from an index divisible by width."""
+        return self.b.load(self.param.name, False, self.param.dtype, index, width)
+
+    def store(self, index, *values):
+        self.b.store(self.param.name, False, self.param.dtype, index, values)
+
+
+class SharedArray(Buffer):
+    def __init__(self, builder, shared):
+        self.b, self.param = builder, shared
+
+    def load(self, index, width=1):
+        return self.b.load(self.param.name, True, self.param.dtype, index, width)
+
+    def store(self, index, *values):
+        self.b.store(self.param.name, True, self.param.dtype, index, values)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    params: tuple
+    shared: tuple
+    workgroup: tuple
+    body: tuple
+    caps: frozenset
+    n_values: int
+
+    @property
+    def shared_bytes(self):
+        return sum(s.size * s.dtype.bytes for s in self.shared)
+
+    def param(self, name):
+        return next(p for p in self.params if p.name == name)
+
+
+class KernelBuilder:
+    """Builds one Kernel. Use `with k.if_(c):`, `with k.for_(start, stop) as i:` for control."""
+
+    def __init__(self, name, workgroup=(256, 1, 1)):
+        self.name = name
+        self.workgroup = tuple(workgroup) + (1,) * (3 - len(workgroup))
+        self.params, self.shared_arrays = [], []
+        self.caps = set()
+        self._blocks = [[]]
+        self._next = 0
+
+    # -- declarations ----------------------------------------------------------------------------
+    def buffer(self, name, dtype, access="r"):
+        param = Param(name, dtype, "buffer", access)
+        self._add_param(param)
+        if dtype.bits == 16:
+            self.caps.add("storage16")
+        elif dtype.bits == 8:
+            self.caps.add("storage8")
+        return Buffer(self, param)
+
+    def scalar(self, name, dtype):
+        if dtype not in (I32, U32, F32):
+            raise TypeError(f"scalar parameter {name}: only i32, u32 and f32 are passed")
+        self._add_param(Param(name, dtype, "scalar"))
+        return self.let("param", dtype, (), name=name)
+
+    def shared(self, name, dtype, size):
+        if any(s.name == name for s in self.shared_arrays):
+            raise ValueError(f"shared array {name!r} declared twice")
+        array = Shared(name, dtype, int(size))
+        self.shared_arrays.append(array)
+        return SharedArray(self, array)
+
+    def _add_param(self, param):
+        if any(p.name == param.name for p in self.params):
+            raise ValueError(f"parameter {param.name!r} declared twice")
+        self.params.append(param)
+
+    # -- values ----------------------------------------------------------------------------------
+    def emit(self, stmt):
+        self._blocks[-1].append(stmt)
+
+    def let(self, op, dtype, args, **attrs):
+        self._next += 1
+        self.emit(Let(self._next, op, dtype, tuple(args), tuple(sorted(attrs.items()))))
+        if dtype.bits == 16 and dtype.kind in "fiu" and op not in ("load", "cast", "bitcast"):
+            self.caps.add("float16" if dtype.kind == "f" else "int16")
+        if dtype.bits == 64 and dtype.kind in "iu":
+            self.caps.add("int64")
+        return Value(self, self._next, dtype)
+
+    def const(self, value, dtype):
+        if dtype.kind == "f":
+            value = float(value)
+        elif dtype.kind == "b":
+            value = bool(value)
+        else:
+            value = int(value)
+        return self.let("const", dtype, (), value=value)
+
+    def coerce(self, x, dtype):
+        if isinstance(x, Value):
+            if x.b is not self:
+                raise ValueError("a value of another kernel")
+            return x
+        return self.const(x, dtype)
+
+    def op(self, op, *args):
+        a = args[0]
+        args = tuple(self.coerce(x, a.dtype) for x in args)
+        if any(x.dtype != a.dtype for x in args) and op not in ("shl", "shr"):
+            raise TypeError(f"{op}: operands {[x.dtype for x in args]} differ")
+        if a.dtype.kind == "bf":
+            raise TypeError(f"{op} on bf16: convert to f32 first")
+        if op in FLOAT_ONLY and a.dtype.kind != "f":
+            raise TypeError(f"{op} needs a float operand, got {a.dtype}")
+        return self.let(op, BOOL if op in COMPARE else a.dtype, args)
+
+    def select(self, cond, a, b):
+        """a where cond, else b (at least one of a, b a Value)."""
+        dtype = a.dtype if isinstance(a, Value) else b.dtype
+        return self.let("select", dtype, (cond, self.coerce(a, dtype), self.coerce(b, dtype)))
+
+    def fma(self, a, b, c):
+        return self.let("fma", a.dtype, (a, self.coerce(b, a.dtype), self.coerce(c, a.dtype)))
+
+    def min(self, a, b):
+        return self.op("min", a, b)
+
+    def max(self, a, b):
+        return self.op("max", a, b)
+
+    def var(self, dtype, init):
+        self._next += 1
+        self.emit(VarDecl(self._next, dtype, self.coerce(init, dtype)))
+        return Var(self, self._next, dtype)
+
+    # the unary math functions: k.exp(x), k.sqrt(x), ...
+    def __getattr__(self, name):
+        if name in UNARY:
+            return lambda x: self.op(name, x)
+        raise AttributeError(name)
+
+    # -- indices ---------------------------------------------------------------------------------
+    def thread_id(self, axis=0):
+        return self.let("thread_id", I32, (), axis=axis)
+
+    def block_id(self, axis=0):
+        return self.let("block_id", I32, (), axis=axis)
+
+    def num_blocks(self, axis=0):
+        return self.let("num_blocks", I32, (), axis=axis)
+
+    def lane_id(self):
+        self.caps.add("subgroup")
+        return self.let("lane_id", I32, ())
+
+    def subgroup_id(self):
+        self.caps.add("subgroup")
+        return self.let("subgroup_id", I32, ())
+
+    # -- memory ----------------------------------------------------------------------------------
+    def load(self, name, shared, dtype, index, width):
+        if width not in (1, 2, 4):
+            raise ValueError(f"load width {width}: 1, 2 or 4")
+        index = self.coerce(index, I32)
+        vec = self.let("load", dtype, (index,), target=name, shared=shared, width=width)
+        if width == 1:
+            return vec
+        return tuple(self.let("extract", dtype, (vec,), lane=i) for i in range(width))
+
+    def store(self, name, shared, dtype, index, values):
+        if len(values) not in (1, 2, 4):
+            raise ValueError(f"store width {len(values)}: 1, 2 or 4")
+        values = tuple(self.coerce(v, dtype) for v in values)
+        if any(v.dtype != dtype for v in values):
+            raise TypeError(f"store to {name} ({dtype}) of {[v.dtype for v in values]}")
+        self.emit(Store(name, shared, self.coerce(index, I32), values))
+
+    def barrier(self):
+        self.emit(Barrier())
+
+    def return_(self):
+        self.emit(Return())
+
+    def unpack_half2(self, word):
+        """The two f16 halves of a u32 word (low half first), as f32 values: how kernels read f16
+        data from 32-bit words, which every target (wgpu's translator included) can load."""
+        if word.dtype != U32:
+            raise TypeError(f"unpack_half2 of {word.dtype}: a u32 word")
+        pair = self.let("unpack_half2", F32, (word,))
+        return self.let("extract", F32, (pair,), lane=0), self.let("extract", F32, (pair,), lane=1)
+
+    def pack_half2(self, lo, hi):
+        """A u32 word holding f32 values lo and hi rounded to f16 (low half first)."""
+        if lo.dtype != F32 or hi.dtype != F32:
+            raise TypeError("pack_half2 of f32 values")
+        return self.let("pack_half2", U32, (lo, hi))
+
+    # -- subgroups -------------------------------------------------------------------------------
+    def subgroup_add(self, x):
+        self.caps.add("subgroup_arith")
+        return self.let("subgroup_add", x.dtype, (x,))
+
+    def subgroup_max(self, x):
+        self.caps.add("subgroup_arith")
+        return self.let("subgroup_max", x.dtype, (x,))
+
+    def shuffle_xor(self, x, mask):
+        self.caps.add("subgroup_shuffle")
+        return self.let("shuffle_xor", x.dtype, (x,), mask=int(mask))
+
+    def shuffle(self, x, lane):
+        self.caps.add("subgroup_shuffle")
+        return self.let("shuffle", x.dtype, (x, self.coerce(lane, I32)))
+
+    # -- control ---------------------------------------------------------------------------------
+    @contextmanager
+    def _block(self, block):
+        self._blocks.append(block)
+        try:
+            yield
+        finally:
+            self._blocks.pop()
+
+    @contextmanager
+    def if_(self, cond):
+        stmt = If(cond)
+        self.emit(stmt)
+        with self._block(stmt.then):
+            yield stmt
+
+    @contextmanager
+    def else_(self, stmt):
+        with self._block(stmt.orelse):
+            yield
+
+    @contextmanager
+    def for_(self, start, stop, step=1, unroll=False):
+        if isinstance(step, int) and step < 1:
+            raise ValueError("for_: step must be positive")
+        start, stop = self.coerce(start, I32), self.coerce(stop, I32)
+        self._next += 1
+        stmt = For(Value(self, self._next, I32), start, stop, step, [], unroll)
+        self.emit(stmt)
+        with self._block(stmt.body):
+            yield stmt.index
+
+    def build(self):
+        if len(self._blocks) != 1:
+            raise RuntimeError("build() inside a block")
+        caps = set(self.caps)
+        if self.shared_arrays:
+            caps.add("shared")
+        return Kernel(self.name, tuple(self.params), tuple(self.shared_arrays), self.workgroup,
+                      tuple(self._blocks[0]), frozenset(caps), self._next)
+
+
+def walk(body):
+    """Every statement of a body, depth first, in program order."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, If):
+            yield from walk(stmt.then)
+            yield from walk(stmt.orelse)
+        elif isinstance(stmt, For):
+            yield from walk(stmt.body)

@@ -1,0 +1,22 @@
+"""Model files for tests: tiny random-weight Llamas written on demand, and the default model."""
+import pytest
+
+from poot.loader import default_model_path
+from poot.models.random_weights import write_random_llama
+
+
+def tiny_model(folder, dtype="F16", arch="llama", seed=0):
+    """A 2-layer random Llama GGUF with a real byte-level tokenizer and ChatML template."""
+    path = folder / f"tiny-{arch}-{dtype.lower()}-{seed}.gguf"
+    if not path.exists():
+        write_random_llama(path, "tiny" if dtype in ("F32", "F16", "BF16") else "tiny-k",
+                           dtype=dtype, seed=seed, arch=arch)
+    return path
+
+
+def default_model():
+    """The default model's path; skips the test when it has not been fetched."""
+    path = default_model_path()
+    if not path.exists():
+        pytest.skip(f"the default model is not at {path}: run scripts/fetch-model")
+    return path

@@ -1,0 +1,98 @@
+"""Generation end to end on the reference backend: the library API and the `poot` command."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import poot
+from tests.models import default_model, tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def poot_cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "poot", *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return poot.LLM(default_model(), backend="reference", context=1024)
+
+
+def test_default_model_knows_the_capital_of_france(smollm):
+    out = smollm.generate("The capital of France is", max_tokens=8, temperature=0)
+    assert out.text.lstrip().startswith("Paris"), out.text
+    again = smollm.generate("The capital of France is", max_tokens=8, temperature=0)
+    assert again.token_ids == out.token_ids
+
+
+def test_default_model_answers_a_chat_question(smollm):
+    out = smollm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      max_tokens=32, temperature=0)
+    assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_reproduces_and_stop_strings_cut(smollm):
+    a = smollm.generate("Once upon a time", max_tokens=12, temperature=0.9, seed=5)
+    b = smollm.generate("Once upon a time", max_tokens=12, temperature=0.9, seed=5)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    cut = smollm.generate("The capital of France is", max_tokens=8, temperature=0, stop=["."])
+    assert cut.finish_reason == "stop" and "." not in cut.text
+
+
+def test_stream_pieces_make_the_text(smollm):
+    pieces = list(smollm.stream("The capital of France is", max_tokens=8, temperature=0))
+    assert "".join(pieces) == smollm.generate("The capital of France is", max_tokens=8,
+                                              temperature=0).text
+
+
+def test_cli_generate_json(tmp_path):
+    model = tiny_model(tmp_path)
+    result = poot_cli("generate", "--model", str(model), "--prompt", "Hello", "--max-tokens",
+                      "5", "--temperature", "0", "--backend", "reference", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert set(out) == {"prompt_token_ids", "token_ids", "text", "finish_reason"}
+    assert out["prompt_token_ids"] == poot.load(model).tokenizer.encode("Hello")
+    llm = poot.LLM(model, backend="reference")
+    assert llm.generate("Hello", max_tokens=5, temperature=0).token_ids == out["token_ids"]
+
+
+def test_cli_generate_refuses_backends_that_are_not_built(tmp_path):
+    model = tiny_model(tmp_path)
+    for backend, status in (("auto", 3), ("ptx", 3), ("nonsense", 2)):
+        result = poot_cli("generate", "--model", str(model), "--prompt", "x", "--backend",
+                          backend)
+        assert result.returncode == status, result.stderr
+        assert result.stderr.count("\n") == 1 and "backend" in result.stderr
+
+
+def test_cli_tokenize_one_text_and_stdin_lines(tmp_path):
+    model = tiny_model(tmp_path)
+    tok = poot.load(model).tokenizer
+    one = poot_cli("tokenize", "--model", str(model), "Hi <|im_start|>")
+    assert json.loads(one.stdout) == tok.encode("Hi <|im_start|>")
+    lines = ["Hello", "<|im_end|> x", "naïve 123"]
+    many = poot_cli("tokenize", "--model", str(model), "--no-special",
+                    stdin="".join(json.dumps(s) + "\n" for s in lines))
+    assert [json.loads(x) for x in many.stdout.splitlines()] == [
+        tok.encode(s, parse_special=False) for s in lines]
+    assert 2 not in json.loads(many.stdout.splitlines()[1])      # <|im_end|> stayed text
+
+
+def test_cli_chat_template(tmp_path):
+    model = tiny_model(tmp_path)
+    result = poot_cli("chat-template", "--model", str(model),
+                      stdin='[{"role": "user", "content": "Hi"}]')
+    assert result.stdout == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_cli_bad_model_file_exits_7_naming_the_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 10)
+    result = poot_cli("generate", "--model", str(bad), "--prompt", "x", "--backend",
+                      "reference")
+    assert result.returncode == 7 and str(bad) in result.stderr

@@ -14,7 +14,7 @@ class DriverError(Exception):
 
     def __init__(self, library, call, code, name, text):
         self.library, self.call, self.code, self.name, self.text = library, call, code, name, text
-        words = " ".join(str(text).split())  # drivers write multi-line text; the message is one line
+        words = " ".join(str(text).split())  # drivers write several lines; a message is one
         status = name if code is None else f"{name} ({code})"
         super().__init__(f"{call} failed: {status}: {words}")
 
@@ -24,7 +24,8 @@ class LibraryNotFound(DriverError):
 
     def __init__(self, library, tried):
         self.tried = list(tried)
-        paths = "; ".join(f"{path} ({reason})" for path, reason in self.tried) or "no candidate path"
+        paths = "; ".join(f"{path} ({reason})" for path, reason in self.tried)
+        paths = paths or "no candidate path"
         super().__init__(library, "dlopen", None, "library not found", f"{library}: tried {paths}")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from drivers import DriverError, LibraryNotFound, comgr, hsa
-from test_drivers_comgr import AFFINE_CL, AFFINE_LDS_BYTES, build_opencl, kernel_metadata
+from tests.test_drivers_comgr import AFFINE_CL, AFFINE_LDS_BYTES, build_opencl, kernel_metadata
 
 ffi = hsa.ffi
 POISON = 0xFFC00001  # a NaN bit pattern no kernel result equals

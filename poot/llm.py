@@ -12,7 +12,7 @@ driven from the caller's thread.
 """
 from dataclasses import dataclass
 
-from .backends.select import check_backend
+from .backends.select import open_device
 from .engine.request import SamplingParams
 from .engine.scheduler import Engine
 from .errors import TemplateError
@@ -30,12 +30,12 @@ class Completion:
 class LLM:
     """A loaded model with a runner and an engine. `context` caps the tokens per sequence."""
 
-    def __init__(self, model=None, backend="reference", context=None, block_size=16):
-        check_backend(backend)
+    def __init__(self, model=None, backend="auto", context=None, block_size=16):
+        device = open_device(backend)
         self.model = load(model)
         self.tokenizer = self.model.tokenizer
         context = min(context or self.model.context_length, self.model.context_length)
-        runner = self.model.runner(backend, num_blocks=-(-context // block_size),
+        runner = self.model.runner(device, num_blocks=-(-context // block_size),
                                    block_size=block_size)
         self.engine = Engine(runner, self.tokenizer, max_seqs=1, max_context=context)
 
@@ -45,7 +45,7 @@ class LLM:
             return [int(t) for t in prompt]
         if chat:
             return self.chat_prompt_ids([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt, add_special=True, parse_special=False)
+        return self.tokenizer.encode(prompt, add_special=True, parse_special=True)
 
     def chat_prompt_ids(self, messages):
         if self.model.chat_template is None:

@@ -83,14 +83,18 @@ class LoadedModel:
         except llama.WrongShape as e:
             raise ModelFileError(self.path, str(e), tensor=e.name) from None
 
-    def runner(self, backend="reference", num_blocks=None, block_size=16):
-        """A runner for this model. Device backends join through backends/select.py."""
+    def runner(self, device=None, num_blocks=None, block_size=16, max_tokens=256, max_seqs=16):
+        """A runner for this model: the numpy reference when `device` is None, else a
+        DeviceRunner on that device (backends/select.py opens devices), allocated."""
+        from .engine.device_runner import DeviceRunner
         from .engine.runner import ReferenceRunner
-        if backend != "reference":
-            raise ValueError(f"backend {backend!r}: only 'reference' is built")
         if num_blocks is None:
             num_blocks = -(-self.context_length // block_size)
-        return ReferenceRunner(self, num_blocks, block_size)
+        if device is None:
+            return ReferenceRunner(self, num_blocks, block_size)
+        runner = DeviceRunner(self, device, num_blocks, block_size, max_tokens, max_seqs)
+        runner.allocate()
+        return runner
 
     def close(self):
         self.file.close()

@@ -1,0 +1,20 @@
+"""Devices: one module per backend, each a Device with the same small surface.
+
+A Device has `backend` (its name), `name` (for people), `caps` (the kernel-language
+capabilities it offers: storage16, storage8, float16, int16, int64, subgroup, subgroup_arith,
+subgroup_shuffle, shared), `subgroup_size`, and:
+
+    memory() -> (free, total)           bytes, from the driver's own accounting
+    alloc(nbytes) -> buffer             free(buffer)
+    write(buffer, array, offset=0)      host -> device, in order with launches
+    read(buffer, nbytes=None, offset=0) -> bytes, after everything issued before it
+    copy(dst, src, nbytes)              device -> device, in order
+    program(kernel) -> program          rendered and compiled once per kernel name
+    launch(program, kernel, grid, args) args follow kernel.params: buffers, then scalars
+    synchronize()
+    capture(issue) -> recording         optional: the launches `issue()` makes, recorded
+    replay(recording)                   ... and issued again as one submission
+
+select.py opens them (--backend, auto order, refusals); the device runner
+(engine/device_runner.py) is their only user in the engine.
+"""

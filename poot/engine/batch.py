@@ -1,5 +1,9 @@
 """What one engine step asks of a runner, and what the runner gives back.
 
+A runner has `block_size` and `num_blocks` (its paged KV cache), `vocab_size`, `max_context`,
+optionally `max_tokens` and `max_seqs` (the largest step it was built for; the scheduler keeps
+within them), and `step(StepBatch) -> StepOutput`.
+
 A step is a flat list of tokens from any number of sequences (prefill chunks and decode tokens
 mixed), the paged-KV bookkeeping that places them, and the rows whose next token is sampled.
 Everything is a small numpy array so a device runner can copy it to the device as it is and one
@@ -16,8 +20,8 @@ class SamplingRows:
 
     temperature 0 means greedy. top_k 0 means no top-k cut, top_p 1 and min_p 0 mean no cut.
     The random draw of a row is a pure function of (seed, step): see sampling.uniform.
-    n_logprobs is how many top alternatives to report (0: none); the chosen token's log
-    probability is always reported.
+    logprobs says whether any row reports log probabilities (the chosen token's, and the
+    n_logprobs most likely alternatives); without it a runner may leave them out (zeros).
     """
     temperature: np.ndarray   # float32 [R]
     top_k: np.ndarray         # int32 [R]
@@ -26,6 +30,7 @@ class SamplingRows:
     seed: np.ndarray          # uint64 [R]
     step: np.ndarray          # int64 [R]: how many tokens this sequence has sampled before
     n_logprobs: int = 0
+    logprobs: bool = False
 
     @classmethod
     def greedy(cls, rows):

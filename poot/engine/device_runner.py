@@ -1,0 +1,309 @@
+"""The device runner: the model's step graph lowered to kernel launches on a Device.
+
+Every device buffer comes from one list of (name, bytes) that `allocations()` reports before
+anything is allocated: weights in their device layout (kernels/quant.py), the paged KV cache,
+the step's inputs, the arena slots that carry activations between kernels (assigned once by
+liveness for the largest step), and the logits. A step uploads the batch's small arrays, issues
+the launches in graph order, and reads back the logits of the sampled rows; sampling follows
+engine/sampling.py. The runner knows kernels and devices only through the Device interface
+(backends/__init__.py), so the same lowering serves every backend.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ModelRefused
+from ..kernels import matmul, ops
+from ..kernels.quant import DEVICE_DTYPES, planes, reader
+from .batch import StepBatch, StepOutput
+from .sampling import sample
+
+TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
+SHARES_INPUT = ("reshape", "rope")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    name: str
+    nbytes: int
+
+
+class DeviceRunner:
+    def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16):
+        self.model, self.device = model, device
+        self.backend = device.backend
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.vocab_size = model.config.vocab_size
+        self.max_context = model.context_length
+        self.table_width = -(-min(self.max_context, num_blocks * block_size) // block_size)
+        self.graph = model.step_graph(num_blocks, block_size)
+        self._check_supported()
+        self._uses, self._slot_of, self._slot_sizes = self._assign_slots()
+        self.buffers, self.graphs = {}, {}
+
+    # -- the plan ------------------------------------------------------------------------------
+    def _check_supported(self):
+        for t in self.graph.weights.values():
+            if len(t.shape) == 2 and t.dtype not in DEVICE_DTYPES:
+                raise ModelRefused(f"{self.device.name}: weight {t.name} is {t.dtype}; the "
+                                   f"device kernels read {', '.join(DEVICE_DTYPES)}")
+        for kernel in self._kernels():
+            missing = kernel.caps - self.device.caps
+            if missing:
+                raise ModelRefused(f"{self.device.name}: kernel {kernel.name} needs "
+                                   f"{', '.join(sorted(missing))}, which the device lacks")
+
+    def _kernels(self):
+        sg, cfg = self.device.subgroup_size, self.model.config
+        seen = {}
+        for op in self.graph.ops:
+            for kernel in self._kernels_of(op, sg, cfg):
+                seen.setdefault(kernel.name, kernel)
+        seen.setdefault("argmax", ops.argmax(sg))
+        return list(seen.values())
+
+    def _kernels_of(self, op, sg, cfg):
+        if op.kind == "matmul":
+            return [matmul.matvec(op.inputs[1].dtype, sg, n) for n in TOKEN_GROUPS]
+        if op.kind == "embedding":
+            return [ops.embedding(op.inputs[0].dtype)]
+        if op.kind == "rms_norm":
+            return [ops.rms_norm(sg)]
+        if op.kind == "add":
+            return [ops.elementwise("add")]
+        if op.kind == "swiglu":
+            return [ops.elementwise("swiglu")]
+        if op.kind == "rope":
+            return [ops.rope(op.attrs["style"])]
+        if op.kind == "store_kv":
+            return [ops.store_kv()]
+        if op.kind == "attention":
+            return [ops.attention(sg, cfg.head_dim)]
+        if op.kind == "gather":
+            return [ops.gather_rows()]
+        return []
+
+    def _elements(self, shape):
+        sizes = {"T": self.max_tokens, "R": self.max_seqs}
+        return int(np.prod([sizes.get(d, d) for d in shape]))
+
+    def _assign_slots(self):
+        """Arena slots by liveness: a value takes a free slot of its size at its op and frees
+        it after its last use; a reshape, and rope (which runs in place), share their input's
+        slot."""
+        ops_ = self.graph.ops
+        last_use, alias = {}, {}
+        for i, op in enumerate(ops_):
+            for t in op.inputs:
+                last_use[t.name] = i
+            if op.kind in SHARES_INPUT:
+                alias[op.output.name] = alias.get(op.inputs[0].name, op.inputs[0].name)
+        for name, root in alias.items():        # a slot lives until its last alias is used
+            last_use[root] = max(last_use.get(root, 0), last_use.get(name, 0))
+        for t in self.graph.outputs.values():
+            last_use[t.name] = len(ops_)
+        free, slot_of, sizes = {}, {}, []
+        for i, op in enumerate(ops_):
+            out = op.output
+            if out.kind == "value" and op.kind not in SHARES_INPUT:
+                size = self._elements(out.shape) * 4
+                pool = free.setdefault(size, [])
+                slot = pool.pop() if pool else len(sizes)
+                if slot == len(sizes):
+                    sizes.append(size)
+                slot_of[out.name] = slot
+            elif op.kind in SHARES_INPUT:
+                slot_of[out.name] = slot_of[alias[out.name]]
+            for t in set(op.inputs):
+                root = alias.get(t.name, t.name)
+                if t.kind == "value" and last_use.get(root) == i and root in slot_of:
+                    free.setdefault(sizes[slot_of[root]], []).append(slot_of[root])
+        uses = {}
+        for op in ops_:
+            for t in op.inputs:
+                uses[t.name] = uses.get(t.name, 0) + 1
+        return uses, slot_of, sizes
+
+    def allocations(self):
+        """Every device buffer the runner will hold, in allocation order."""
+        out = []
+        for t in self.graph.weights.values():
+            if len(t.shape) == 2:
+                for plane, words in self._planes_of(t).items():
+                    out.append(Allocation(f"{t.name}:{plane}", words * 4))
+            else:
+                out.append(Allocation(t.name, self._elements(t.shape) * 4))
+        for name, (t, array) in self.graph.consts.items():
+            out.append(Allocation(name, array.nbytes))
+        cfg = self.model.config
+        cache_bytes = self.num_blocks * self.block_size * cfg.n_kv_heads * cfg.head_dim * 2
+        for name in self.graph.state:
+            out.append(Allocation(name, cache_bytes))
+        out += [Allocation("tokens", self.max_tokens * 4), Allocation("positions", self.max_tokens * 4),
+                Allocation("seq_rows", self.max_tokens * 4),
+                Allocation("block_tables", self.max_seqs * self.table_width * 4),
+                Allocation("sample_tokens", self.max_seqs * 4),
+                Allocation("argmax", self.max_seqs * 4)]
+        out += [Allocation(f"arena.{i}", size) for i, size in enumerate(self._slot_sizes)]
+        return out
+
+    def _planes_of(self, t):
+        r = reader(t.dtype)
+        return {p: t.shape[0] * r.row_words(p, t.shape[1]) for p in r.plane_names}
+
+    # -- allocation and upload -----------------------------------------------------------------
+    def allocate(self):
+        """Allocates every buffer of allocations() and uploads weights and constants."""
+        dev = self.device
+        for a in self.allocations():
+            self.buffers[a.name] = dev.alloc(a.nbytes)
+        for t in self.graph.weights.values():
+            info = self.model.file.tensors[self.model._file_names[t.name]]
+            if len(t.shape) == 2:
+                raw = self.model.file.raw(info.name)
+                for plane, words in planes(t.dtype, raw, t.shape).items():
+                    dev.write(self.buffers[f"{t.name}:{plane}"], words)
+            else:
+                dev.write(self.buffers[t.name], self.model.weight_array(t.name).astype(np.float32))
+        for name, (t, array) in self.graph.consts.items():
+            dev.write(self.buffers[name], array)
+        self.programs = {k.name: (k, dev.program(k)) for k in self._kernels()}
+        dev.synchronize()
+
+    # -- a step --------------------------------------------------------------------------------
+    def _buffer(self, tensor):
+        if tensor.kind == "value":
+            return self.buffers[f"arena.{self._slot_of[tensor.name]}"]
+        return self.buffers[tensor.name]
+
+    def _shape(self, tensor, n_tokens, n_rows):
+        return tuple({"T": n_tokens, "R": n_rows}.get(d, d) for d in tensor.shape)
+
+    def _launch(self, name, grid, *args):
+        kernel, program = self.programs[name]
+        self.device.launch(program, kernel, grid, args)
+
+    def _upload(self, batch):
+        T, R = len(batch.tokens), len(batch.sample_tokens)
+        if T > self.max_tokens or R > self.max_seqs or len(batch.block_tables) > self.max_seqs:
+            raise ValueError(f"step of {T} tokens / {R} rows exceeds the runner's "
+                             f"{self.max_tokens} / {self.max_seqs}")
+        dev = self.device
+        tables = np.zeros((self.max_seqs, self.table_width), np.int32)
+        tables[:len(batch.block_tables), :batch.block_tables.shape[1]] = batch.block_tables
+        for name in ("tokens", "positions", "seq_rows", "sample_tokens"):
+            dev.write(self.buffers[name], np.ascontiguousarray(getattr(batch, name), np.int32))
+        dev.write(self.buffers["block_tables"], tables)
+
+    def _issue(self, T, R):
+        """Issues every launch of a step of T tokens and R sampled rows, in graph order."""
+        sg, cfg = self.device.subgroup_size, self.model.config
+        B = self._buffer
+        wg = ops.WG
+        for op in self.graph.ops:
+            ins, out = op.inputs, op.output
+            if op.kind == "embedding":
+                table = ins[0]
+                self._launch(f"embedding_{table.dtype.lower()}", (T,),
+                             *self._weight_planes(table), B(ins[1]), B(out), table.shape[1])
+            elif op.kind == "rms_norm":
+                shape = self._shape(ins[0], T, R)
+                rows = int(np.prod(shape[:-1]))
+                self._launch(f"rms_norm_s{sg}", (rows,), B(ins[0]), B(ins[1]), B(out),
+                             shape[-1], op.attrs["eps"])
+            elif op.kind == "matmul":
+                x, w = ins
+                n = self._shape(x, T, R)[0]
+                group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
+                per_wg = wg // sg
+                self._launch(f"matvec_{w.dtype.lower()}_t{group}_s{sg}",
+                             (-(-w.shape[0] // per_wg), -(-n // group)),
+                             *self._weight_planes(w), B(x), B(out), w.shape[0], w.shape[1], n)
+            elif op.kind == "add":
+                n = int(np.prod(self._shape(out, T, R)))
+                nb = int(np.prod(self._shape(ins[1], T, R)))
+                self._launch("add", (-(-n // wg),), B(ins[0]), B(ins[1]), B(out), n, nb)
+            elif op.kind == "swiglu":
+                n = int(np.prod(self._shape(out, T, R)))
+                self._launch("swiglu", (-(-n // wg),), B(ins[0]), B(ins[1]), B(out), n, n)
+            elif op.kind == "rope":
+                x, positions, inv_freq = ins
+                if self._uses[x.name] != 1 or B(x) is not B(out):
+                    raise RuntimeError("rope runs in place on a value used only by it")
+                _, heads, hd = x.shape
+                pairs = inv_freq.shape[0]
+                self._launch(f"rope_{op.attrs['style']}", (-(-T * heads * pairs // wg),),
+                             B(x), B(positions), B(inv_freq), T, heads, hd, pairs)
+            elif op.kind == "store_kv":
+                k, v, kc, vc, positions, seq_rows, tables_t = ins
+                words = cfg.n_kv_heads * cfg.head_dim // 2
+                self._launch("store_kv", (-(-T * words // wg),), B(k), B(v), B(kc), B(vc),
+                             B(positions), B(seq_rows), B(tables_t), T, words, self.table_width,
+                             self.block_size)
+            elif op.kind == "attention":
+                q, kc, vc, positions, seq_rows, tables_t = ins
+                self._launch(f"attention_d{cfg.head_dim}_s{sg}", (T * cfg.n_heads,), B(q),
+                             B(out), B(kc), B(vc), B(positions), B(seq_rows), B(tables_t),
+                             cfg.n_heads, cfg.n_kv_heads, self.table_width, self.block_size,
+                             op.attrs["scale"])
+            elif op.kind == "gather":
+                x, index = ins
+                self._launch("gather_rows", (R,), B(x), B(index), B(out), x.shape[-1])
+            elif op.kind == "reshape":
+                continue
+            else:
+                raise ModelRefused(f"{self.device.name}: op {op.kind} has no kernel")
+        # the greedy choice of every row, so greedy steps read back tokens, not logits
+        self._launch(f"argmax_s{sg}", (R,), self.buffers[self._output_name()],
+                     self.buffers["argmax"], self.vocab_size)
+
+    def _weight_planes(self, t):
+        return [self.buffers[f"{t.name}:{p}"] for p in reader(t.dtype).plane_names]
+
+    def run(self, batch):
+        """Runs a step on the device, leaving logits and greedy tokens there.
+
+        A pure decode step (every token sampled) runs as one replay of the launches recorded
+        for its bucket, the next power of two of its size; the batch is padded to the bucket by
+        repeating its last token, which rewrites the same cache slot with the same values.
+        """
+        T, R = len(batch.tokens), len(batch.sample_tokens)
+        bucket = 1 << max(T - 1, 0).bit_length()
+        if T == R and bucket <= self.max_seqs and hasattr(self.device, "capture"):
+            pad = bucket - T
+            padded = StepBatch(*(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (
+                batch.tokens, batch.positions, batch.seq_rows)), batch.block_tables,
+                np.concatenate([batch.sample_tokens, T - 1 + np.zeros(pad, np.int32)]),
+                batch.sampling)
+            self._upload(padded)
+            graph = self.graphs.get(bucket)
+            if graph is None:
+                graph = self.graphs[bucket] = self.device.capture(
+                    lambda: self._issue(bucket, bucket))
+            self.device.replay(graph)
+        else:
+            self._upload(batch)
+            self._issue(T, R)
+        return R
+
+    def logits(self, batch):
+        """Runs a step; the logits of its sampled rows, float32 [R, vocab]."""
+        R = self.run(batch)
+        raw = self.device.read(self.buffers[self._output_name()], R * self.vocab_size * 4)
+        return np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
+
+    def _output_name(self):
+        return f"arena.{self._slot_of[self.graph.outputs['logits'].name]}"
+
+    def step(self, batch):
+        """Greedy rows without logprobs read back only the device's argmax; others sample
+        from the logits on the host (engine/sampling.py)."""
+        rows = batch.sampling
+        if not rows.logprobs and not np.any(rows.temperature > 0):
+            R = self.run(batch)
+            tokens = np.frombuffer(self.device.read(self.buffers["argmax"], R * 4), np.int32)
+            return StepOutput(tokens=tokens.copy(), logprobs=np.zeros(R, np.float32),
+                              top_ids=np.zeros((R, 0), np.int32),
+                              top_logprobs=np.zeros((R, 0), np.float32))
+        return sample(self.logits(batch), rows)

@@ -1,0 +1,225 @@
+"""One generation request as the engine sees it: its parameters, its sequence state, its outputs.
+
+`SamplingParams` is what a caller asks for; `Sequence` is the engine's state of one request
+(tokens, KV blocks, text decoding, stop checks); `Output` is what the caller receives after each
+step. `StopText` holds back text that may be the start of a stop string. No scheduling and no
+JSON here: the scheduler moves sequences, the server shapes outputs.
+"""
+import secrets
+from dataclasses import dataclass, field
+
+from poot.errors import PootError
+
+MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot run as asked; `param` names the offending parameter."""
+
+    def __init__(self, message, param=None):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineFailed(PootError):
+    """A step raised: every request in flight at that moment ends with this error."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample and when to stop.
+
+    temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 switch those cuts off. max_tokens None
+    means "until the context is full". seed None draws a fresh random seed per request.
+    logprobs None reports no log probabilities; an int n reports the chosen token's and the
+    n most likely alternatives (0..20).
+    """
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        def bad(param, message):
+            raise InvalidRequest(message, param)
+
+        if self.max_tokens is not None and not 1 <= self.max_tokens:
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            bad("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad("top_k", f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"min_p must be between 0 and 1, got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
+            bad("seed", f"seed must be between 0 and 2**64 - 1, got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log probability and the top alternatives as (token id, logprob)."""
+    token_id: int
+    logprob: float
+    top: list
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self):
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Output:
+    """What one step gave one request.
+
+    token_ids: the tokens sampled this step (counted in usage even when they are eos or a stop
+    token); text: the newly final text (possibly empty while held back); logprobs: one entry per
+    token whose text is emitted, when asked; elapsed: seconds since the previous token (since
+    submission for the first); finish_reason "stop", "length" or "abort" with usage on the last.
+    """
+    token_ids: list
+    text: str
+    logprobs: list | None = None
+    elapsed: float | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class StopText:
+    """Incremental text with stop strings: emits what can no longer be part of a stop string."""
+
+    def __init__(self, stops):
+        self.stops = tuple(stops)
+        self.pending = ""
+
+    def push(self, piece):
+        """Add text; return (text now final, whether a stop string was found)."""
+        self.pending += piece
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = self._held_suffix()
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self):
+        out, self.pending = self.pending, ""
+        return out
+
+    def _held_suffix(self):
+        """Length of the longest suffix of pending that is a proper prefix of a stop string."""
+        longest = min(len(self.pending), max(len(s) for s in self.stops) - 1)
+        for k in range(longest, 0, -1):
+            tail = self.pending[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """The engine's state of one request.
+
+    tokens holds the prompt then every sampled token; num_computed counts the leading tokens whose
+    keys/values are in the KV cache. A preempted sequence drops its blocks and sets num_computed
+    to 0: the next prefill recomputes prompt and generated tokens alike, and sampling resumes at
+    step len(generated), so the random draws (a function of seed and step) are the same.
+    """
+    seq_id: int
+    prompt: list
+    params: SamplingParams
+    max_tokens: int
+    seed: int
+    decoder: object
+    eos_ids: frozenset
+    tokens: list = field(init=False)
+    stop_text: StopText = field(init=False)
+    num_computed: int = 0
+    blocks: list = field(default_factory=list)
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt)
+        self.stop_text = StopText(self.params.stop)
+
+    @classmethod
+    def create(cls, seq_id, prompt, params, max_tokens, tokenizer):
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return cls(seq_id=seq_id, prompt=list(prompt), params=params, max_tokens=max_tokens,
+                   seed=seed, decoder=tokenizer.decoder(skip_special=True),
+                   eos_ids=frozenset(tokenizer.eos_ids))
+
+    @property
+    def num_generated(self):
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def num_uncomputed(self):
+        return len(self.tokens) - self.num_computed
+
+    def usage(self):
+        return Usage(len(self.prompt), self.num_generated)
+
+    def accept(self, token_id, logprob, now, context_limit):
+        """Append a sampled token, check every stop condition, and return this step's Output."""
+        self.tokens.append(token_id)
+        elapsed = now - self.last_token_time
+        self.last_token_time = now
+        stops_here = (token_id in self.params.stop_token_ids
+                      or (token_id in self.eos_ids and not self.params.ignore_eos))
+        if stops_here:
+            # Held-back text was waiting to see if it starts a stop string; now it is final.
+            self.finish_reason = "stop"
+            text = self._flush_text()
+        else:
+            text, hit = self.stop_text.push(self.decoder.push(token_id))
+            if hit:
+                self.finish_reason = "stop"
+            elif self.num_generated >= self.max_tokens or len(self.tokens) >= context_limit:
+                self.finish_reason = "length"
+                text += self._flush_text()
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = [] if stops_here else [logprob]
+        return Output(token_ids=[token_id], text=text, logprobs=logprobs, elapsed=elapsed,
+                      finish_reason=self.finish_reason,
+                      usage=self.usage() if self.finish_reason else None)
+
+    def _flush_text(self):
+        """The held-back text at a finish that is not a stop string; a stop string in the
+        decoder's last bytes still cuts it and turns the finish into "stop"."""
+        text, hit = self.stop_text.push(self.decoder.flush())
+        if hit:
+            self.finish_reason = "stop"
+            return text
+        return text + self.stop_text.flush()
+
+    def abort(self):
+        self.finish_reason = "abort"
+        return Output(token_ids=[], text="", finish_reason="abort", usage=self.usage())

@@ -1,0 +1,191 @@
+"""The poot-serve program (also `python -m poot serve`): flags, startup in order, signals, exit.
+
+Startup: check the flags and the backend, bind the port (/health says loading), load the model,
+build the runner and the engine, serve until SIGINT/SIGTERM, then stop accepting and give
+in-flight requests a bounded time to finish. Every PootError ends the program through
+`exit_status`, the one place where errors become a message and a status.
+"""
+import logging
+import math
+import platform
+import re
+import signal
+import sys
+import threading
+
+from poot.backends.select import BACKENDS, open_device
+from poot.cli import Parser
+from poot.errors import CapacityError, PlacementRefused, PootError, UsageError
+
+BLOCK_SIZE = 16
+STEP_TOKENS = 256                  # tokens per engine step: prefill chunks plus decodes
+DEFAULT_CONTEXT = 4096             # per sequence, unless --ctx says otherwise
+SHUTDOWN_GRACE_S = 10.0
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+               "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+log = logging.getLogger("poot.serve")
+
+
+def parse_size(text):
+    """'8GiB', '512MB', '1.5GiB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise UsageError(f"--memory-limit {text!r}: expected a size such as 8GiB or 512MB")
+    size = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+    if size <= 0:
+        raise UsageError(f"--memory-limit {text!r}: the size must be positive")
+    return size
+
+
+def parse_placement(text):
+    """'pipeline:0,1' or 'tensor:0,1' -> (kind, [ordinals])."""
+    kind, _, ordinals = text.partition(":")
+    if kind not in ("pipeline", "tensor") or not re.fullmatch(r"\d+(,\d+)*", ordinals):
+        raise UsageError(f"--placement {text!r}: expected pipeline:ORD,ORD,... or "
+                         "tensor:ORD,ORD,...")
+    devices = [int(o) for o in ordinals.split(",")]
+    if len(set(devices)) != len(devices):
+        raise UsageError(f"--placement {text!r}: a device ordinal is listed twice")
+    return kind, devices
+
+
+def build_parser():
+    p = Parser(prog="poot-serve", description="OpenAI-compatible server for a local model.")
+    p.add_argument("--model", help="GGUF file or Hugging Face folder (default: the default "
+                   "model in the poot cache)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--placement", help="pipeline:ORD,ORD,... or tensor:ORD,ORD,... (ptx only)")
+    p.add_argument("--device-timing", action="store_true",
+                   help="per-kernel timing on the device")
+    p.add_argument("--memory-limit", metavar="SIZE",
+                   help="memory to plan within, e.g. 8GiB (for now: bounds the KV cache)")
+    p.add_argument("--max-seqs", type=int, default=8, help="sequences decoded at once")
+    p.add_argument("--ctx", type=int, help="context length per sequence (default: the "
+                   f"model's, at most {DEFAULT_CONTEXT})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
+                   "/health")
+    return p
+
+
+def check_flags(args):
+    """Flag rules that hold before anything opens: (device ordinal, memory limit or None)."""
+    memory_limit = parse_size(args.memory_limit) if args.memory_limit else None
+    if args.max_seqs < 1:
+        raise UsageError(f"--max-seqs {args.max_seqs}: must be at least 1")
+    if args.ctx is not None and args.ctx < 1:
+        raise UsageError(f"--ctx {args.ctx}: must be at least 1")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port {args.port}: not a port number")
+    ordinal = 0
+    if args.placement:
+        kind, ordinals = parse_placement(args.placement)
+        if args.backend == "reference":
+            raise PlacementRefused(f"--placement {args.placement}: backend reference runs on "
+                                   "the host and places nothing on devices")
+        if len(ordinals) > 1:
+            if args.device_timing:
+                raise PlacementRefused("--device-timing is refused over a device group")
+            if args.backend != "ptx":
+                raise PlacementRefused(f"--placement {args.placement}: backend {args.backend} "
+                                       "cannot copy between devices, so it runs no groups")
+            raise PlacementRefused(f"--placement {args.placement}: {kind} groups are not "
+                                   "built in this version of poot; name one device")
+        ordinal = ordinals[0]
+    if args.device_timing:
+        raise UsageError("--device-timing: per-kernel timing is not built in this version of "
+                         "poot" if args.backend != "reference" else
+                         "--device-timing: backend reference has no device to time")
+    return ordinal, memory_limit
+
+
+def kv_blocks(model, context, max_seqs, memory_limit):
+    """KV blocks: a full context for every sequence, or as many as `memory_limit` holds (at
+    least one full context, else a capacity error). Counted at 4 bytes a value, the reference's
+    float32, which bounds every runner's cache."""
+    per_seq = -(-context // BLOCK_SIZE)
+    blocks = per_seq * max_seqs
+    if memory_limit is not None:
+        graph = model.step_graph(num_blocks=1, block_size=BLOCK_SIZE)
+        block_bytes = sum(4 * math.prod(t.shape) for t in graph.state.values())
+        blocks = min(blocks, memory_limit // block_bytes)
+        if blocks < per_seq:
+            raise CapacityError(
+                f"one sequence of {context} tokens needs {per_seq * block_bytes} bytes of KV "
+                f"cache; --memory-limit allows {memory_limit}")
+    return blocks
+
+
+def describe(device):
+    if device is None:
+        return {"name": f"host {platform.machine()} (numpy)", "backend": "reference"}
+    free, total = device.memory()
+    return {"name": device.name, "backend": device.backend, "ordinal": device.ordinal,
+            "memory_free": free, "memory_total": total}
+
+
+def serve(args, stop_event):
+    ordinal, memory_limit = check_flags(args)
+    device = open_device(args.backend, ordinal)     # decided once, before the port opens
+    from poot.loader import default_model_path, load
+    from poot.serve import Server
+
+    server = Server(args.host, args.port, api_key=args.api_key)
+    log.info("listening on %s (loading the model)", server.url)
+    try:
+        model = load(args.model or default_model_path())
+        if args.ctx is not None and args.ctx > model.context_length:
+            raise UsageError(f"--ctx {args.ctx} exceeds the model's context length "
+                             f"{model.context_length}")
+        context = min(model.context_length, args.ctx or DEFAULT_CONTEXT)
+        blocks = kv_blocks(model, context, args.max_seqs, memory_limit)
+        runner = model.runner(device, num_blocks=blocks, block_size=BLOCK_SIZE,
+                              max_tokens=STEP_TOKENS, max_seqs=args.max_seqs)
+        engine = server.load(model, runner, devices=[describe(device)],
+                             max_seqs=args.max_seqs, step_tokens=STEP_TOKENS,
+                             max_context=context)
+    except BaseException:
+        server.close(grace=0)
+        raise
+    log.info("serving %s on %s: backend %s, %d sequences x %d tokens, %d KV blocks",
+             model.name, server.url, runner.backend, engine.max_seqs, engine.context_limit,
+             blocks)
+    stop_event.wait()
+    log.info("stopping: finishing in-flight requests (up to %.0f s)", SHUTDOWN_GRACE_S)
+    server.close(grace=SHUTDOWN_GRACE_S)
+    return 0
+
+
+def exit_status(exc):
+    """The message and exit status of an error that stops the program."""
+    if isinstance(exc, PootError):
+        return str(exc), exc.exit_status
+    if isinstance(exc, OSError):       # e.g. the port is taken
+        return f"{type(exc).__name__}: {exc}", 1
+    raise exc
+
+
+def main(argv=None):
+    stop_event = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, lambda *_: stop_event.set())
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="poot-serve: %(message)s")
+        return serve(args, stop_event)
+    except (PootError, OSError) as exc:
+        message, status = exit_status(exc)
+        prefix = "" if message.startswith("poot-serve: ") else "poot-serve: "
+        print(prefix + message, file=sys.stderr)
+        return status
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,418 @@
+"""HTTP for poot-serve: the standard library's threaded server, routing, auth, bodies and SSE.
+
+One handler thread per connection (HTTP/1.1 keep-alive). A handler reads and checks the body,
+lets openai.py turn it into a request, submits that to the engine and writes what comes back:
+one JSON response, or server-sent events flushed per token (chunked transfer encoding). It
+notices a client that went away, while waiting as well as while writing, and cancels its
+request so the engine frees its KV blocks. It never touches the engine's internals.
+"""
+import hmac
+import json
+import logging
+import select
+import socket
+import sys
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+from poot.engine.request import EngineFailed, InvalidRequest
+from poot.serve import openai
+from poot.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from poot.serve.openai import APIError
+
+log = logging.getLogger("poot.serve")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+IDLE_TIMEOUT_S = 60.0
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Serving:
+    """What every handler thread shares: the model and engine once loaded, the status, metrics."""
+
+    def __init__(self, api_key=None, max_body=MAX_BODY_BYTES, idle_timeout=IDLE_TIMEOUT_S):
+        self.api_key = api_key
+        self.max_body = max_body
+        self.idle_timeout = idle_timeout
+        self.status = "loading"          # loading -> serving -> stopping
+        self.model = None
+        self.engine = None
+        self.info = {}
+        self.metrics = Metrics()
+        self._active = 0
+        self._active_lock = threading.Condition()
+
+    def ready(self, model, engine, info):
+        self.model, self.engine, self.info = model, engine, info
+        self.status = "serving"
+
+    def health(self):
+        if self.engine is not None and self.engine.error is not None:
+            return 503, {"status": "error", "error": self.engine.error}
+        if self.status == "serving":
+            return 200, dict({"status": "serving"}, **self.info)
+        return 503, {"status": self.status}
+
+    def require_engine(self):
+        if self.engine is not None and self.engine.error is not None:
+            raise APIError(503, self.engine.error, "server_error", None, "engine_failed")
+        if self.status != "serving":
+            raise APIError(503, f"the server is {self.status}", "server_error", None,
+                           f"server_{self.status}")
+
+    def enter(self):
+        with self._active_lock:
+            self._active += 1
+
+    def leave(self):
+        with self._active_lock:
+            self._active -= 1
+            self._active_lock.notify_all()
+
+    def wait_quiet(self, timeout):
+        """Wait until no completion is being written; False if `timeout` seconds pass first."""
+        with self._active_lock:
+            return self._active_lock.wait_for(lambda: self._active == 0, timeout)
+
+
+class HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, address, serving):
+        self.serving = serving
+        super().__init__(address, Handler)
+
+    @property
+    def port(self):
+        return self.server_address[1]
+
+    def handle_error(self, request, client_address):
+        """A connection that broke between requests is the client's business; anything else
+        is logged (socketserver would print it to stderr)."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return
+        log.error("connection from %s failed", client_address, exc_info=exc)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    status_sent = None          # the status of the response begun, for /metrics
+    body_pending = False        # the request has a body not read yet
+
+    # route -> (allowed methods, handler method name, needs the api key)
+    ROUTES = {
+        "/health": ({"GET"}, "health", False),
+        "/metrics": ({"GET"}, "metrics", True),
+        "/v1/models": ({"GET"}, "models", True),
+        "/v1/completions": ({"POST"}, "completions", True),
+        "/v1/chat/completions": ({"POST"}, "chat_completions", True),
+        "/tokenize": ({"POST"}, "tokenize", True),
+        "/detokenize": ({"POST"}, "detokenize", True),
+    }
+
+    def do_GET(self):
+        self.dispatch()
+
+    def do_POST(self):
+        self.dispatch()
+
+    def do_PUT(self):
+        self.dispatch()
+
+    def do_DELETE(self):
+        self.dispatch()
+
+    def do_PATCH(self):
+        self.dispatch()
+
+    def do_OPTIONS(self):
+        self.dispatch()
+
+    def do_HEAD(self):
+        self.dispatch()
+
+    @property
+    def serving(self):
+        return self.server.serving
+
+    def setup(self):
+        self.timeout = self.serving.idle_timeout   # idle (or a stalled body) this long: closed
+        super().setup()
+
+    def version_string(self):
+        return "poot"
+
+    def log_message(self, format, *args):
+        log.debug("%s - %s", self.address_string(), format % args)
+
+    # ---- dispatch -------------------------------------------------------------------------
+
+    def _route(self):
+        path = urlsplit(self.path).path
+        if path in self.ROUTES:
+            return path, path, None
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{id}", "/v1/models", unquote(path[len("/v1/models/"):])
+        return None, path, None
+
+    def dispatch(self):
+        self.status_sent = None
+        # A body this handler does not read would be parsed as the next request: unless it is
+        # read, the connection ends with this response.
+        self.body_pending = (self.headers.get("Content-Length", "0").strip() != "0"
+                             or "Transfer-Encoding" in self.headers)
+        route, path, model_id = self._route()
+        try:
+            if route is None:
+                raise APIError(404, f"no route {self.command} {path}", "invalid_request_error",
+                               None, "not_found")
+            methods, name, needs_key = self.ROUTES[path]
+            self.allowed = methods
+            if self.command not in methods:
+                raise APIError(405, f"{path} accepts {', '.join(sorted(methods))}, not "
+                               f"{self.command}", "invalid_request_error", None,
+                               "method_not_allowed")
+            if needs_key:
+                self._check_key()
+            body = self._read_json() if self.command == "POST" else None
+            if model_id is not None:
+                self.model_card(model_id)
+            else:
+                getattr(self, name)(body)
+        except APIError as exc:
+            self._send_error(exc)
+        except ClientGone:
+            self.close_connection = True
+            self.status_sent = self.status_sent or 499
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True
+        except Exception as exc:
+            log.exception("%s %s failed", self.command, path)
+            self._send_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                      "server_error"))
+        finally:
+            self.serving.metrics.count_request(route or "unknown", self.status_sent or 0)
+
+    def _check_key(self):
+        key = self.serving.api_key
+        if key is None:
+            return
+        given = self.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode("utf-8", "replace"), key.encode("utf-8")):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer "
+                           "<key>'", "invalid_request_error", None, "invalid_api_key")
+
+    def _read_json(self):
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise APIError(411, "send the body with a Content-Length (chunked request bodies "
+                           "are not accepted)", "invalid_request_error", None, "length_required")
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise APIError(400, "Content-Length is not a non-negative integer",
+                           "invalid_request_error") from None
+        if length > self.serving.max_body:
+            self.close_connection = True      # the body stays unread, so the connection ends
+            raise APIError(413, f"the body is {length} bytes; the limit is "
+                           f"{self.serving.max_body}", "invalid_request_error", None,
+                           "request_too_large")
+        raw = self.rfile.read(length)
+        self.body_pending = False
+        if len(raw) < length:
+            self.close_connection = True
+            raise ClientGone
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"the body is not valid UTF-8 (byte {exc.start})",
+                           "invalid_request_error") from None
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"the body is not valid JSON: {exc}",
+                           "invalid_request_error") from None
+        except RecursionError:
+            raise APIError(400, "the body's JSON is nested too deeply",
+                           "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", "invalid_request_error")
+        return body
+
+    # ---- writing --------------------------------------------------------------------------
+
+    def _send(self, status, data, content_type, headers=()):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            self.send_header(name, value)
+        if self.close_connection or self.body_pending or self.serving.status == "stopping":
+            self.close_connection = True
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.status_sent = status
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _send_json(self, status, obj, headers=()):
+        self._send(status, json.dumps(obj).encode(), "application/json", headers)
+
+    def _send_error(self, exc):
+        headers = []
+        if exc.status == 405:
+            headers.append(("Allow", ", ".join(sorted(self.allowed))))
+        if self.status_sent is not None:      # a stream already started: nothing more to say
+            self.close_connection = True
+            return
+        try:
+            self._send_json(exc.status, exc.body(), headers)
+        except OSError:
+            self.close_connection = True
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (bad request line, huge headers) in the OpenAI shape."""
+        self.close_connection = True
+        self.status_sent = None
+        if self.request_version == "HTTP/0.9":     # the line did not parse: answer as 1.1
+            self.request_version = "HTTP/1.1"
+        phrase = HTTPStatus(code).phrase if code in HTTPStatus._value2member_map_ else "Error"
+        body = APIError(code, message or phrase, "invalid_request_error").body()
+        try:
+            self._send_json(code, body)
+        except OSError:
+            pass
+
+    def _event(self, obj):
+        """One server-sent event as one HTTP chunk, written (and so flushed) at once."""
+        payload = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) \
+            + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+
+    def _client_gone(self):
+        """True when the peer closed its side (readable with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    # ---- routes ---------------------------------------------------------------------------
+
+    def health(self, _):
+        status, body = self.serving.health()
+        self._send_json(status, body)
+
+    def metrics(self, _):
+        engine = self.serving.engine
+        text = self.serving.metrics.render(engine.stats() if engine is not None else None)
+        self._send(200, text.encode(), METRICS_CONTENT_TYPE)
+
+    def models(self, _):
+        self.serving.require_engine()
+        self._send_json(200, openai.models_list(self.serving.model,
+                                                self.serving.engine.context_limit))
+
+    def model_card(self, model_id):
+        self.serving.require_engine()
+        model = self.serving.model
+        if model_id != model.name:
+            raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error",
+                           "model", "model_not_found")
+        self._send_json(200, openai.model_card(model, self.serving.engine.context_limit))
+
+    def tokenize(self, body):
+        self.serving.require_engine()
+        self._send_json(200, openai.tokenize(body, self.serving.model,
+                                             self.serving.engine.context_limit))
+
+    def detokenize(self, body):
+        self.serving.require_engine()
+        self._send_json(200, openai.detokenize(body, self.serving.model))
+
+    def completions(self, body):
+        self.serving.require_engine()
+        self._complete(openai.Completion.text(body, self.serving.model))
+
+    def chat_completions(self, body):
+        self.serving.require_engine()
+        self._complete(openai.Completion.chat(body, self.serving.model))
+
+    def _complete(self, request):
+        try:
+            handle = self.serving.engine.submit(request.prompt_ids, request.params)
+        except InvalidRequest as exc:
+            raise openai.from_invalid_request(exc) from None
+        except EngineFailed as exc:
+            raise APIError(503, str(exc), "server_error", None, "engine_failed") from None
+        self.serving.enter()
+        try:
+            if request.stream:
+                self._stream(request, handle)
+            else:
+                try:
+                    outputs = list(self._outputs(handle))
+                except EngineFailed as exc:
+                    raise APIError(500, str(exc), "server_error", None, "engine_failed") from None
+                self._send_json(200, request.response(outputs))
+        finally:
+            handle.cancel()          # no-op once finished; frees the blocks of a gone client
+            self.serving.leave()
+
+    def _outputs(self, handle):
+        """The request's outputs as they come, watching for the client to leave meanwhile."""
+        first = True
+        while True:
+            output = handle.next_output(timeout=DISCONNECT_POLL_S)
+            if output is None:
+                if self._client_gone():
+                    raise ClientGone
+                continue
+            if output.token_ids and output.elapsed is not None:
+                self.serving.metrics.observe_token(first, output.elapsed)
+                first = False
+            yield output
+            if output.finish_reason is not None:
+                return
+
+    def _stream(self, request, handle):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.status_sent = 200
+        try:
+            for chunk in request.first_chunks():
+                self._event(chunk)
+            try:
+                for output in self._outputs(handle):
+                    for chunk in request.chunks(output):
+                        self._event(chunk)
+            except EngineFailed as exc:
+                self._event(APIError(500, str(exc), "server_error", None,
+                                     "engine_failed").body())
+            self._event(b"[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            self.close_connection = True
+            raise ClientGone from None
+
+
+def listen(serving, host, port):
+    """Bind the port (0: any free one); serve with `serve_forever` on a thread of your own."""
+    return HTTPServer((host, port), serving)

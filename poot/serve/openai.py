@@ -1,0 +1,396 @@
+"""The OpenAI API's shapes: validating request bodies and shaping engine outputs into responses.
+
+A request body (already parsed JSON) becomes a `Completion`: prompt token ids, SamplingParams
+and how to shape what comes back (chat or text, streamed or whole, logprobs). Every refusal is an
+`APIError` carrying the OpenAI error body's fields. This module knows the model's tokenizer and
+chat template but neither sockets (http.py) nor the engine's internals.
+"""
+import math
+import time
+import uuid
+
+from poot.engine.request import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidRequest, SamplingParams
+from poot.errors import TemplateError
+
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-shaped body."""
+
+    def __init__(self, status, message, type="invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self):
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(message, param=None, code=None):
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def from_invalid_request(exc):
+    return invalid(str(exc), exc.param)
+
+
+# ---- reading fields -------------------------------------------------------------------------
+
+def _get(body, name, kind, default=None):
+    """body[name] checked to be of `kind` ("int", "number", "bool", "str", "list", "dict");
+    absent or null gives default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)
+                             and math.isfinite(v)),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "list": lambda v: isinstance(v, list),
+        "dict": lambda v: isinstance(v, dict),
+    }[kind](value)
+    if not ok:
+        article = {"int": "an integer", "number": "a finite number", "bool": "a boolean",
+                   "str": "a string", "list": "an array", "dict": "an object"}[kind]
+        raise invalid(f"'{name}' must be {article}, got {type(value).__name__} {value!r:.60}",
+                      name)
+    return value
+
+
+def _check_text(text, param):
+    """JSON may carry lone surrogates (\\ud800), which are not text: refuse them here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(f"'{param}' is not valid Unicode (it holds a lone surrogate)", param)
+    return text
+
+
+def check_model(body, model):
+    name = _get(body, "model", "str")
+    if name is not None and name != model.name:
+        raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                       f"'{model.name}'", "invalid_request_error", "model", "model_not_found")
+
+
+def _refuse_unsupported(body):
+    n = _get(body, "n", "int", 1)
+    if n != 1:
+        raise invalid(f"'n' must be 1 (one choice per request), got {n}", "n")
+    best_of = _get(body, "best_of", "int", 1)
+    if best_of != 1:
+        raise invalid(f"'best_of' must be 1, got {best_of}", "best_of")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _get(body, name, "number", 0) != 0:
+            raise invalid(f"'{name}' is not supported (it must be 0 or absent)", name)
+    if _get(body, "logit_bias", "dict"):
+        raise invalid("'logit_bias' is not supported", "logit_bias")
+    if _get(body, "tools", "list") or _get(body, "functions", "list"):
+        raise invalid("tool calling is not supported", "tools")
+    response_format = _get(body, "response_format", "dict")
+    if response_format and response_format.get("type", "text") != "text":
+        raise invalid("only response_format {\"type\": \"text\"} is supported",
+                      "response_format")
+
+
+def _sampling(body, max_tokens_names, logprobs):
+    max_tokens = None
+    for name in max_tokens_names:
+        max_tokens = _get(body, name, "int")
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise invalid(f"'{name}' must be at least 1, got {max_tokens}", name)
+            break
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or any(not isinstance(s, str) for s in stop):
+        raise invalid("'stop' must be a string or an array of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    stop = [_check_text(s, "stop") for s in stop if s]
+    stop_token_ids = _get(body, "stop_token_ids", "list", [])
+    if any(not isinstance(t, int) or isinstance(t, bool) for t in stop_token_ids):
+        raise invalid("'stop_token_ids' must be an array of integers", "stop_token_ids")
+    top_k = _get(body, "top_k", "int", 0)
+    seed = _get(body, "seed", "int")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(_get(body, "temperature", "number", 1.0)),
+            top_p=float(_get(body, "top_p", "number", 1.0)),
+            top_k=0 if top_k == -1 else top_k,
+            min_p=float(_get(body, "min_p", "number", 0.0)),
+            seed=None if seed is None else seed % 2 ** 64,
+            stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=_get(body, "ignore_eos", "bool", False), logprobs=logprobs)
+    except InvalidRequest as exc:
+        raise from_invalid_request(exc) from None
+
+
+def _stream_flags(body):
+    stream = _get(body, "stream", "bool", False)
+    options = _get(body, "stream_options", "dict", {})
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid("'stream_options.include_usage' must be a boolean", "stream_options")
+    return stream, stream and include_usage
+
+
+# ---- prompts --------------------------------------------------------------------------------
+
+def _prompt_ids(body, tokenizer):
+    """/v1/completions' prompt: a string or a list of token ids (or a list of one of those)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(_check_text(prompt, "prompt"), add_special=True,
+                                parse_special=True)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(
+            isinstance(p, (str, list)) for p in prompt):
+        raise invalid("several prompts in one request are not supported; send one prompt per "
+                      "request", "prompt")
+    if prompt is None:
+        raise invalid("'prompt' is required", "prompt")
+    raise invalid("'prompt' must be a string or a non-empty array of token ids", "prompt")
+
+
+def chat_messages(body):
+    """The messages of a chat request, checked and flattened to {"role", "content": str}."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise invalid("'messages' must be an array of messages", "messages")
+    if not messages:
+        raise invalid("'messages' must hold at least one message", "messages")
+    flat = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where} must be an object", where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r:.40}",
+                          f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise invalid(f"{where}.content: only text parts are supported",
+                                  f"{where}.content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise invalid(f"{where}.content must be a string or an array of text parts",
+                          f"{where}.content")
+        entry = {"role": "system" if role == "developer" else role,
+                 "content": _check_text(content, f"{where}.content")}
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        flat.append(entry)
+    return flat
+
+
+def render_chat(model, messages):
+    if model.chat_template is None:
+        raise invalid(f"model '{model.name}' has no chat template; use /v1/completions with a "
+                      "prompt you format yourself", "messages", "no_chat_template")
+    try:
+        return model.chat_template.render(messages, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise invalid(f"the model's chat template rejected the messages: {exc}",
+                      "messages") from None
+
+
+def chat_prompt_ids(model, messages):
+    # The rendered template carries its own special tokens (BOS included where the model wants).
+    return model.tokenizer.encode(render_chat(model, messages), add_special=False,
+                                  parse_special=True)
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+class Completion:
+    """One validated /v1/completions or /v1/chat/completions request, and its response shapes."""
+
+    def __init__(self, kind, model, prompt_ids, params, stream, include_usage):
+        self.kind = kind                      # "chat" or "text"
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stream = stream
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text_offset = 0
+
+    @classmethod
+    def chat(cls, body, model):
+        check_model(body, model)
+        _refuse_unsupported(body)
+        logprobs = None
+        if _get(body, "logprobs", "bool", False):
+            logprobs = _get(body, "top_logprobs", "int", 0)
+            if not 0 <= logprobs <= MAX_LOGPROBS:
+                raise invalid(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}",
+                              "top_logprobs")
+        elif _get(body, "top_logprobs", "int"):
+            raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        params = _sampling(body, ("max_completion_tokens", "max_tokens"), logprobs)
+        prompt_ids = chat_prompt_ids(model, chat_messages(body))
+        return cls("chat", model, prompt_ids, params, *_stream_flags(body))
+
+    @classmethod
+    def text(cls, body, model):
+        check_model(body, model)
+        _refuse_unsupported(body)
+        if _get(body, "echo", "bool", False):
+            raise invalid("'echo' is not supported", "echo")
+        if _get(body, "suffix", "str"):
+            raise invalid("'suffix' is not supported", "suffix")
+        logprobs = _get(body, "logprobs", "int")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise invalid(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
+        params = _sampling(body, ("max_tokens",), logprobs)
+        return cls("text", model, _prompt_ids(body, model.tokenizer), params,
+                   *_stream_flags(body))
+
+    # ---- shaping ----
+
+    def _token(self, token_id):
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", "replace")
+
+    def _logprobs(self, entries):
+        if entries is None:
+            return None
+        if self.kind == "chat":
+            def one(token_id, logprob):
+                raw = self.tokenizer.token_bytes(token_id)
+                return {"token": raw.decode("utf-8", "replace"), "logprob": logprob,
+                        "bytes": list(raw)}
+            return {"content": [dict(one(e.token_id, e.logprob),
+                                     top_logprobs=[one(i, lp) for i, lp in e.top])
+                                for e in entries]}
+        tokens = [self._token(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token(i): lp for i, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    @staticmethod
+    def usage(usage):
+        return {"prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.total_tokens}
+
+    def _envelope(self, object_, choices):
+        return {"id": self.id, "object": object_, "created": self.created,
+                "model": self.model.name, "choices": choices}
+
+    def response(self, outputs):
+        """The whole (non-streamed) response from every Output of the request."""
+        text = "".join(o.text for o in outputs)
+        last = outputs[-1]
+        entries = None
+        if self.params.logprobs is not None:
+            entries = [e for o in outputs for e in (o.logprobs or [])]
+        logprobs = self._logprobs(entries)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": logprobs, "finish_reason": last.finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
+                      "finish_reason": last.finish_reason}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = self.usage(last.usage)
+        return body
+
+    def _chunk(self, choices):
+        chunk = self._envelope("chat.completion.chunk" if self.kind == "chat"
+                               else "text_completion", choices)
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def first_chunks(self):
+        """Chunks sent before any token: chat's first chunk carries the role."""
+        if self.kind != "chat":
+            return []
+        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])]
+
+    def chunks(self, output):
+        """The stream chunks for one Output (none while its text is held back)."""
+        has_logprobs = bool(output.logprobs)
+        if not output.text and not has_logprobs and output.finish_reason is None:
+            return []
+        logprobs = self._logprobs(output.logprobs) if has_logprobs else None
+        if self.kind == "chat":
+            delta = {"content": output.text} if output.text or has_logprobs else {}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": output.finish_reason}
+        else:
+            choice = {"index": 0, "text": output.text, "logprobs": logprobs,
+                      "finish_reason": output.finish_reason}
+        chunks = [self._chunk([choice])]
+        if output.finish_reason is not None and self.include_usage:
+            final = self._envelope(chunks[0]["object"], [])
+            final["usage"] = self.usage(output.usage)
+            chunks.append(final)
+        return chunks
+
+
+# ---- the small routes -----------------------------------------------------------------------
+
+def models_list(model, context):
+    return {"object": "list", "data": [model_card(model, context)]}
+
+
+def model_card(model, context):
+    return {"id": model.name, "object": "model", "created": 0, "owned_by": "poot",
+            "max_model_len": context}
+
+
+def tokenize(body, model, context):
+    if "messages" in body:
+        check_model(body, model)
+        text = render_chat(model, chat_messages(body))
+        ids = model.tokenizer.encode(text, add_special=False, parse_special=True)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise invalid("'/tokenize' needs 'prompt' (a string) or 'messages'", "prompt")
+        add_special = _get(body, "add_special_tokens", "bool", True)
+        ids = model.tokenizer.encode(_check_text(prompt, "prompt"), add_special=add_special,
+                                     parse_special=True)
+    return {"tokens": list(ids), "count": len(ids), "max_model_len": context}
+
+
+def detokenize(body, model):
+    tokens = body.get("tokens")
+    vocab = model.tokenizer.vocab_size
+    if not isinstance(tokens, list) or any(
+            not isinstance(t, int) or isinstance(t, bool) for t in tokens):
+        raise invalid("'tokens' must be an array of token ids", "tokens")
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    return {"prompt": model.tokenizer.decode(tokens)}

@@ -1,0 +1,236 @@
+"""The engine over the real reference runner and a tiny random Llama: batching, chunked prefill,
+paged KV with preemption, stop conditions, seeds, cancellation and failure.
+
+The recurring check is that a request's tokens do not depend on what else is in flight: greedy
+(or seeded) outputs in a batch, after preemption, or on the engine thread equal the same request
+run alone.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+import poot
+from tests.models import tiny_model
+from poot.engine.request import (EngineFailed, InvalidRequest, SamplingParams, StopText)
+from poot.engine.scheduler import Engine
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return poot.load(tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def make_engine(model, num_blocks=64, block_size=4, **kw):
+    return Engine(model.runner(num_blocks=num_blocks, block_size=block_size), model.tokenizer,
+                  **kw)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+def prompts(model, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, model.tokenizer.vocab_size, n).tolist() for n in lengths]
+
+
+def tokens(outputs):
+    return [t for out in outputs for t in out.token_ids]
+
+
+def alone(model, prompt, params):
+    return tokens(make_engine(model).generate(prompt, params))
+
+
+def run_together(engine, requests):
+    handles = [engine.submit(p, params) for p, params in requests]
+    engine.run_until_idle()
+    return [tokens(h) for h in handles]
+
+
+def test_generate_runs_steps_in_the_callers_thread(model):
+    engine = make_engine(model)
+    prompt = prompts(model, [7])[0]
+    outs = list(engine.generate(prompt, greedy(6)))
+    assert [len(o.token_ids) for o in outs] == [1] * 6
+    assert [o.finish_reason for o in outs] == [None] * 5 + ["length"]
+    assert (outs[-1].usage.prompt_tokens, outs[-1].usage.completion_tokens) == (7, 6)
+    generated = tokens(outs)
+    assert "".join(o.text for o in outs) == model.tokenizer.decode(generated, skip_special=True)
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_batched_greedy_equals_each_request_alone(model):
+    requests = list(zip(prompts(model, [1, 3, 17, 40, 9, 25]),
+                        [greedy(n) for n in (12, 5, 9, 3, 16, 7)]))
+    expected = [alone(model, p, params) for p, params in requests]
+    engine = make_engine(model, max_seqs=4)
+    assert run_together(engine, requests) == expected
+    stats = engine.stats()
+    assert (stats.kv_blocks_used, stats.running, stats.waiting) == (0, 0, 0)
+    assert stats.generation_tokens_total == sum(len(e) for e in expected)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(model):
+    engine = make_engine(model, step_tokens=8, max_seqs=4)
+    short, long_ = prompts(model, [3, 60])
+    decoding = engine.submit(short, greedy(20))
+    decoding.next_output()
+    engine.submit(long_, greedy(2))
+    steps = engine.stats().steps_total
+    for _ in range(12):        # the long prompt needs at least 60/7 steps of prefill
+        decoding.next_output()
+        now = engine.stats().steps_total
+        assert now == steps + 1, "a decoding sequence waited for another's prefill"
+        steps = now
+
+
+def test_preempted_sequences_resume_with_identical_tokens(model):
+    # 24 blocks of 4 hold 96 tokens; the six requests together need about 190.
+    requests = list(zip(prompts(model, [10, 14, 6, 20, 12, 9], seed=1),
+                        [greedy(n) for n in (24, 20, 30, 16, 22, 26)]))
+    expected = [alone(model, p, params) for p, params in requests]
+    engine = make_engine(model, num_blocks=24, max_seqs=6)
+    assert run_together(engine, requests) == expected
+    stats = engine.stats()
+    assert stats.preemptions_total > 0
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == 24
+
+
+def test_seeded_sampling_is_reproducible_alone_or_batched(model):
+    prompt, other = prompts(model, [5, 11])
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    expected = alone(model, prompt, seeded)
+    engine = make_engine(model)
+    together = run_together(engine, [
+        (other, SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)),
+        (prompt, seeded),
+        (other, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))])
+    assert together[1] == expected
+    a = engine.submit(prompt, SamplingParams(max_tokens=2))
+    b = engine.submit(prompt, SamplingParams(max_tokens=2))
+    assert a.seed != b.seed                # no seed: a fresh random one per request
+
+
+def test_a_stop_string_ends_the_text_before_it(model):
+    prompt = prompts(model, [4], seed=2)[0]
+    full = "".join(o.text for o in make_engine(model).generate(prompt, greedy(24)))
+    assert len(full) >= 8, f"the tiny model wrote too little text: {full!r}"
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    outs = list(make_engine(model).generate(prompt, greedy(24, stop=("\x00never", stop))))
+    assert "".join(o.text for o in outs) == full[:full.index(stop)]
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_a_stop_token_ends_generation_and_is_counted_but_not_written(model):
+    prompt = prompts(model, [6], seed=3)[0]
+    generated = alone(model, prompt, greedy(12))
+    stop_id = generated[4]
+    cut = generated.index(stop_id)
+    outs = list(make_engine(model).generate(prompt, greedy(12, stop_token_ids=(stop_id,))))
+    assert tokens(outs) == generated[:cut + 1]
+    assert outs[-1].finish_reason == "stop"
+    assert outs[-1].usage.completion_tokens == cut + 1
+    assert "".join(o.text for o in outs) == model.tokenizer.decode(generated[:cut],
+                                                                    skip_special=True)
+
+
+def test_stop_text_holds_back_only_what_may_start_a_stop_string():
+    text = StopText(["Hello!", "xyz"])
+    assert text.push("say Hel") == ("say ", False)
+    assert text.push("lo") == ("", False)
+    assert text.push(" x") == ("Hello ", False)
+    assert text.push("yz and more") == ("", True)
+    assert StopText([]).push("abc") == ("abc", False)
+    earliest = StopText(["b", "a"])
+    assert earliest.push("cab") == ("c", True)
+
+
+def test_the_context_limit_ends_generation_and_refuses_prompts_that_cannot_fit(model):
+    engine = make_engine(model, max_context=12)
+    prompt = prompts(model, [8])[0]
+    outs = list(engine.generate(prompt, SamplingParams(temperature=0, ignore_eos=True)))
+    assert len(tokens(outs)) == 4 and outs[-1].finish_reason == "length"
+    with pytest.raises(InvalidRequest) as too_long:
+        engine.submit(prompts(model, [12])[0], greedy(1))
+    assert too_long.value.param == "prompt"
+    with pytest.raises(InvalidRequest) as too_many:
+        engine.submit(prompt, greedy(5))
+    assert too_many.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest):
+        engine.submit([model.tokenizer.vocab_size], greedy(1))
+
+
+def test_logprobs_are_reported_when_asked(model):
+    prompt = prompts(model, [5])[0]
+    outs = list(make_engine(model).generate(prompt, greedy(4, logprobs=3)))
+    for out in outs:
+        (entry,) = out.logprobs
+        assert entry.token_id == out.token_ids[0]
+        assert len(entry.top) == 3 and entry.top[0][0] == entry.token_id   # greedy: the best
+        assert entry.logprob <= 0 and entry.logprob == pytest.approx(entry.top[0][1])
+        assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+    assert all(o.logprobs is None for o in make_engine(model).generate(prompt, greedy(2)))
+
+
+def test_cancel_finishes_with_abort_and_frees_the_blocks(model):
+    engine = make_engine(model)
+    handle = engine.submit(prompts(model, [9])[0], greedy(50))
+    handle.next_output()
+    assert engine.stats().kv_blocks_used > 0
+    handle.cancel()
+    last = handle.next_output()
+    assert last.finish_reason == "abort" and last.usage.completion_tokens == 1
+    assert handle.finished and engine.stats().kv_blocks_used == 0
+
+
+def test_the_engine_thread_serves_many_caller_threads(model):
+    requests = list(zip(prompts(model, [2, 8, 15, 4, 30, 6, 11, 3], seed=4),
+                        [greedy(n) for n in (9, 4, 12, 7, 5, 10, 3, 8)]))
+    expected = [alone(model, p, params) for p, params in requests]
+    engine = make_engine(model, num_blocks=40, max_seqs=5)
+    engine.start()
+    results = [None] * len(requests)
+
+    def client(i):
+        results[i] = tokens(engine.submit(*requests[i]))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    engine.stop()
+    assert results == expected
+    assert engine.stats().kv_blocks_used == 0
+
+
+class FailsOnStep:
+    """The real runner, made to raise at its n-th step as a lost device would."""
+
+    def __init__(self, runner, n):
+        self.runner, self.n = runner, n
+        self.block_size, self.num_blocks = runner.block_size, runner.num_blocks
+        self.vocab_size, self.max_context = runner.vocab_size, runner.max_context
+
+    def step(self, batch):
+        self.n -= 1
+        if self.n == 0:
+            raise RuntimeError("device lost")
+        return self.runner.step(batch)
+
+
+def test_a_failing_step_fails_every_request_in_flight(model):
+    runner = FailsOnStep(model.runner(num_blocks=64, block_size=4), 3)
+    engine = Engine(runner, model.tokenizer)
+    handles = [engine.submit(p, greedy(10)) for p in prompts(model, [3, 5, 7])]
+    engine.start()
+    for handle in handles:
+        with pytest.raises(EngineFailed, match="device lost"):
+            list(handle)
+    assert "device lost" in engine.stats().error
+    assert engine.stats().kv_blocks_used == 0
+    with pytest.raises(EngineFailed):
+        engine.submit([1, 2], greedy(1))
+    engine.stop()

@@ -1,0 +1,518 @@
+"""poot-serve over real sockets, with the real `openai` client, on a server started in-process.
+
+The tiny random model keeps these fast; the default model (when present in the cache) checks
+the chat template and a real conversation. Every response is compared with what the engine gives
+for the same request run alone, so batching, streaming and disconnects must change nothing.
+"""
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+import poot
+from tests.models import default_model, tiny_model
+from poot.engine.request import SamplingParams
+from poot.engine.scheduler import Engine
+from poot.serve import Server
+
+
+# ---- helpers (test_serve_errors.py uses them too) ----------------------------------------------
+
+def start_server(model, *, num_blocks=256, block_size=4, max_seqs=8, step_tokens=64,
+                 max_context=None, **server_kw):
+    server = Server(port=0, **server_kw)
+    server.load(model, model.runner(num_blocks=num_blocks, block_size=block_size),
+                max_seqs=max_seqs, step_tokens=step_tokens, max_context=max_context)
+    return server
+
+
+def call(server, method, path, body=None, headers=None):
+    """One request on its own connection -> (status, headers, JSON body or text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    if isinstance(body, (dict, list)):
+        body = json.dumps(body).encode()
+    conn.request(method, path, body=body, headers=headers or {})
+    response = conn.getresponse()
+    raw = response.read()
+    conn.close()
+    if response.getheader("Content-Type", "").startswith("application/json"):
+        return response.status, response, json.loads(raw)
+    return response.status, response, raw.decode()
+
+
+def metric(server, name):
+    _, _, text = call(server, "GET", "/metrics")
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1))
+
+
+def wait_for_free_blocks(server, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(server, "poot_kv_blocks_used") == 0 and metric(
+                server, "poot_running_sequences") == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def long_run(server):
+    """A max_tokens that keeps a short prompt generating for a while."""
+    return min(400, server.engine.context_limit - 32)
+
+
+def engine_alone(model, prompt_ids, **params):
+    """(text, token ids, finish reason) of a request run alone on a fresh engine."""
+    engine = Engine(model.runner(num_blocks=256, block_size=4), model.tokenizer)
+    outs = list(engine.generate(prompt_ids, SamplingParams(**params)))
+    return ("".join(o.text for o in outs), [t for o in outs for t in o.token_ids],
+            outs[-1].finish_reason)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return poot.load(tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    server = start_server(tiny)
+    yield server
+    server.close(grace=0)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+# ---- the routes -----------------------------------------------------------------------------
+
+def test_health_says_loading_until_the_engine_is_ready(tiny):
+    server = Server(port=0)
+    try:
+        assert call(server, "GET", "/health")[::2] == (503, {"status": "loading"})
+        status, _, body = call(server, "GET", "/v1/models")
+        assert status == 503 and body["error"]["code"] == "server_loading"
+        server.load(tiny, tiny.runner(num_blocks=32, block_size=4))
+        status, _, body = call(server, "GET", "/health")
+        assert status == 200 and body["status"] == "serving"
+        assert body["backend"] == "reference" and body["plan"]["kv_blocks"] == 32
+        assert isinstance(body["devices"], list)
+    finally:
+        server.close(grace=0)
+
+
+def test_models_lists_the_served_model(server, client, tiny):
+    assert [m.id for m in client.models.list().data] == [tiny.name]
+    assert client.models.retrieve(tiny.name).id == tiny.name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not-this-one")
+
+
+def test_completion_equals_the_engine_run_alone(client, tiny):
+    prompt = "Hello there, how"
+    text, ids, reason = engine_alone(tiny, tiny.tokenizer.encode(prompt), max_tokens=9,
+                                     temperature=0, ignore_eos=True)
+    r = client.completions.create(model=tiny.name, prompt=prompt, max_tokens=9, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == tiny.name
+    assert r.choices[0].text == text and r.choices[0].finish_reason == reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(tiny.tokenizer.encode(prompt)), 9, len(tiny.tokenizer.encode(prompt)) + 9)
+
+
+def test_a_prompt_of_token_ids_is_taken_as_it_is(client, tiny):
+    ids = [5, 90, 31, 7, 200]
+    text, _, _ = engine_alone(tiny, ids, max_tokens=5, temperature=0, ignore_eos=True)
+    r = client.completions.create(model=tiny.name, prompt=ids, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text and r.usage.prompt_tokens == 5
+
+
+def test_a_streamed_completion_equals_the_whole_one_and_ends_with_usage(client, tiny):
+    args = dict(model=tiny.name, prompt="Streams of", max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True,
+                                            stream_options={"include_usage": True}, **args))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_the_stream_is_server_sent_events_one_per_http_chunk(server):
+    body = json.dumps({"prompt": "raw", "max_tokens": 6, "temperature": 0, "stream": True,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert b"Content-Type: text/event-stream" in head and b"Transfer-Encoding: chunked" in head
+    events = []
+    while True:                       # each HTTP chunk is exactly one event, written at once
+        size, _, rest = rest.partition(b"\r\n")
+        size = int(size, 16)
+        if size == 0:
+            break
+        events.append(rest[:size].decode())
+        assert rest[size:size + 2] == b"\r\n"
+        rest = rest[size + 2:]
+    assert all(e.startswith("data: ") and e.endswith("\n\n") and e.count("\n\n") == 1
+               for e in events)
+    assert events[-1] == "data: [DONE]\n\n"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(payloads) >= 2
+
+
+def test_stop_strings_cut_the_text_before_them(client, tiny):
+    args = dict(model=tiny.name, prompt="Stop right", max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})
+    full = client.completions.create(**args).choices[0].text
+    assert len(full) >= 8, f"the tiny model wrote too little text: {full!r}"
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    r = client.completions.create(stop=[stop, "\x00unused"], **args)
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(stop=stop, stream=True, **args)
+    assert "".join(c.choices[0].text for c in streamed) == full[:full.index(stop)]
+
+
+def test_completion_logprobs_have_the_completions_shape(client, tiny):
+    r = client.completions.create(model=tiny.name, prompt="Log", max_tokens=4, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and chosen == pytest.approx(max(top.values()))
+
+
+def test_seeded_sampling_repeats_and_unseeded_varies(client, tiny):
+    args = dict(model=tiny.name, prompt="Random", max_tokens=16, temperature=1.0,
+                extra_body={"ignore_eos": True})
+    first = client.completions.create(seed=42, **args).choices[0].text
+    assert client.completions.create(seed=42, **args).choices[0].text == first
+    text, _, _ = engine_alone(tiny, tiny.tokenizer.encode("Random"), max_tokens=16,
+                              temperature=1.0, seed=42, ignore_eos=True)
+    assert first == text
+    others = {client.completions.create(**args).choices[0].text for _ in range(3)}
+    assert others != {first}
+
+
+def test_tokenize_and_detokenize_round_trip(server, tiny):
+    status, _, body = call(server, "POST", "/tokenize", {"prompt": "Hello world"})
+    assert status == 200 and body["tokens"] == tiny.tokenizer.encode("Hello world")
+    assert body["count"] == len(body["tokens"])
+    status, _, back = call(server, "POST", "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == tiny.tokenizer.decode(body["tokens"])
+
+
+def test_metrics_count_requests_tokens_and_latencies(server, client, tiny):
+    before = metric(server, "poot_generation_tokens_total")
+    client.completions.create(model=tiny.name, prompt="Count", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    _, response, text = call(server, "GET", "/metrics")
+    assert response.getheader("Content-Type").startswith("text/plain; version=0.0.4")
+    assert metric(server, "poot_generation_tokens_total") == before + 3
+    assert re.search(r'^poot_requests_total\{route="/v1/completions",status="200"\} [1-9]',
+                     text, re.MULTILINE)
+    assert metric(server, "poot_time_to_first_token_seconds_count") >= 1
+    assert metric(server, 'poot_inter_token_latency_seconds_bucket{le="+Inf"}') >= 2
+    for name in ("poot_queue_length", "poot_running_sequences", "poot_kv_blocks_free",
+                 "poot_prompt_tokens_total"):
+        assert f"# TYPE {name} " in text
+    sample = re.compile(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+')
+    for line in text.splitlines():        # every sample line: name{label="value",...} number
+        assert line.startswith("# ") or sample.fullmatch(line), line
+
+
+def test_cutting_streams_midway_frees_every_kv_block(server, tiny):
+    total = metric(server, "poot_kv_blocks_free") + metric(server, "poot_kv_blocks_used")
+    socks = []
+    for i in range(6):
+        body = json.dumps({"prompt": f"cut {i}", "max_tokens": long_run(server), "temperature": 0,
+                           "stream": True, "ignore_eos": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        socks.append(sock)
+    for sock in socks:
+        received = b""
+        while received.count(b"data: ") < 3:      # a few tokens in, then the client leaves
+            received += sock.recv(4096)
+        sock.close()
+    assert wait_for_free_blocks(server), "KV blocks still held after the clients left"
+    assert metric(server, "poot_kv_blocks_free") == total
+
+
+def test_a_client_leaving_before_a_whole_response_cancels_it(server):
+    body = json.dumps({"prompt": "leave", "max_tokens": long_run(server), "temperature": 0,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
+    deadline = time.monotonic() + 10
+    while metric(server, "poot_running_sequences") == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sock.close()
+    assert wait_for_free_blocks(server)
+
+
+def test_concurrent_clients_get_what_each_request_gives_alone(server, tiny):
+    requests = []
+    for client_no in range(16):
+        for k in range(3):
+            prompt = f"Client {client_no} asks question {k}" + " more" * (client_no % 5) * 3
+            requests.append(dict(prompt=prompt, max_tokens=4 + (client_no * 7 + k * 5) % 23,
+                                 stream=(client_no + k) % 2 == 0))
+    expected = [engine_alone(tiny, tiny.tokenizer.encode(r["prompt"]),
+                             max_tokens=r["max_tokens"], temperature=0, ignore_eos=True)[0]
+                for r in requests]
+    results = [None] * len(requests)
+    ids = []
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+    def run_client(client_no):
+        for k in range(3):
+            i = client_no * 3 + k
+            r = requests[i]
+            args = dict(model=tiny.name, prompt=r["prompt"], max_tokens=r["max_tokens"],
+                        temperature=0, extra_body={"ignore_eos": True})
+            if r["stream"]:
+                chunks = list(client.completions.create(stream=True, **args))
+                results[i] = "".join(c.choices[0].text for c in chunks)
+                ids.append(chunks[0].id)
+            else:
+                response = client.completions.create(**args)
+                results[i] = response.choices[0].text
+                ids.append(response.id)
+
+    threads = [threading.Thread(target=run_client, args=(n,)) for n in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == expected
+    assert len(ids) == len(set(ids)) == len(requests)
+    assert wait_for_free_blocks(server)
+
+
+def test_a_kv_cache_too_small_for_everyone_still_gives_identical_outputs(tiny):
+    server = start_server(tiny, num_blocks=20, block_size=4, max_seqs=6)   # 80 tokens
+    try:
+        prompts = [f"tight {i}" * (1 + i % 3) for i in range(8)]
+        expected = [engine_alone(tiny, tiny.tokenizer.encode(p), max_tokens=30, temperature=0,
+                                 ignore_eos=True)[0] for p in prompts]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        results = [None] * len(prompts)
+
+        def ask(i):
+            results[i] = client.completions.create(
+                model=tiny.name, prompt=prompts[i], max_tokens=30, temperature=0,
+                extra_body={"ignore_eos": True}).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == expected
+        assert metric(server, "poot_preemptions_total") > 0
+        assert wait_for_free_blocks(server)
+    finally:
+        server.close(grace=0)
+
+
+def test_the_api_key_guards_every_route_but_health(tiny):
+    server = start_server(tiny, num_blocks=32, api_key="s3cret")
+    try:
+        assert call(server, "GET", "/health")[0] == 200
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"),
+                             ("POST", "/v1/completions"), ("POST", "/tokenize")):
+            status, _, body = call(server, method, path, {"prompt": "x"})
+            assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        status, _, _ = call(server, "GET", "/v1/models",
+                            headers={"Authorization": "Bearer wrong"})
+        assert status == 401
+        good = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model=tiny.name, prompt="hi", max_tokens=2).usage
+        bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    finally:
+        server.close(grace=0)
+
+
+def test_closing_lets_in_flight_requests_finish_then_refuses_connections(tiny):
+    server = start_server(tiny, num_blocks=64)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model=tiny.name, prompt="finish me", max_tokens=40,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    closer = threading.Thread(target=server.close, kwargs={"grace": 10.0})
+    closer.start()
+    rest = list(stream)
+    closer.join(15)
+    assert not closer.is_alive()
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert len(first.choices[0].text + "".join(c.choices[0].text for c in rest)) > 0
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=2)
+
+
+# ---- chat -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_server():
+    model = poot.load(default_model())
+    server = start_server(model, num_blocks=128, block_size=16, max_context=1024)
+    yield server, model
+    server.close(grace=0)
+
+
+def test_chat_with_the_default_models_template(default_server):
+    server, model = default_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=model.name, messages=messages, max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    _, _, tokenized = call(server, "POST", "/tokenize", {"messages": messages})
+    assert r.usage.prompt_tokens == tokenized["count"]
+    entries = choice.logprobs.content
+    assert len(entries) == r.usage.completion_tokens - (choice.finish_reason == "stop")
+    assert all(len(e.top_logprobs) == 2 and bytes(e.bytes).decode("utf-8", "replace") == e.token
+               for e in entries)
+
+    chunks = list(client.chat.completions.create(
+        model=model.name, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == choice.message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_the_default_model_serves_concurrent_chats_like_single_ones(default_server):
+    server, model = default_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    questions = ["Name a color.", "What is 2+2?", "Say hello.", "Name a fruit."]
+
+    def ask(q):
+        return client.chat.completions.create(
+            model=model.name, messages=[{"role": "user", "content": q}], max_tokens=6,
+            temperature=0).choices[0].message.content
+
+    alone = [ask(q) for q in questions]
+    together = [None] * len(questions)
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, ask(questions[i])))
+               for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+
+
+# ---- the program ----------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_program_serves_and_exits_0_on_sigterm(tmp_path):
+    model_path = tiny_model(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from poot.serve.cli import main; "
+         "sys.exit(main(sys.argv[1:]))", "--backend", "reference", "--model", str(model_path),
+         "--port", str(port), "--ctx", "256"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline and status != 200 and proc.poll() is None:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                status = conn.getresponse().status
+                conn.close()
+            except OSError:
+                time.sleep(0.1)
+        assert status == 200, proc.stderr.read() if proc.poll() is not None else "no health"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        stream = client.completions.create(model=model_path.stem, prompt="bye", max_tokens=30,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        assert list(stream)[-1].choices[0].finish_reason == "length"
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("flags, status, words", [
+    (["--backend", "ptx"], 3, "ptx"),
+    (["--backend", "auto"], 3, "--backend reference"),
+    (["--backend", "vulkan"], 3, "vulkan"),
+    (["--backend", "reference", "--placement", "tensor:0,0"], 2, "twice"),
+    (["--backend", "reference", "--placement", "sideways:0"], 2, "placement"),
+    (["--backend", "reference", "--placement", "pipeline:0,1"], 5, "reference"),
+    (["--backend", "wgpu", "--placement", "pipeline:0,1"], 5, "cannot copy"),
+    (["--backend", "ptx", "--placement", "tensor:0,1", "--device-timing"], 5, "timing"),
+    (["--backend", "reference", "--device-timing"], 2, "no device"),
+    (["--backend", "reference", "--memory-limit", "lots"], 2, "memory-limit"),
+    (["--backend", "reference", "--max-seqs", "0"], 2, "max-seqs"),
+])
+def test_the_program_refuses_what_it_cannot_do_with_an_exit_status(flags, status, words,
+                                                                    capsys):
+    from poot.serve.cli import main
+    assert main(flags + ["--port", "0"]) == status
+    err = capsys.readouterr().err
+    assert err.startswith("poot-serve: ") and words in err and err.count("\n") == 1
+
+
+def test_the_program_exits_7_on_an_unreadable_model_file(tmp_path, capsys):
+    from poot.serve.cli import main
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF not really")
+    assert main(["--backend", "reference", "--model", str(bad), "--port", "0"]) == 7
+    assert "broken.gguf" in capsys.readouterr().err
+
+
+def test_the_program_exits_6_when_the_memory_limit_holds_no_context(tmp_path, capsys):
+    from poot.serve.cli import main
+    model_path = tiny_model(tmp_path)
+    assert main(["--backend", "reference", "--model", str(model_path), "--port", "0",
+                 "--memory-limit", "1KiB"]) == 6
+    assert "memory-limit" in capsys.readouterr().err

@@ -291,7 +291,7 @@ class KernelBuilder:
         return Value(self, self._next, dtype)
 
     def const(self, value, dtype):
-        if dtype.kind == "f":
+        if dtype.kind in ("f", "bf"):
             value = float(value)
         elif dtype.kind == "b":
             value = bool(value)
@@ -332,8 +332,9 @@ class KernelBuilder:
         return self.op("max", a, b)
 
     def var(self, dtype, init):
+        init = self.coerce(init, dtype)
         self._next += 1
-        self.emit(VarDecl(self._next, dtype, self.coerce(init, dtype)))
+        self.emit(VarDecl(self._next, dtype, init))
         return Var(self, self._next, dtype)
 
     # the unary math functions: k.exp(x), k.sqrt(x), ...
@@ -406,6 +407,10 @@ class KernelBuilder:
     def subgroup_max(self, x):
         self.caps.add("subgroup_arith")
         return self.let("subgroup_max", x.dtype, (x,))
+
+    def subgroup_min(self, x):
+        self.caps.add("subgroup_arith")
+        return self.let("subgroup_min", x.dtype, (x,))
 
     def shuffle_xor(self, x, mask):
         self.caps.add("subgroup_shuffle")

@@ -1,0 +1,120 @@
+"""The CUDA Device: libcuda through drivers/cuda.py, kernels rendered to PTX by codegen/ptx.py.
+
+Opens one device by ordinal on its primary context and one stream; buffers, PTX modules (cached
+by kernel name), launches in stream order, and the driver's own memory figures. Nothing here
+chooses a device or retries: a device that cannot open raises BackendUnavailable with the
+driver's words.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from drivers import DriverError
+from drivers import cuda
+
+from ..codegen.ptx import PTX_CAPS, render_ptx
+from ..errors import BackendUnavailable
+
+SCALAR_CTYPES = {"i32": "int32_t", "u32": "uint32_t", "f32": "float"}
+
+
+@dataclass(frozen=True)
+class DeviceBuffer:
+    pointer: int
+    nbytes: int
+
+
+class PtxDevice:
+    backend = "ptx"
+
+    def __init__(self, ordinal=0):
+        try:
+            self.cu = cuda.Driver()
+            self.cu.init()
+            count = self.cu.device_get_count()
+            if not 0 <= ordinal < count:
+                raise BackendUnavailable(f"ptx: no CUDA device {ordinal} (the driver sees {count})")
+            self.handle = self.cu.device_get(ordinal)
+            self.context = self.cu.device_primary_ctx_retain(self.handle)
+            self.cu.ctx_set_current(self.context)
+            attr = lambda a: self.cu.device_get_attribute(a, self.handle)  # noqa: E731
+            self.sm = (10 * attr(cuda.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                       + attr(cuda.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+            self.subgroup_size = attr(cuda.CU_DEVICE_ATTRIBUTE_WARP_SIZE)
+            self.multiprocessors = attr(cuda.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            self.name = f"{self.cu.device_get_name(self.handle)} (cuda:{ordinal}, sm_{self.sm})"
+            self.stream = self.cu.stream_create()
+        except DriverError as e:
+            raise BackendUnavailable(f"ptx: cannot open CUDA device {ordinal}: {e}") from None
+        if self.sm < 80:
+            raise BackendUnavailable(f"ptx: {self.name} is sm_{self.sm}; poot's PTX needs sm_80+")
+        self.ordinal = ordinal
+        self.caps = PTX_CAPS
+        self.allocated = 0
+        self._programs = {}
+
+    def memory(self):
+        """(free, total) bytes, from cuMemGetInfo."""
+        return self.cu.mem_get_info()
+
+    def alloc(self, nbytes):
+        pointer = self.cu.mem_alloc(max(int(nbytes), 1))
+        self.allocated += nbytes
+        return DeviceBuffer(int(pointer), int(nbytes))
+
+    def free(self, buffer):
+        self.cu.mem_free(buffer.pointer)
+        self.allocated -= buffer.nbytes
+
+    def write(self, buffer, array, offset=0):
+        data = np.ascontiguousarray(array)
+        if offset + data.nbytes > buffer.nbytes:
+            raise ValueError(f"write of {data.nbytes} bytes at {offset} into {buffer.nbytes}")
+        self.cu.memcpy_htod_async(buffer.pointer + offset, data, data.nbytes, self.stream)
+
+    def read(self, buffer, nbytes=None, offset=0):
+        nbytes = buffer.nbytes if nbytes is None else nbytes
+        out = bytearray(nbytes)
+        self.cu.memcpy_dtoh_async(out, buffer.pointer + offset, nbytes, self.stream)
+        self.cu.stream_synchronize(self.stream)
+        return bytes(out)
+
+    def copy(self, dst, src, nbytes):
+        self.cu.memcpy_dtod_async(dst.pointer, src.pointer, nbytes, self.stream)
+
+    def program(self, kernel):
+        """The loaded function of a kernel (rendered, JIT-compiled by the driver, cached)."""
+        function = self._programs.get(kernel.name)
+        if function is None:
+            module, _ = self.cu.module_load_data(render_ptx(kernel, self.sm))
+            function = self.cu.module_get_function(module, kernel.name)
+            self._programs[kernel.name] = function
+        return function
+
+    def launch(self, function, kernel, grid, args):
+        """One launch in stream order; args follow kernel.params (buffers, then Python scalars)."""
+        typed = []
+        for param, arg in zip(kernel.params, args, strict=True):
+            if param.kind == "buffer":
+                typed.append(("CUdeviceptr", arg.pointer))
+            else:
+                typed.append((SCALAR_CTYPES[param.dtype.name], arg))
+        self.cu.launch_kernel(function, grid, kernel.workgroup, cuda.KernelParams(*typed), 0,
+                              self.stream)
+
+    def synchronize(self):
+        self.cu.stream_synchronize(self.stream)
+
+    def capture(self, issue):
+        """A CUDA graph of the launches `issue()` makes, to replay as one launch."""
+        self.cu.stream_begin_capture(self.stream)
+        try:
+            issue()
+        finally:
+            graph = self.cu.stream_end_capture(self.stream)
+        executable = self.cu.graph_instantiate(graph)
+        self.cu.graph_destroy(graph)
+        return executable
+
+    def replay(self, executable):
+        self.cu.graph_launch(executable, self.stream)

@@ -52,6 +52,7 @@ class PtxDevice:
         self.caps = PTX_CAPS
         self.allocated = 0
         self._programs = {}
+        self._timed = None
 
     def memory(self):
         """(free, total) bytes, from cuMemGetInfo."""
@@ -99,8 +100,30 @@ class PtxDevice:
                 typed.append(("CUdeviceptr", arg.pointer))
             else:
                 typed.append((SCALAR_CTYPES[param.dtype.name], arg))
-        self.cu.launch_kernel(function, grid, kernel.workgroup, cuda.KernelParams(*typed), 0,
-                              self.stream)
+        params = cuda.KernelParams(*typed)
+        if self._timed is None:
+            self.cu.launch_kernel(function, grid, kernel.workgroup, params, 0, self.stream)
+            return
+        start, end = self.cu.event_create(), self.cu.event_create()
+        self.cu.event_record(start, self.stream)
+        self.cu.launch_kernel(function, grid, kernel.workgroup, params, 0, self.stream)
+        self.cu.event_record(end, self.stream)
+        self._timed.append((kernel.name, start, end))
+
+    def start_timing(self):
+        """Times every launch from now on with a pair of events (--device-timing)."""
+        self._timed = []
+
+    def stop_timing(self):
+        """[(kernel name, seconds)] of the launches since start_timing, in launch order."""
+        self.synchronize()
+        out = []
+        for name, start, end in self._timed:
+            out.append((name, self.cu.event_elapsed_time(start, end) / 1e3))
+            self.cu.event_destroy(start)
+            self.cu.event_destroy(end)
+        self._timed = None
+        return out
 
     def synchronize(self):
         self.cu.stream_synchronize(self.stream)

@@ -168,7 +168,7 @@ class DeviceRunner:
                 dev.write(self.buffers[t.name], self.model.weight_array(t.name).astype(np.float32))
         for name, (t, array) in self.graph.consts.items():
             dev.write(self.buffers[name], array)
-        self.programs = {k.name: (k, dev.program(k)) for k in self._kernels()}
+        self.programs = {k.name: dev.program(k) for k in self._kernels()}
         dev.synchronize()
 
     # -- a step --------------------------------------------------------------------------------
@@ -180,9 +180,8 @@ class DeviceRunner:
     def _shape(self, tensor, n_tokens, n_rows):
         return tuple({"T": n_tokens, "R": n_rows}.get(d, d) for d in tensor.shape)
 
-    def _launch(self, name, grid, *args):
-        kernel, program = self.programs[name]
-        self.device.launch(program, kernel, grid, args)
+    def _launch(self, kernel, grid, *args):
+        self.device.launch(self.programs[kernel.name], kernel, grid, args)
 
     def _upload(self, batch):
         T, R = len(batch.tokens), len(batch.sample_tokens)
@@ -205,72 +204,73 @@ class DeviceRunner:
             ins, out = op.inputs, op.output
             if op.kind == "embedding":
                 table = ins[0]
-                self._launch(f"embedding_{table.dtype.lower()}", (T,),
+                self._launch(ops.embedding(table.dtype), (T,),
                              *self._weight_planes(table), B(ins[1]), B(out), table.shape[1])
             elif op.kind == "rms_norm":
                 shape = self._shape(ins[0], T, R)
                 rows = int(np.prod(shape[:-1]))
-                self._launch(f"rms_norm_s{sg}", (rows,), B(ins[0]), B(ins[1]), B(out),
+                self._launch(ops.rms_norm(sg), (rows,), B(ins[0]), B(ins[1]), B(out),
                              shape[-1], op.attrs["eps"])
             elif op.kind == "matmul":
                 x, w = ins
                 n = self._shape(x, T, R)[0]
                 group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
                 per_wg = wg // sg
-                self._launch(f"matvec_{w.dtype.lower()}_t{group}_s{sg}",
+                self._launch(matmul.matvec(w.dtype, sg, group),
                              (-(-w.shape[0] // per_wg), -(-n // group)),
                              *self._weight_planes(w), B(x), B(out), w.shape[0], w.shape[1], n)
             elif op.kind == "add":
                 n = int(np.prod(self._shape(out, T, R)))
                 nb = int(np.prod(self._shape(ins[1], T, R)))
-                self._launch("add", (-(-n // wg),), B(ins[0]), B(ins[1]), B(out), n, nb)
+                self._launch(ops.elementwise("add"), (-(-n // wg),), B(ins[0]), B(ins[1]), B(out), n, nb)
             elif op.kind == "swiglu":
                 n = int(np.prod(self._shape(out, T, R)))
-                self._launch("swiglu", (-(-n // wg),), B(ins[0]), B(ins[1]), B(out), n, n)
+                self._launch(ops.elementwise("swiglu"), (-(-n // wg),), B(ins[0]), B(ins[1]), B(out), n, n)
             elif op.kind == "rope":
                 x, positions, inv_freq = ins
                 if self._uses[x.name] != 1 or B(x) is not B(out):
                     raise RuntimeError("rope runs in place on a value used only by it")
                 _, heads, hd = x.shape
                 pairs = inv_freq.shape[0]
-                self._launch(f"rope_{op.attrs['style']}", (-(-T * heads * pairs // wg),),
+                self._launch(ops.rope(op.attrs["style"]), (-(-T * heads * pairs // wg),),
                              B(x), B(positions), B(inv_freq), T, heads, hd, pairs)
             elif op.kind == "store_kv":
                 k, v, kc, vc, positions, seq_rows, tables_t = ins
                 words = cfg.n_kv_heads * cfg.head_dim // 2
-                self._launch("store_kv", (-(-T * words // wg),), B(k), B(v), B(kc), B(vc),
+                self._launch(ops.store_kv(), (-(-T * words // wg),), B(k), B(v), B(kc), B(vc),
                              B(positions), B(seq_rows), B(tables_t), T, words, self.table_width,
                              self.block_size)
             elif op.kind == "attention":
                 q, kc, vc, positions, seq_rows, tables_t = ins
-                self._launch(f"attention_d{cfg.head_dim}_s{sg}", (T * cfg.n_heads,), B(q),
+                self._launch(ops.attention(sg, cfg.head_dim), (T * cfg.n_heads,), B(q),
                              B(out), B(kc), B(vc), B(positions), B(seq_rows), B(tables_t),
                              cfg.n_heads, cfg.n_kv_heads, self.table_width, self.block_size,
                              op.attrs["scale"])
             elif op.kind == "gather":
                 x, index = ins
-                self._launch("gather_rows", (R,), B(x), B(index), B(out), x.shape[-1])
+                self._launch(ops.gather_rows(), (R,), B(x), B(index), B(out), x.shape[-1])
             elif op.kind == "reshape":
                 continue
             else:
                 raise ModelRefused(f"{self.device.name}: op {op.kind} has no kernel")
         # the greedy choice of every row, so greedy steps read back tokens, not logits
-        self._launch(f"argmax_s{sg}", (R,), self.buffers[self._output_name()],
+        self._launch(ops.argmax(sg), (R,), self.buffers[self._output_name()],
                      self.buffers["argmax"], self.vocab_size)
 
     def _weight_planes(self, t):
         return [self.buffers[f"{t.name}:{p}"] for p in reader(t.dtype).plane_names]
 
-    def run(self, batch):
+    def run(self, batch, record=True):
         """Runs a step on the device, leaving logits and greedy tokens there.
 
         A pure decode step (every token sampled) runs as one replay of the launches recorded
         for its bucket, the next power of two of its size; the batch is padded to the bucket by
         repeating its last token, which rewrites the same cache slot with the same values.
+        `record=False` issues every launch one by one instead (per-kernel device timing).
         """
         T, R = len(batch.tokens), len(batch.sample_tokens)
         bucket = 1 << max(T - 1, 0).bit_length()
-        if T == R and bucket <= self.max_seqs and hasattr(self.device, "capture"):
+        if record and T == R and bucket <= self.max_seqs and hasattr(self.device, "capture"):
             pad = bucket - T
             padded = StepBatch(*(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (
                 batch.tokens, batch.positions, batch.seq_rows)), batch.block_tables,

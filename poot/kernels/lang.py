@@ -323,7 +323,9 @@ class KernelBuilder:
         return self.let("select", dtype, (cond, self.coerce(a, dtype), self.coerce(b, dtype)))
 
     def fma(self, a, b, c):
-        return self.let("fma", a.dtype, (a, self.coerce(b, a.dtype), self.coerce(c, a.dtype)))
+        """a * b + c (at least one operand a Value; the others take its dtype)."""
+        dtype = next(x.dtype for x in (a, b, c) if isinstance(x, Value))
+        return self.let("fma", dtype, tuple(self.coerce(x, dtype) for x in (a, b, c)))
 
     def min(self, a, b):
         return self.op("min", a, b)

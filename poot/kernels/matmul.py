@@ -4,20 +4,25 @@
 step's few tokens (bandwidth-bound: each weight byte is read once per step). Tokens beyond its
 `tokens` constant run in further launches over the token axis (grid y).
 """
+from functools import cache
+
 from .lang import F32, I32, U32, KernelBuilder
 from .quant import reader
 
 WORKGROUP = 256
 
 
-def matvec(dtype, subgroup_size, tokens=1):
+@cache
+def matvec(dtype, subgroup_size, tokens=1, unroll=None):
     """y[t, m] for t < n_tokens; grid (ceil(rows / subgroups per workgroup), ceil(T / tokens)).
 
     Buffers: planes of W (u32), x f32 [T, cols], y f32 [T, rows]; scalars rows, cols, n_tokens.
     cols must be a multiple of the reader's block (32 for block formats, 8 for floats).
     """
     r = reader(dtype)
-    k = KernelBuilder(f"matvec_{dtype.lower()}_t{tokens}_s{subgroup_size}", (WORKGROUP,))
+    unroll = unroll or (4 if dtype in ("F32", "F16", "BF16") else 2)
+    k = KernelBuilder(f"matvec_{dtype.lower()}_t{tokens}_u{unroll}_s{subgroup_size}",
+                      (WORKGROUP,))
     buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
     x = k.buffer("x", F32)
     y = k.buffer("y", F32, "w")
@@ -29,17 +34,27 @@ def matvec(dtype, subgroup_size, tokens=1):
         k.return_()
     acc = [k.var(F32, 0.0) for _ in range(tokens)]
     n_blocks = cols // r.block_elems
-    with k.for_(lane, n_blocks, subgroup_size) as block:
-        values = r.decode(k, buf, row, block, cols)
-        base = block * r.block_elems
+    stride = subgroup_size * unroll
+
+    def accumulate(blocks):
+        """Adds the blocks' products to acc; every block's loads come before any arithmetic,
+        so a lane has `len(blocks)` weight loads in flight."""
+        values = [r.decode(k, buf, row, block, cols) for block in blocks]
         for t in range(tokens):
-            xrow = (t0 + t) * cols + base
             with k.if_(t0 + t < n_tokens):
-                xs = [v for i in range(0, r.block_elems, 4) for v in x.load(xrow + i, 4)]
                 total = acc[t].get()
-                for wv, xv in zip(values, xs):
-                    total = k.fma(wv, xv, total)
+                for block, vals in zip(blocks, values):
+                    xrow = (t0 + t) * cols + block * r.block_elems
+                    xs = [v for i in range(0, r.block_elems, 4) for v in x.load(xrow + i, 4)]
+                    for wv, xv in zip(vals, xs):
+                        total = k.fma(wv, xv, total)
                 acc[t].set(total)
+
+    whole = n_blocks / stride * stride               # blocks in whole unrolled rounds
+    with k.for_(lane, whole, stride) as block:
+        accumulate([block + u * subgroup_size for u in range(unroll)])
+    with k.for_(whole + lane, n_blocks, subgroup_size) as block:
+        accumulate([block])
     for t in range(tokens):
         s = k.subgroup_add(acc[t].get())
         with k.if_((lane.eq(0)) & (t0 + t < n_tokens)):

@@ -6,11 +6,13 @@ Activations are f32 [tokens, features]; the KV cache holds f16 pairs in u32 word
 [blocks, block_size, kv_heads, head_dim / 2].
 """
 import math
+from functools import cache
 
 from .lang import F32, I32, U32, KernelBuilder
 from .quant import reader
 
 WG = 256
+LOWEST = -3.4028234663852886e38     # the lowest finite f32: wgpu's translator refuses -inf
 
 
 def block_reduce(k, value, subgroup_size, scratch, op="add"):
@@ -22,7 +24,7 @@ def block_reduce(k, value, subgroup_size, scratch, op="add"):
     with k.if_(k.lane_id().eq(0)):
         scratch[k.subgroup_id()] = part
     k.barrier()
-    total = k.var(F32, 0.0 if op == "add" else -math.inf)
+    total = k.var(F32, 0.0 if op == "add" else LOWEST)
     with k.for_(0, n_sub) as i:
         v = scratch[i]
         total.set(total.get() + v if op == "add" else k.max(total.get(), v))
@@ -30,6 +32,7 @@ def block_reduce(k, value, subgroup_size, scratch, op="add"):
     return total.get()
 
 
+@cache
 def rms_norm(subgroup_size):
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; one workgroup per row. grid (rows)."""
     k = KernelBuilder(f"rms_norm_s{subgroup_size}", (WG,))
@@ -48,6 +51,7 @@ def rms_norm(subgroup_size):
     return k.build()
 
 
+@cache
 def elementwise(op):
     """out[i] = a[i] + b[i % len(b)] ("add"), or silu(a[i]) * b[i] ("swiglu"). grid (ceil(n/WG))."""
     k = KernelBuilder(f"{op}", (WG,))
@@ -63,6 +67,7 @@ def elementwise(op):
     return k.build()
 
 
+@cache
 def gather_rows():
     """out[r, :] = x[index[r], :]; grid (R)."""
     k = KernelBuilder("gather_rows", (WG,))
@@ -75,6 +80,7 @@ def gather_rows():
     return k.build()
 
 
+@cache
 def embedding(dtype):
     """out[t, :] = table[ids[t], :] from the table's device planes; grid (T)."""
     r = reader(dtype)
@@ -90,16 +96,37 @@ def embedding(dtype):
     return k.build()
 
 
+# pi/2 in three parts: the first two have so few bits that q * part is exact for q < 2**17
+# (angles up to about 200,000 radians: positions times a rope frequency of at most 1).
+HALF_PI = (101 / 64, -15 / 2048, math.pi / 2 - 101 / 64 + 15 / 2048)
+
+
 def sin_cos(k, angle):
-    """sin and cos of an f32 angle of any size: reduced to [-pi, pi] first (Cody-Waite, two
-    parts of 2*pi), since hardware approximations are only accurate near zero."""
-    turns = k.floor(angle * (1.0 / (2 * math.pi)) + 0.5)
-    hi = 6.28125                                    # 2*pi in two parts, the first exact
-    lo = 2 * math.pi - hi
-    r = k.fma(turns, -lo, k.fma(turns, -hi, angle))
-    return k.sin(r), k.cos(r)
+    """sin and cos of an f32 angle, to a few ulp on every target: reduced exactly by pi/2
+    (Cody-Waite, without relying on fused multiply-add), then Taylor polynomials on
+    [-pi/4, pi/4], then the quadrant. Targets' own sin/cos may be far coarser (Vulkan allows
+    2^-11 absolute error)."""
+    q = k.floor(angle * (2 / math.pi) + 0.5)
+    y = angle - q * HALF_PI[0] - q * HALF_PI[1] - q * HALF_PI[2]
+    y2 = y * y
+    sin = cos = None
+    for n in (11, 9, 7, 5, 3):                     # y - y^3/3! + ... - y^11/11!
+        term = (-1) ** (n // 2) / math.factorial(n)
+        sin = term if sin is None else k.fma(sin, y2, term)
+    sin = k.fma(sin * y2, y, y)
+    for n in (12, 10, 8, 6, 4, 2):                 # 1 - y^2/2! + ... + y^12/12!
+        term = (-1) ** (n // 2) / math.factorial(n)
+        cos = term if cos is None else k.fma(cos, y2, term)
+    cos = k.fma(cos, y2, 1.0)
+    quadrant = q.to(I32) & 3
+    swap = (quadrant & 1).eq(1)
+    s, c = k.select(swap, cos, sin), k.select(swap, sin, cos)
+    s = k.select((quadrant & 2).eq(2), -s, s)
+    c = k.select(((quadrant + 1) & 2).eq(2), -c, c)
+    return s, c
 
 
+@cache
 def rope(style):
     """Rotates pairs of x[t, h, :] in place by positions[t] * inv_freq[i]; grid
     (ceil(T * heads * n_pairs / WG)). normal pairs (2i, 2i+1), neox pairs (i, i + half)."""
@@ -125,6 +152,7 @@ def rope(style):
     return k.build()
 
 
+@cache
 def store_kv():
     """k, v f32 [T, kv_heads, head_dim] -> their cache slots, as f16 pairs; grid
     (ceil(T * kv_heads * head_dim / 2 / WG))."""
@@ -147,13 +175,18 @@ def store_kv():
     return k.build()
 
 
+@cache
 def attention(subgroup_size, head_dim):
     """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
     f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
-    (token, head), keys in chunks of WG with a running max and sum. grid (T * heads)."""
-    if head_dim % 2 or head_dim > WG:
-        raise ValueError(f"head_dim {head_dim}: even and at most {WG}")
+    (token, head); keys in chunks of WG with a running max and sum. A thread scores one key of
+    the chunk; for the weighted sum of values the threads split into groups that each take
+    every n_groups-th key, a thread one word (two dims) of the value rows, and the groups' sums
+    are added at the end. grid (T * heads)."""
+    if head_dim % 2 or head_dim // 2 > WG:
+        raise ValueError(f"head_dim {head_dim}: even and at most {2 * WG}")
     half = head_dim // 2
+    n_groups = WG // half
     k = KernelBuilder(f"attention_d{head_dim}_s{subgroup_size}", (WG,))
     q, out = k.buffer("q", F32), k.buffer("out", F32, "w")
     k_cache, v_cache = k.buffer("k_cache", U32), k.buffer("v_cache", U32)
@@ -165,19 +198,26 @@ def attention(subgroup_size, head_dim):
     scratch = k.shared("scratch", F32, WG // subgroup_size)
     probs = k.shared("probs", F32, WG)
     qs = k.shared("q", F32, head_dim)
+    partial = k.shared("partial", F32, n_groups * head_dim)
     th, tid = k.block_id(), k.thread_id()
     t, h = th / n_heads, th % n_heads
     kvh = h / (n_heads / n_kv)
     length = positions[t] + 1
     row = seq_rows[t]
-    with k.if_(tid < head_dim):
-        qs[tid] = q[th * head_dim + tid]
+    word, group = tid % half, tid / half
+    with k.for_(tid, head_dim, WG) as i:
+        qs[i] = q[th * head_dim + i]
     k.barrier()
-    running_max, running_sum = k.var(F32, -math.inf), k.var(F32, 0.0)
-    acc = k.var(F32, 0.0)                          # out[tid] for tid < head_dim
+
+    def cache_word(cache, j, w):
+        block = tables[row * table_width + j / block_size]
+        return cache[((block * block_size + j % block_size) * n_kv + kvh) * half + w]
+
+    running_max, running_sum = k.var(F32, LOWEST), k.var(F32, 0.0)
+    acc = [k.var(F32, 0.0), k.var(F32, 0.0)]       # dims 2*word, 2*word + 1 of this group's sum
     with k.for_(0, length, WG) as start:
         j = start + tid
-        score = k.var(F32, -math.inf)
+        score = k.var(F32, LOWEST)
         with k.if_(j < length):
             block = tables[row * table_width + j / block_size]
             base = ((block * block_size + j % block_size) * n_kv + kvh) * half
@@ -194,22 +234,29 @@ def attention(subgroup_size, head_dim):
         correction = k.exp(running_max.get() - new_max)
         running_sum.set(k.fma(running_sum.get(), correction, chunk_sum))
         running_max.set(new_max)
-        with k.if_(tid < head_dim):
-            total = k.var(F32, 0.0)
-            with k.for_(0, k.min(length - start, WG)) as i:
-                jj = start + i
-                block = tables[row * table_width + jj / block_size]
-                base = ((block * block_size + jj % block_size) * n_kv + kvh) * half
-                va, vb = k.unpack_half2(v_cache[base + tid / 2])
-                v = k.select((tid & 1).eq(0), va, vb)
-                total.set(k.fma(probs[i], v, total.get()))
-            acc.set(k.fma(acc.get(), correction, total.get()))
+        with k.if_(group < n_groups):
+            sums = [k.var(F32, 0.0), k.var(F32, 0.0)]
+            with k.for_(group, k.min(length - start, WG), n_groups) as i:
+                pi = probs[i]
+                va, vb = k.unpack_half2(cache_word(v_cache, start + i, word))
+                sums[0].set(k.fma(pi, va, sums[0].get()))
+                sums[1].set(k.fma(pi, vb, sums[1].get()))
+            for a, s_ in zip(acc, sums):
+                a.set(k.fma(a.get(), correction, s_.get()))
         k.barrier()                                 # probs is rewritten by the next chunk
-    with k.if_(tid < head_dim):
-        out[th * head_dim + tid] = acc.get() / running_sum.get()
+    with k.if_(group < n_groups):
+        partial[group * head_dim + 2 * word] = acc[0].get()
+        partial[group * head_dim + 2 * word + 1] = acc[1].get()
+    k.barrier()
+    with k.for_(tid, head_dim, WG) as d:
+        total = k.var(F32, 0.0)
+        for g in range(n_groups):
+            total.set(total.get() + partial[g * head_dim + d])
+        out[th * head_dim + d] = total.get() / running_sum.get()
     return k.build()
 
 
+@cache
 def argmax(subgroup_size):
     """token[r] = the index of the largest logits[r, :] (lowest index on ties); grid (R)."""
     k = KernelBuilder(f"argmax_s{subgroup_size}", (WG,))
@@ -217,7 +264,7 @@ def argmax(subgroup_size):
     n = k.scalar("n", I32)
     best_v, best_i = k.shared("best_v", F32, WG), k.shared("best_i", I32, WG)
     r, tid = k.block_id(), k.thread_id()
-    bv, bi = k.var(F32, -math.inf), k.var(I32, 0)
+    bv, bi = k.var(F32, LOWEST), k.var(I32, 0)
     with k.for_(tid, n, WG) as i:
         v = logits[r * n + i]
         with k.if_(v > bv.get()):

@@ -22,6 +22,8 @@ import poot
 from tests.models import default_model, tiny_model
 from poot.engine.request import SamplingParams
 from poot.engine.scheduler import Engine
+from poot.backends.select import open_device
+from poot.errors import CapacityError
 from poot.serve import Server
 
 
@@ -481,22 +483,28 @@ def test_the_program_serves_and_exits_0_on_sigterm(tmp_path):
             proc.wait()
 
 
-@pytest.mark.parametrize("flags, status, words", [
-    (["--backend", "ptx"], 3, "ptx"),
-    (["--backend", "auto"], 3, "--backend reference"),
-    (["--backend", "vulkan"], 3, "vulkan"),
-    (["--backend", "reference", "--placement", "tensor:0,0"], 2, "twice"),
-    (["--backend", "reference", "--placement", "sideways:0"], 2, "placement"),
-    (["--backend", "reference", "--placement", "pipeline:0,1"], 5, "reference"),
-    (["--backend", "wgpu", "--placement", "pipeline:0,1"], 5, "cannot copy"),
-    (["--backend", "ptx", "--placement", "tensor:0,1", "--device-timing"], 5, "timing"),
-    (["--backend", "reference", "--device-timing"], 2, "no device"),
-    (["--backend", "reference", "--memory-limit", "lots"], 2, "memory-limit"),
-    (["--backend", "reference", "--max-seqs", "0"], 2, "max-seqs"),
+NO_VULKAN = {"POOT_VULKAN_LIB": "/nonexistent", "POOT_WGPU_LIB": "/nonexistent"}
+
+
+@pytest.mark.parametrize("flags, status, words, env", [
+    (["--backend", "ptx"], 3, "ptx", {}),
+    (["--backend", "auto"], 3, "--backend reference", NO_VULKAN),
+    (["--backend", "vulkan"], 3, "/nonexistent", NO_VULKAN),
+    (["--backend", "wgpu"], 3, "/nonexistent", NO_VULKAN),
+    (["--backend", "reference", "--placement", "tensor:0,0"], 2, "twice", {}),
+    (["--backend", "reference", "--placement", "sideways:0"], 2, "placement", {}),
+    (["--backend", "reference", "--placement", "pipeline:0,1"], 5, "reference", {}),
+    (["--backend", "wgpu", "--placement", "pipeline:0,1"], 5, "cannot copy", {}),
+    (["--backend", "ptx", "--placement", "tensor:0,1", "--device-timing"], 5, "timing", {}),
+    (["--backend", "reference", "--device-timing"], 2, "no device", {}),
+    (["--backend", "reference", "--memory-limit", "lots"], 2, "memory-limit", {}),
+    (["--backend", "reference", "--max-seqs", "0"], 2, "max-seqs", {}),
 ])
-def test_the_program_refuses_what_it_cannot_do_with_an_exit_status(flags, status, words,
-                                                                    capsys):
+def test_the_program_refuses_what_it_cannot_do_with_an_exit_status(flags, status, words, env,
+                                                                    capsys, monkeypatch):
     from poot.serve.cli import main
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     assert main(flags + ["--port", "0"]) == status
     err = capsys.readouterr().err
     assert err.startswith("poot-serve: ") and words in err and err.count("\n") == 1
@@ -516,3 +524,61 @@ def test_the_program_exits_6_when_the_memory_limit_holds_no_context(tmp_path, ca
     assert main(["--backend", "reference", "--model", str(model_path), "--port", "0",
                  "--memory-limit", "1KiB"]) == 6
     assert "memory-limit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["vulkan", "wgpu", "auto"])
+def test_a_vulkan_driver_without_a_budget_stops_with_exit_6(backend, tmp_path, capsys):
+    """lavapipe has no VK_EXT_memory_budget: the free memory is unknown, and never guessed."""
+    from poot.errors import BackendUnavailable
+    from poot.serve.cli import main
+    try:
+        device = open_device("wgpu" if backend == "auto" else backend)
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        device.memory()
+        pytest.skip(f"{device.name} reports a memory budget")
+    except CapacityError:
+        pass
+    assert main(["--backend", backend, "--model", str(tiny_model(tmp_path)), "--port",
+                 "0"]) == 6
+    assert "budget" in capsys.readouterr().err
+
+
+def test_vulkan_without_a_budget_serves_within_a_memory_limit(tmp_path):
+    from poot.errors import BackendUnavailable
+    try:
+        open_device("vulkan")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    model_path = tiny_model(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poot", "serve", "--backend", "vulkan", "--memory-limit",
+         "512MiB", "--model", str(model_path), "--port", str(port), "--ctx", "256"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, status = time.monotonic() + 120, None
+        while time.monotonic() < deadline and status != 200 and proc.poll() is None:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                status = conn.getresponse().status
+                conn.close()
+            except OSError:
+                time.sleep(0.2)
+        assert status == 200, proc.stderr.read() if proc.poll() is not None else "no health"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        got = client.completions.create(model=model_path.stem, prompt="Hello", max_tokens=8,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        want = poot.LLM(model_path, backend="reference").generate(
+            "Hello", max_tokens=8, temperature=0, ignore_eos=True)
+        assert got.choices[0].text == want.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -2,14 +2,14 @@
 
 The rules (docs/backends.md): `auto` takes the first backend whose device is present, in the
 order ptx, rocm, wgpu, and never vulkan or reference; a named backend that cannot open stops
-startup with its reason. This version builds the `ptx` device backend and the numpy
-`reference`; rocm, vulkan and wgpu are not built yet and say so.
+startup with its reason. This version builds the `ptx`, `vulkan` and `wgpu` device backends and
+the numpy `reference`; rocm is not built yet and says so.
 """
 from ..errors import BackendUnavailable, UsageError
 
 BACKENDS = ("auto", "ptx", "rocm", "vulkan", "wgpu", "reference")
 AUTO_ORDER = ("ptx", "rocm", "wgpu")
-NOT_BUILT = ("rocm", "vulkan", "wgpu")
+NOT_BUILT = ("rocm",)
 
 
 def open_device(name, ordinal=0):
@@ -29,5 +29,11 @@ def open_device(name, ordinal=0):
                                  + " (--backend reference runs the numpy interpreter)")
     if name in NOT_BUILT:
         raise BackendUnavailable(f"{name}: this backend is not built in this version of poot")
+    if name == "vulkan":
+        from .vulkan import VulkanDevice
+        return VulkanDevice(ordinal)
+    if name == "wgpu":
+        from .wgpu import WgpuDevice
+        return WgpuDevice(ordinal)
     from .ptx import PtxDevice
     return PtxDevice(ordinal)

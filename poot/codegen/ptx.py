@@ -408,6 +408,8 @@ class _Renderer:
         op, t = let.op, let.dtype
         if op == "load":
             return self.load(let)
+        if op == "unpack_half2":
+            return self.unpack_half2(let)
         d = self.named(let.id, t)
         if op == "extract":
             return self.mov(d, self.vectors[let.args[0].id][let.attr("lane")], t)
@@ -442,8 +444,22 @@ class _Renderer:
             self.shuffle("bfly", t, d, args[0], str(let.attr("mask")))
         elif op == "shuffle":
             self.shuffle("idx", t, d, args[0], self.u32(args[1], types[1]))
+        elif op == "pack_half2":
+            lo, hi = self.temp("b16"), self.temp("b16")
+            self.emit(f"cvt.rn.f16.f32 {lo}, {args[0]};")
+            self.emit(f"cvt.rn.f16.f32 {hi}, {args[1]};")
+            self.emit(f"mov.b32 {d}, {{{lo}, {hi}}};")
         else:
             raise TypeError(f"unknown op {op!r}")
+
+    def unpack_half2(self, let):
+        """The two f16 halves of a b32 word as f32 lanes (low half first)."""
+        lanes = [self.named(let.id, F32, f"_{lane}") for lane in range(2)]
+        self.vectors[let.id] = lanes
+        lo, hi = self.temp("b16"), self.temp("b16")
+        self.emit(f"mov.b32 {{{lo}, {hi}}}, {self.val(let.args[0])};")
+        self.emit(f"cvt.f32.f16 {lanes[0]}, {lo};")
+        self.emit(f"cvt.f32.f16 {lanes[1]}, {hi};")
 
     def const(self, d, t, value):
         if t.kind == "b":

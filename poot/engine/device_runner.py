@@ -8,7 +8,8 @@ the launches in graph order, and reads back the logits of the sampled rows; samp
 engine/sampling.py. The runner knows kernels and devices only through the Device interface
 (backends/__init__.py), so the same lowering serves every backend.
 """
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,6 +21,15 @@ from .sampling import sample
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 SHARES_INPUT = ("reshape", "rope")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One launch of the lowered graph: an op (or a matmul with fused work) and its tensors."""
+    kind: str
+    inputs: tuple
+    output: object
+    attrs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -38,11 +48,56 @@ class DeviceRunner:
         self.max_context = model.context_length
         self.table_width = -(-min(self.max_context, num_blocks * block_size) // block_size)
         self.graph = model.step_graph(num_blocks, block_size)
+        self.steps = self._lower()
         self._check_supported()
         self._uses, self._slot_of, self._slot_sizes = self._assign_slots()
         self.buffers, self.graphs = {}, {}
 
     # -- the plan ------------------------------------------------------------------------------
+    def _lower(self):
+        """The graph's ops as launch steps, with two fusions into matmuls: a SwiGLU whose only
+        use is a matmul's input is formed as that matmul reads it, and an add whose input is a
+        matmul used only there (a residual add) becomes the matmul's epilogue."""
+        ops_ = self.graph.ops
+        uses = Counter(t.name for op in ops_ for t in op.inputs)
+        uses.update(t.name for t in self.graph.outputs.values())
+        producer = {op.output.name: op for op in ops_}
+        swiglu_of, add_of, fused = {}, {}, set()
+        for op in ops_:
+            if op.kind != "matmul":
+                continue
+            x = op.inputs[0]
+            maker = producer.get(x.name)
+            if maker is not None and maker.kind == "swiglu" and uses[x.name] == 1:
+                swiglu_of[id(op)] = maker
+                fused.add(id(maker))
+        for op in ops_:
+            if op.kind != "add":
+                continue
+            for mine, other in ((0, 1), (1, 0)):
+                maker = producer.get(op.inputs[mine].name)
+                if maker is not None and maker.kind == "matmul" and \
+                        uses[op.inputs[mine].name] == 1 and op.inputs[other].kind == "value":
+                    add_of[id(maker)] = (op, op.inputs[other])
+                    fused.add(id(op))
+                    break
+        steps = []
+        for op in ops_:
+            if id(op) in fused:
+                continue
+            if op.kind == "matmul":
+                x, w = op.inputs
+                inputs = swiglu_of[id(op)].inputs if id(op) in swiglu_of else (x,)
+                attrs = {"swiglu": id(op) in swiglu_of, "residual": id(op) in add_of}
+                output = op.output
+                if id(op) in add_of:
+                    add, residual = add_of[id(op)]
+                    inputs, output = inputs + (residual,), add.output
+                steps.append(Step("matmul", inputs + (w,), output, attrs))
+            else:
+                steps.append(Step(op.kind, op.inputs, op.output, op.attrs))
+        return steps
+
     def _check_supported(self):
         for t in self.graph.weights.values():
             if len(t.shape) == 2 and t.dtype not in DEVICE_DTYPES:
@@ -57,15 +112,15 @@ class DeviceRunner:
     def _kernels(self):
         sg, cfg = self.device.subgroup_size, self.model.config
         seen = {}
-        for op in self.graph.ops:
-            for kernel in self._kernels_of(op, sg, cfg):
+        for step in self.steps:
+            for kernel in self._kernels_of(step, sg, cfg):
                 seen.setdefault(kernel.name, kernel)
         seen.setdefault("argmax", ops.argmax(sg))
         return list(seen.values())
 
     def _kernels_of(self, op, sg, cfg):
         if op.kind == "matmul":
-            return [matmul.matvec(op.inputs[1].dtype, sg, n) for n in TOKEN_GROUPS]
+            return [matmul.matvec(op.inputs[-1].dtype, sg, n, **op.attrs) for n in TOKEN_GROUPS]
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -92,7 +147,7 @@ class DeviceRunner:
         """Arena slots by liveness: a value takes a free slot of its size at its op and frees
         it after its last use; a reshape, and rope (which runs in place), share their input's
         slot."""
-        ops_ = self.graph.ops
+        ops_ = self.steps
         last_use, alias = {}, {}
         for i, op in enumerate(ops_):
             for t in op.inputs:
@@ -200,7 +255,7 @@ class DeviceRunner:
         sg, cfg = self.device.subgroup_size, self.model.config
         B = self._buffer
         wg = ops.WG
-        for op in self.graph.ops:
+        for op in self.steps:
             ins, out = op.inputs, op.output
             if op.kind == "embedding":
                 table = ins[0]
@@ -212,13 +267,16 @@ class DeviceRunner:
                 self._launch(ops.rms_norm(sg), (rows,), B(ins[0]), B(ins[1]), B(out),
                              shape[-1], op.attrs["eps"])
             elif op.kind == "matmul":
-                x, w = ins
+                w, x = ins[-1], ins[0]
                 n = self._shape(x, T, R)[0]
                 group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
                 per_wg = wg // sg
-                self._launch(matmul.matvec(w.dtype, sg, group),
+                sources = [B(t) for t in ins[:2 if op.attrs["swiglu"] else 1]]
+                residual = [B(ins[-2])] if op.attrs["residual"] else []
+                self._launch(matmul.matvec(w.dtype, sg, group, **op.attrs),
                              (-(-w.shape[0] // per_wg), -(-n // group)),
-                             *self._weight_planes(w), B(x), B(out), w.shape[0], w.shape[1], n)
+                             *self._weight_planes(w), *sources, B(out), *residual, w.shape[0],
+                             w.shape[1], n)
             elif op.kind == "add":
                 n = int(np.prod(self._shape(out, T, R)))
                 nb = int(np.prod(self._shape(ins[1], T, R)))

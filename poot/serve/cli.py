@@ -118,17 +118,33 @@ def kv_blocks(model, context, max_seqs, memory_limit):
     return blocks
 
 
-def describe(device):
+def device_memory(device, memory_limit):
+    """(free, total, source) of the memory startup plans within: the driver's own figures,
+    free capped by --memory-limit; a driver that reports none (a Vulkan driver without
+    VK_EXT_memory_budget) needs the limit, else its CapacityError stops startup."""
+    try:
+        free, total = device.memory()
+    except CapacityError:
+        if memory_limit is None:
+            raise
+        return memory_limit, memory_limit, "--memory-limit (the driver reports no budget)"
+    if memory_limit is not None and memory_limit < free:
+        return memory_limit, total, "--memory-limit"
+    return free, total, "driver"
+
+
+def describe(device, memory):
     if device is None:
         return {"name": f"host {platform.machine()} (numpy)", "backend": "reference"}
-    free, total = device.memory()
+    free, total, source = memory
     return {"name": device.name, "backend": device.backend, "ordinal": device.ordinal,
-            "memory_free": free, "memory_total": total}
+            "memory_free": free, "memory_total": total, "memory_source": source}
 
 
 def serve(args, stop_event):
     ordinal, memory_limit = check_flags(args)
     device = open_device(args.backend, ordinal)     # decided once, before the port opens
+    memory = device_memory(device, memory_limit) if device is not None else None
     from poot.loader import default_model_path, load
     from poot.serve import Server
 
@@ -143,7 +159,7 @@ def serve(args, stop_event):
         blocks = kv_blocks(model, context, args.max_seqs, memory_limit)
         runner = model.runner(device, num_blocks=blocks, block_size=BLOCK_SIZE,
                               max_tokens=STEP_TOKENS, max_seqs=args.max_seqs)
-        engine = server.load(model, runner, devices=[describe(device)],
+        engine = server.load(model, runner, devices=[describe(device, memory)],
                              max_seqs=args.max_seqs, step_tokens=STEP_TOKENS,
                              max_context=context)
     except BaseException:

@@ -1,0 +1,701 @@
+"""The raw Vulkan Device: libvulkan through drivers/vulkan.py, kernels rendered to SPIR-V.
+
+Opens one physical device (by ordinal among those with a compute queue) with exactly the
+features its capabilities stand for, one compute queue, and records every write, copy and
+launch into one command buffer in issue order, a full memory barrier before each command; a
+synchronize submits it and waits on a fence. Buffers are device-local: writes and reads go
+through a host-visible staging ring, or straight through the mapping when the memory is
+host-visible and no recorded work could still touch it. A capture records launches into a
+command buffer of their own that replay() resubmits. Free memory comes from
+VK_EXT_memory_budget, and a driver without it is an error, never a guess. Nothing here chooses
+a device or retries.
+"""
+import os
+import time
+from dataclasses import dataclass, field
+from itertools import count
+
+import numpy as np
+
+from drivers import DriverError, LibraryNotFound
+from drivers import vulkan as vk
+
+from ..codegen.spirv import binding_layout, render_spirv
+from ..errors import BackendUnavailable, CapacityError, ModelRefused
+
+ffi = vk.ffi
+VALIDATION_ENV = "POOT_VULKAN_VALIDATION"
+VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
+BUDGET_EXTENSION = "VK_EXT_memory_budget"
+STAGING_BYTES = 64 << 20
+SPIN_SECONDS = 100e-6         # poll the fence this long before sleeping in vkWaitForFences
+SETS_PER_POOL = 256
+# VkPhysicalDeviceMaintenance3Properties (core 1.1) is not among the binding's declarations: it
+# is read as raw words {sType, pad, pNext, maxPerSetDescriptors, pad, maxMemoryAllocationSize}.
+MAINTENANCE_3_PROPERTIES = 1000168000
+
+
+@dataclass(eq=False)
+class DeviceBuffer:
+    handle: object
+    memory: object
+    nbytes: int
+    mapped: object            # host pointer of a host-visible allocation, else None
+    serial: int
+
+
+@dataclass(eq=False)
+class Program:
+    name: str
+    pipeline: object
+    layout: object
+    set_layout: object
+    push_size: int
+    pack: object              # scalars -> push-constant bytes
+    sets: dict = field(default_factory=dict)   # buffer serials -> (descriptor set array, pool)
+
+
+@dataclass(eq=False)
+class Recording:
+    commands: object          # VkCommandBuffer[1], recorded once, resubmitted by replay()
+
+
+def open_instance(lib, validate):
+    """An instance (Vulkan 1.3 where the loader has it); with `validate`, the Khronos layer
+    reporting through a messenger into the returned list. Returns (instance, messenger
+    keep-alive, messages)."""
+    version = ffi.new("uint32_t *")
+    vk.check(lib.vkEnumerateInstanceVersion(version), "vkEnumerateInstanceVersion")
+    layers = {vk.text(p.layerName) for p in vk.enumerate_all(
+        lib.vkEnumerateInstanceLayerProperties, "VkLayerProperties")}
+    validate = validate and VALIDATION_LAYER in layers
+    messages = []
+
+    def on_message(severity, types, data, user):
+        name = ffi.string(data.pMessageIdName).decode() if data.pMessageIdName else ""
+        messages.append((severity, name, ffi.string(data.pMessage).decode("utf-8", "replace")))
+        return 0
+
+    callback = ffi.callback("PFN_vkDebugUtilsMessengerCallbackEXT", on_message)
+    messenger = vk.new(
+        "VkDebugUtilsMessengerCreateInfoEXT",
+        messageSeverity=lib.VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT
+        | lib.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT,
+        messageType=lib.VK_DEBUG_UTILS_MESSAGE_TYPE_GENERAL_BIT_EXT
+        | lib.VK_DEBUG_UTILS_MESSAGE_TYPE_VALIDATION_BIT_EXT, pfnUserCallback=callback)
+    names = [VALIDATION_LAYER] if validate else []
+    extensions = ["VK_EXT_debug_utils"] if validate else []
+    info = vk.new(
+        "VkInstanceCreateInfo", pNext=messenger if validate else ffi.NULL,
+        pApplicationInfo=vk.new("VkApplicationInfo", pApplicationName=b"poot",
+                                apiVersion=min(version[0], vk.make_version(1, 3))),
+        enabledLayerCount=len(names), ppEnabledLayerNames=vk.strings(names),
+        enabledExtensionCount=len(extensions), ppEnabledExtensionNames=vk.strings(extensions))
+    handle = ffi.new("VkInstance *")
+    vk.check(lib.vkCreateInstance(info, ffi.NULL, handle), "vkCreateInstance")
+    keep = [callback, messenger]
+    if validate:
+        create = vk.instance_function(lib, handle[0], "vkCreateDebugUtilsMessengerEXT")
+        out = ffi.new("VkDebugUtilsMessengerEXT *")
+        vk.check(create(handle[0], messenger, ffi.NULL, out), "vkCreateDebugUtilsMessengerEXT")
+        keep.append(out)
+    return handle[0], keep, messages if validate else None
+
+
+def compute_devices(lib, instance):
+    """Physical devices with a compute queue, each as (handle, index of its compute family)."""
+    found = []
+    for physical in vk.enumerate_all(lib.vkEnumeratePhysicalDevices, "VkPhysicalDevice", instance):
+        families = vk.enumerate_all(lib.vkGetPhysicalDeviceQueueFamilyProperties,
+                                    "VkQueueFamilyProperties", physical)
+        family = next((i for i, f in enumerate(families)
+                       if f.queueFlags & lib.VK_QUEUE_COMPUTE_BIT), None)
+        if family is not None:
+            found.append((physical, family))
+    return found
+
+
+def device_extensions(lib, physical):
+    return {vk.text(e.extensionName) for e in vk.enumerate_all(
+        lib.vkEnumerateDeviceExtensionProperties, "VkExtensionProperties", physical, ffi.NULL)}
+
+
+def heap_budget(lib, physical, extensions, name):
+    """(free, total) bytes of the device-local heaps: VK_EXT_memory_budget's budget minus usage.
+
+    Without the extension the driver leaves the chained struct untouched (PLATFORM-NOTES), so
+    the extension list decides, and an unknown budget is a CapacityError, never a guess."""
+    if BUDGET_EXTENSION not in extensions:
+        raise CapacityError(f"{name}: the Vulkan driver reports no memory budget (no "
+                            f"{BUDGET_EXTENSION}); --memory-limit sets one")
+    budget = vk.new("VkPhysicalDeviceMemoryBudgetPropertiesEXT")
+    memory = vk.chain(vk.new("VkPhysicalDeviceMemoryProperties2"), budget)
+    lib.vkGetPhysicalDeviceMemoryProperties2(physical, memory)
+    props = memory.memoryProperties
+    free = total = 0
+    for i in range(props.memoryHeapCount):
+        if props.memoryHeaps[i].flags & lib.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT:
+            free += max(budget.heapBudget[i] - budget.heapUsage[i], 0)
+            total += props.memoryHeaps[i].size
+    return free, total
+
+
+class PhysicalDeviceView:
+    """The `index`-th physical device with these PCI ids, seen through a bare instance: how a
+    backend with no memory query of its own (wgpu) reads the budget, and the subgroup size
+    compute pipelines get. Raises DriverError, or LookupError when no such device is listed."""
+
+    def __init__(self, vendor_id, device_id, index=0):
+        self.lib, _ = vk.load()
+        self.instance, _, _ = open_instance(self.lib, validate=False)
+        seen = 0
+        for physical, _ in compute_devices(self.lib, self.instance):
+            subgroup = vk.new("VkPhysicalDeviceSubgroupProperties")
+            props = vk.chain(vk.new("VkPhysicalDeviceProperties2"), subgroup)
+            self.lib.vkGetPhysicalDeviceProperties2(physical, props)
+            if (props.properties.vendorID, props.properties.deviceID) != (vendor_id, device_id):
+                continue
+            if seen == index:
+                self.physical, self.subgroup_size = physical, subgroup.subgroupSize
+                self.extensions = device_extensions(self.lib, physical)
+                return
+            seen += 1
+        raise LookupError(f"Vulkan lists {seen} device(s) {vendor_id:04x}:{device_id:04x}, "
+                          f"not number {index}")
+
+    def budget(self, name):
+        return heap_budget(self.lib, self.physical, self.extensions, name)
+
+
+class VulkanDevice:
+    backend = "vulkan"
+
+    def __init__(self, ordinal=0):
+        validate = os.environ.get(VALIDATION_ENV) == "1"
+        try:
+            self.lib, _ = vk.load()
+            self.instance, self._keep, self.messages = open_instance(self.lib, validate)
+            devices = compute_devices(self.lib, self.instance)
+            if not 0 <= ordinal < len(devices):
+                raise BackendUnavailable(f"vulkan: no Vulkan device {ordinal} with a compute "
+                                         f"queue (the loader sees {len(devices)})")
+            self.physical, self.family = devices[ordinal]
+            self._describe(ordinal)
+            self._open()
+        except LibraryNotFound as e:
+            raise BackendUnavailable(f"vulkan: the Vulkan loader is not installed: {e}") from None
+        except DriverError as e:
+            raise BackendUnavailable(f"vulkan: cannot open Vulkan device {ordinal}: {e}") from None
+        self.ordinal = ordinal
+        self.allocated = 0
+        self._serials = count()
+        self._programs = {}
+        self._sets_of = {}            # buffer serial -> programs holding a set that binds it
+        self._pools = []
+        self._free_commands, self._free_fences, self._in_flight = [], [], []
+        self._commands = None         # the command buffer being recorded, begun lazily
+        self._capturing = None
+        self._staging, self._staged = None, 0
+
+    # -- opening -------------------------------------------------------------------------------
+    def _describe(self, ordinal):
+        lib = self.lib
+        subgroup = vk.new("VkPhysicalDeviceSubgroupProperties")
+        maintenance = ffi.new("uint64_t[4]", [MAINTENANCE_3_PROPERTIES, 0, 0, 0])
+        self._properties = vk.chain(vk.new("VkPhysicalDeviceProperties2"), subgroup, maintenance)
+        lib.vkGetPhysicalDeviceProperties2(self.physical, self._properties)
+        props = self._properties.properties
+        if props.apiVersion < vk.make_version(1, 2):
+            raise BackendUnavailable(f"vulkan: {vk.text(props.deviceName)} is Vulkan "
+                                     f"{vk.version_string(props.apiVersion)}; poot needs 1.2+")
+        self.name = f"{vk.text(props.deviceName)} (vulkan:{ordinal})"
+        self.limits = props.limits
+        self.max_allocation = maintenance[3] or (1 << 62)
+        self.max_buffer = min(self.limits.maxStorageBufferRange, self.max_allocation)
+        self.subgroup_size = subgroup.subgroupSize
+        self._uma = props.deviceType in (lib.VK_PHYSICAL_DEVICE_TYPE_CPU,
+                                         lib.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU)
+        v11, v12 = vk.new("VkPhysicalDeviceVulkan11Features"), vk.new(
+            "VkPhysicalDeviceVulkan12Features")
+        features = vk.chain(vk.new("VkPhysicalDeviceFeatures2"), v11, v12)
+        lib.vkGetPhysicalDeviceFeatures2(self.physical, features)
+        caps = {"shared"}
+        offered = {"storage16": v11.storageBuffer16BitAccess,
+                   "storage8": v12.storageBuffer8BitAccess, "float16": v12.shaderFloat16,
+                   "int16": features.features.shaderInt16, "int64": features.features.shaderInt64}
+        caps |= {cap for cap, on in offered.items() if on}
+        if subgroup.supportedStages & lib.VK_SHADER_STAGE_COMPUTE_BIT:
+            ops = subgroup.supportedOperations
+            for cap, bit in (("subgroup", lib.VK_SUBGROUP_FEATURE_BASIC_BIT),
+                             ("subgroup_arith", lib.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT),
+                             ("subgroup_shuffle", lib.VK_SUBGROUP_FEATURE_SHUFFLE_BIT)):
+                if ops & bit:
+                    caps.add(cap)
+        self.caps = frozenset(caps)
+        self.extensions = device_extensions(lib, self.physical)
+
+    def _open(self):
+        """The device with exactly the features behind `caps` enabled (lavapipe runs kernels
+        whose features were never enabled; other drivers reject them), and the budget
+        extension where offered."""
+        lib, caps = self.lib, self.caps
+        v11 = vk.new("VkPhysicalDeviceVulkan11Features",
+                     storageBuffer16BitAccess="storage16" in caps)
+        v12 = vk.new("VkPhysicalDeviceVulkan12Features",
+                     storageBuffer8BitAccess="storage8" in caps, shaderFloat16="float16" in caps)
+        features = vk.chain(vk.new("VkPhysicalDeviceFeatures2"), v11, v12)
+        features.features.shaderInt16 = "int16" in caps
+        features.features.shaderInt64 = "int64" in caps
+        extensions = [BUDGET_EXTENSION] if BUDGET_EXTENSION in self.extensions else []
+        queue = vk.new("VkDeviceQueueCreateInfo", queueFamilyIndex=self.family, queueCount=1,
+                       pQueuePriorities=ffi.new("float[]", [1.0]))
+        info = vk.new("VkDeviceCreateInfo", pNext=features, queueCreateInfoCount=1,
+                      pQueueCreateInfos=queue, enabledExtensionCount=len(extensions),
+                      ppEnabledExtensionNames=vk.strings(extensions))
+        handle = ffi.new("VkDevice *")
+        vk.check(lib.vkCreateDevice(self.physical, info, ffi.NULL, handle), "vkCreateDevice")
+        self.device = handle[0]
+        queue_handle = ffi.new("VkQueue *")
+        lib.vkGetDeviceQueue(self.device, self.family, 0, queue_handle)
+        self.queue = queue_handle[0]
+        self._memory = vk.new("VkPhysicalDeviceMemoryProperties2")
+        lib.vkGetPhysicalDeviceMemoryProperties2(self.physical, self._memory)
+        pool = ffi.new("VkCommandPool *")
+        vk.check(lib.vkCreateCommandPool(self.device, vk.new(
+            "VkCommandPoolCreateInfo", queueFamilyIndex=self.family,
+            flags=lib.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT), ffi.NULL, pool),
+            "vkCreateCommandPool")
+        self._command_pool = pool[0]
+        stages = lib.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | lib.VK_PIPELINE_STAGE_TRANSFER_BIT
+        self._stages = stages
+        self._barrier = vk.new(
+            "VkMemoryBarrier",
+            srcAccessMask=lib.VK_ACCESS_SHADER_WRITE_BIT | lib.VK_ACCESS_TRANSFER_WRITE_BIT,
+            dstAccessMask=lib.VK_ACCESS_SHADER_READ_BIT | lib.VK_ACCESS_SHADER_WRITE_BIT
+            | lib.VK_ACCESS_TRANSFER_READ_BIT | lib.VK_ACCESS_TRANSFER_WRITE_BIT)
+        self._host_barrier = vk.new(
+            "VkMemoryBarrier",
+            srcAccessMask=lib.VK_ACCESS_SHADER_WRITE_BIT | lib.VK_ACCESS_TRANSFER_WRITE_BIT,
+            dstAccessMask=lib.VK_ACCESS_HOST_READ_BIT)
+
+    # -- memory --------------------------------------------------------------------------------
+    def memory(self):
+        """(free, total) bytes of the device-local heaps, from VK_EXT_memory_budget."""
+        return heap_budget(self.lib, self.physical, self.extensions, f"vulkan: {self.name}")
+
+    def _memory_type(self, type_bits, preferences):
+        """The first memory type allowed by `type_bits` whose flags include one of
+        `preferences` (flag sets, best first)."""
+        props = self._memory.memoryProperties
+        for wanted in preferences:
+            for i in range(props.memoryTypeCount):
+                if type_bits >> i & 1 and props.memoryTypes[i].propertyFlags & wanted == wanted:
+                    return i, props.memoryTypes[i].propertyFlags
+        raise DriverError("vulkan", "choosing a memory type", None, "no memory type",
+                          f"{self.name} offers no memory type for this buffer")
+
+    def _buffer(self, nbytes, usage, preferences, host_access):
+        """A buffer bound to its own allocation, mapped when `host_access` and its memory
+        is host-visible and coherent."""
+        lib = self.lib
+        info = vk.new("VkBufferCreateInfo", size=nbytes, usage=usage,
+                      sharingMode=lib.VK_SHARING_MODE_EXCLUSIVE)
+        handle = ffi.new("VkBuffer *")
+        vk.check(lib.vkCreateBuffer(self.device, info, ffi.NULL, handle), "vkCreateBuffer")
+        needs = ffi.new("VkMemoryRequirements *")
+        lib.vkGetBufferMemoryRequirements(self.device, handle[0], needs)
+        memory = ffi.new("VkDeviceMemory *")
+        try:
+            if needs.size > self.max_allocation:
+                raise ModelRefused(f"vulkan: {self.name}: a buffer of {nbytes} bytes needs an "
+                                   f"allocation of {needs.size}, over the device's "
+                                   f"maxMemoryAllocationSize ({self.max_allocation})")
+            index, flags = self._memory_type(needs.memoryTypeBits, preferences)
+            vk.check(lib.vkAllocateMemory(self.device, vk.new(
+                "VkMemoryAllocateInfo", allocationSize=needs.size, memoryTypeIndex=index),
+                ffi.NULL, memory), "vkAllocateMemory")
+        except BaseException:
+            lib.vkDestroyBuffer(self.device, handle[0], ffi.NULL)
+            raise
+        vk.check(lib.vkBindBufferMemory(self.device, handle[0], memory[0], 0),
+                 "vkBindBufferMemory")
+        mapped = None
+        host = lib.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | lib.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+        if host_access and flags & host == host:
+            pointer = ffi.new("void **")
+            vk.check(lib.vkMapMemory(self.device, memory[0], 0, lib.VK_WHOLE_SIZE, 0, pointer),
+                     "vkMapMemory")
+            mapped = pointer[0]
+        return DeviceBuffer(handle[0], memory[0], nbytes, mapped, next(self._serials))
+
+    def alloc(self, nbytes):
+        """A device-local storage buffer; one buffer is bounded by maxStorageBufferRange and
+        maxMemoryAllocationSize (the runner allocates each tensor plane on its own)."""
+        nbytes = int(nbytes)
+        if nbytes > self.max_buffer:
+            raise ModelRefused(
+                f"vulkan: {self.name}: a buffer of {nbytes} bytes is over the device's limit "
+                f"for one storage buffer ({self.max_buffer} bytes: maxStorageBufferRange "
+                f"{self.limits.maxStorageBufferRange}, maxMemoryAllocationSize "
+                f"{self.max_allocation})")
+        lib = self.lib
+        local, host = (lib.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT,
+                       lib.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT
+                       | lib.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)
+        # On a CPU or integrated device the local memory is host memory: map it. A discrete
+        # GPU's host-visible local memory (the PCIe BAR) is small or slow to read: use staging.
+        preferences = [local | host, local] if self._uma else [local]
+        usage = (lib.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | lib.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                 | lib.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+        try:
+            buffer = self._buffer(max(-(-nbytes // 4) * 4, 4), usage, preferences, self._uma)
+        except DriverError as e:
+            raise CapacityError(f"vulkan: {self.name}: cannot allocate {nbytes} bytes: {e}") \
+                from None
+        buffer.nbytes = nbytes
+        self.allocated += nbytes
+        return buffer
+
+    def free(self, buffer):
+        if not self._idle():
+            self.synchronize()
+        for program in self._sets_of.pop(buffer.serial, ()):
+            for key in [k for k in program.sets if buffer.serial in k]:
+                sets, pool = program.sets.pop(key)
+                vk.check(self.lib.vkFreeDescriptorSets(self.device, pool, 1, sets),
+                         "vkFreeDescriptorSets")
+        self.lib.vkDestroyBuffer(self.device, buffer.handle, ffi.NULL)
+        self.lib.vkFreeMemory(self.device, buffer.memory, ffi.NULL)
+        self.allocated -= buffer.nbytes
+
+    # -- host <-> device -----------------------------------------------------------------------
+    def _idle(self):
+        """No recorded or submitted work that could still touch a buffer."""
+        return self._commands is None and not self._in_flight
+
+    def _stage(self, nbytes):
+        """An offset of `nbytes` (at most STAGING_BYTES) in the staging ring, free until the
+        next synchronize (which empties the ring)."""
+        if self._staging is None:
+            lib = self.lib
+            host = (lib.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT
+                    | lib.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT)
+            self._staging = self._buffer(
+                STAGING_BYTES, lib.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                | lib.VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+                [host | lib.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, host], host_access=True)
+        if self._staged + nbytes > STAGING_BYTES:
+            self.synchronize()
+        offset = self._staged
+        self._staged += -(-nbytes // 16) * 16
+        return offset
+
+    def _copy(self, src, src_offset, dst, dst_offset, nbytes):
+        cb = self._record()
+        region = ffi.new("VkBufferCopy *", {"srcOffset": src_offset, "dstOffset": dst_offset,
+                                            "size": nbytes})
+        self.lib.vkCmdCopyBuffer(cb, src.handle, dst.handle, 1, region)
+
+    def write(self, buffer, array, offset=0):
+        """Host -> device, in order with launches: straight into mapped memory when nothing
+        recorded could read the old contents, else through staging and a recorded copy."""
+        data = np.ascontiguousarray(array)
+        if offset + data.nbytes > buffer.nbytes:
+            raise ValueError(f"write of {data.nbytes} bytes at {offset} into {buffer.nbytes}")
+        self._not_capturing("write")
+        source = ffi.from_buffer("char[]", data)
+        if buffer.mapped is not None and self._idle():
+            ffi.memmove(ffi.cast("char *", buffer.mapped) + offset, source, data.nbytes)
+            return
+        done = 0
+        while done < data.nbytes:
+            n = min(data.nbytes - done, STAGING_BYTES)
+            at = self._stage(n)
+            ffi.memmove(ffi.cast("char *", self._staging.mapped) + at, source + done, n)
+            self._copy(self._staging, at, buffer, offset + done, n)
+            done += n
+
+    def read(self, buffer, nbytes=None, offset=0):
+        """Device -> host, after everything issued before it."""
+        nbytes = buffer.nbytes - offset if nbytes is None else nbytes
+        if offset + nbytes > buffer.nbytes:
+            raise ValueError(f"read of {nbytes} bytes at {offset} from {buffer.nbytes}")
+        self._not_capturing("read")
+        if buffer.mapped is not None:
+            self.synchronize()
+            return ffi.buffer(ffi.cast("char *", buffer.mapped) + offset, nbytes)[:]
+        out = bytearray(nbytes)
+        done = 0
+        while done < nbytes:
+            n = min(nbytes - done, STAGING_BYTES)
+            at = self._stage(n)
+            self._copy(buffer, offset + done, self._staging, at, n)
+            self.synchronize()
+            out[done:done + n] = ffi.buffer(ffi.cast("char *", self._staging.mapped) + at, n)
+            done += n
+        return bytes(out)
+
+    def copy(self, dst, src, nbytes):
+        if nbytes > min(dst.nbytes, src.nbytes):
+            raise ValueError(f"copy of {nbytes} bytes between {src.nbytes} and {dst.nbytes}")
+        self._copy(src, 0, dst, 0, nbytes)
+
+    def _not_capturing(self, what):
+        if self._capturing is not None:
+            raise RuntimeError(f"{what} during capture: a recording holds launches only; "
+                               "write before replay, read after it")
+
+    # -- programs and launches -----------------------------------------------------------------
+    def program(self, kernel):
+        """The compute pipeline of a kernel (rendered to SPIR-V, built once per kernel name);
+        a kernel needing what the device lacks is refused, naming the capability."""
+        program = self._programs.get(kernel.name)
+        if program is not None:
+            return program
+        missing = kernel.caps - self.caps
+        if missing:
+            raise ModelRefused(f"vulkan: {self.name}: kernel {kernel.name} needs "
+                               f"{', '.join(sorted(missing))}, which the device lacks")
+        limits, layout = self.limits, binding_layout(kernel)
+        for need, have, what in (
+                (kernel.shared_bytes, limits.maxComputeSharedMemorySize, "bytes of shared memory"),
+                (layout.push_constant_size, limits.maxPushConstantsSize,
+                 "bytes of push constants"),
+                (len(layout.buffers), limits.maxPerStageDescriptorStorageBuffers,
+                 "storage buffers"),
+                (int(np.prod(kernel.workgroup)), limits.maxComputeWorkGroupInvocations,
+                 "invocations per workgroup")):
+            if need > have:
+                raise ModelRefused(f"vulkan: {self.name}: kernel {kernel.name} needs {need} "
+                                   f"{what}; the device offers {have}")
+        program = self._programs[kernel.name] = self._pipeline(kernel, layout)
+        return program
+
+    def _pipeline(self, kernel, layout):
+        lib, dev = self.lib, self.device
+        code = render_spirv(kernel, self.subgroup_size)
+        module = ffi.new("VkShaderModule *")
+        vk.check(lib.vkCreateShaderModule(dev, vk.new(
+            "VkShaderModuleCreateInfo", codeSize=len(code),
+            pCode=ffi.from_buffer("uint32_t[]", code)), ffi.NULL, module), "vkCreateShaderModule")
+        try:
+            bindings = ffi.new("VkDescriptorSetLayoutBinding[]", [
+                {"binding": b.binding, "descriptorType": lib.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                 "descriptorCount": 1, "stageFlags": lib.VK_SHADER_STAGE_COMPUTE_BIT}
+                for b in layout.buffers])
+            set_layout = ffi.new("VkDescriptorSetLayout[1]")
+            vk.check(lib.vkCreateDescriptorSetLayout(dev, vk.new(
+                "VkDescriptorSetLayoutCreateInfo", bindingCount=len(layout.buffers),
+                pBindings=bindings), ffi.NULL, set_layout), "vkCreateDescriptorSetLayout")
+            push = ffi.new("VkPushConstantRange *", {
+                "stageFlags": lib.VK_SHADER_STAGE_COMPUTE_BIT, "offset": 0,
+                "size": layout.push_constant_size})
+            pipeline_layout = ffi.new("VkPipelineLayout *")
+            vk.check(lib.vkCreatePipelineLayout(dev, vk.new(
+                "VkPipelineLayoutCreateInfo", setLayoutCount=1, pSetLayouts=set_layout,
+                pushConstantRangeCount=int(layout.push_constant_size > 0),
+                pPushConstantRanges=push), ffi.NULL, pipeline_layout), "vkCreatePipelineLayout")
+            pipeline = ffi.new("VkPipeline *")
+            vk.check(lib.vkCreateComputePipelines(dev, ffi.NULL, 1, vk.new(
+                "VkComputePipelineCreateInfo", layout=pipeline_layout[0], stage={
+                    "stage": lib.VK_SHADER_STAGE_COMPUTE_BIT, "module": module[0],
+                    "pName": kernel.name.encode()}), ffi.NULL, pipeline),
+                "vkCreateComputePipelines")
+        finally:
+            lib.vkDestroyShaderModule(dev, module[0], ffi.NULL)
+        return Program(kernel.name, pipeline[0], pipeline_layout[0], set_layout,
+                       layout.push_constant_size, layout.pack_push_constants)
+
+    def _descriptor_set(self, program, buffers):
+        """The set binding `buffers` for `program`, written once and kept until one of the
+        buffers is freed (the runner launches the same buffers every step)."""
+        key = tuple(b.serial for b in buffers)
+        entry = program.sets.get(key)
+        if entry is not None:
+            return entry[0]
+        lib = self.lib
+        sets, pool = self._allocate_set(program.set_layout)
+        infos = [ffi.new("VkDescriptorBufferInfo *", {"buffer": b.handle, "offset": 0,
+                                                      "range": lib.VK_WHOLE_SIZE})
+                 for b in buffers]
+        writes = vk.new_array("VkWriteDescriptorSet", [
+            {"dstSet": sets[0], "dstBinding": i, "descriptorCount": 1,
+             "descriptorType": lib.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "pBufferInfo": info}
+            for i, info in enumerate(infos)])
+        lib.vkUpdateDescriptorSets(self.device, len(infos), writes, 0, ffi.NULL)
+        program.sets[key] = (sets, pool)
+        for serial in set(key):
+            self._sets_of.setdefault(serial, set()).add(program)
+        return sets
+
+    def _allocate_set(self, set_layout):
+        """A descriptor set from the newest pool, or from a new pool when that one is full."""
+        lib = self.lib
+        sets = ffi.new("VkDescriptorSet[1]")
+        if self._pools:
+            result = lib.vkAllocateDescriptorSets(self.device, vk.new(
+                "VkDescriptorSetAllocateInfo", descriptorPool=self._pools[-1],
+                descriptorSetCount=1, pSetLayouts=set_layout), sets)
+            if result == lib.VK_SUCCESS:
+                return sets, self._pools[-1]
+            if result not in (lib.VK_ERROR_OUT_OF_POOL_MEMORY, lib.VK_ERROR_FRAGMENTED_POOL):
+                vk.check(result, "vkAllocateDescriptorSets")
+        pool = self._new_pool()
+        vk.check(lib.vkAllocateDescriptorSets(self.device, vk.new(
+            "VkDescriptorSetAllocateInfo", descriptorPool=pool, descriptorSetCount=1,
+            pSetLayouts=set_layout), sets), "vkAllocateDescriptorSets")
+        return sets, pool
+
+    def _new_pool(self):
+        lib = self.lib
+        sizes = ffi.new("VkDescriptorPoolSize *", {"type": lib.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                                   "descriptorCount": SETS_PER_POOL * 8})
+        pool = ffi.new("VkDescriptorPool *")
+        vk.check(lib.vkCreateDescriptorPool(self.device, vk.new(
+            "VkDescriptorPoolCreateInfo",
+            flags=lib.VK_DESCRIPTOR_POOL_CREATE_FREE_DESCRIPTOR_SET_BIT, maxSets=SETS_PER_POOL,
+            poolSizeCount=1, pPoolSizes=sizes), ffi.NULL, pool), "vkCreateDescriptorPool")
+        self._pools.append(pool[0])
+        return pool[0]
+
+    def launch(self, program, kernel, grid, args):
+        """One dispatch recorded in issue order; args follow kernel.params (buffers, then
+        Python scalars, which become the push constants)."""
+        buffers, scalars = [], []
+        for param, arg in zip(kernel.params, args, strict=True):
+            (buffers if param.kind == "buffer" else scalars).append(arg)
+        groups = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        if any(g > m for g, m in zip(groups, self.limits.maxComputeWorkGroupCount)):
+            raise ValueError(f"{kernel.name}: grid {groups} is over the device's "
+                             f"{tuple(self.limits.maxComputeWorkGroupCount)}")
+        sets = self._descriptor_set(program, buffers)
+        lib, cb = self.lib, self._record()
+        compute = lib.VK_PIPELINE_BIND_POINT_COMPUTE
+        lib.vkCmdBindPipeline(cb, compute, program.pipeline)
+        lib.vkCmdBindDescriptorSets(cb, compute, program.layout, 0, 1, sets, 0, ffi.NULL)
+        if program.push_size:
+            values = program.pack(scalars)
+            lib.vkCmdPushConstants(cb, program.layout, lib.VK_SHADER_STAGE_COMPUTE_BIT, 0,
+                                   len(values), ffi.from_buffer(values))
+        lib.vkCmdDispatch(cb, *groups)
+
+    # -- command buffers and submission --------------------------------------------------------
+    def _command_buffer(self, flags):
+        lib = self.lib
+        if self._free_commands:
+            commands = self._free_commands.pop()
+        else:
+            commands = ffi.new("VkCommandBuffer[1]")
+            vk.check(lib.vkAllocateCommandBuffers(self.device, vk.new(
+                "VkCommandBufferAllocateInfo", commandPool=self._command_pool,
+                level=lib.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1), commands),
+                "vkAllocateCommandBuffers")
+        vk.check(lib.vkBeginCommandBuffer(commands[0], vk.new(
+            "VkCommandBufferBeginInfo", flags=flags)), "vkBeginCommandBuffer")
+        return commands
+
+    def _record(self):
+        """The command buffer a command goes into (the capture's, or the eager one), with a
+        barrier recorded first: every command may depend on all before it, in this buffer or
+        in any submitted earlier."""
+        if self._capturing is not None:
+            commands = self._capturing
+        else:
+            if self._commands is None:
+                self._commands = self._command_buffer(
+                    self.lib.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
+            commands = self._commands
+        self.lib.vkCmdPipelineBarrier(commands[0], self._stages, self._stages, 0, 1,
+                                      self._barrier, 0, ffi.NULL, 0, ffi.NULL)
+        return commands[0]
+
+    def _end(self, commands):
+        """Close a command buffer, its writes made available to the host that reads them."""
+        lib = self.lib
+        lib.vkCmdPipelineBarrier(commands[0], self._stages, lib.VK_PIPELINE_STAGE_HOST_BIT, 0, 1,
+                                 self._host_barrier, 0, ffi.NULL, 0, ffi.NULL)
+        vk.check(lib.vkEndCommandBuffer(commands[0]), "vkEndCommandBuffer")
+
+    def _submit(self, *recorded):
+        """Submits what is recorded eagerly, then `recorded` buffers, as one batch."""
+        lib = self.lib
+        batch, recycle = [], []
+        if self._commands is not None:
+            self._end(self._commands)
+            batch.append(self._commands[0])
+            recycle.append(self._commands)
+            self._commands = None
+        batch += [r[0] for r in recorded]
+        if not batch:
+            return
+        if self._free_fences:
+            fence = self._free_fences.pop()
+        else:
+            fence = ffi.new("VkFence[1]")
+            vk.check(lib.vkCreateFence(self.device, vk.new("VkFenceCreateInfo"), ffi.NULL,
+                                       fence), "vkCreateFence")
+        handles = ffi.new("VkCommandBuffer[]", batch)
+        vk.check(lib.vkQueueSubmit(self.queue, 1, vk.new(
+            "VkSubmitInfo", commandBufferCount=len(batch), pCommandBuffers=handles), fence[0]),
+            "vkQueueSubmit")
+        self._in_flight.append((fence, recycle))
+
+    def _wait(self, fence):
+        lib = self.lib
+        start = time.perf_counter()
+        while time.perf_counter() - start < SPIN_SECONDS:
+            if vk.check(lib.vkGetFenceStatus(self.device, fence[0]), "vkGetFenceStatus") == 0:
+                return
+        while vk.check(lib.vkWaitForFences(self.device, 1, fence, 1, 10**9),
+                       "vkWaitForFences") == lib.VK_TIMEOUT:
+            pass
+
+    def synchronize(self):
+        """Submits what is recorded and waits for everything submitted; raises what the
+        validation layer reported as an error meanwhile."""
+        self._submit()
+        lib = self.lib
+        for fence, recycle in self._in_flight:
+            self._wait(fence)
+            vk.check(lib.vkResetFences(self.device, 1, fence), "vkResetFences")
+            self._free_fences.append(fence)
+            for commands in recycle:
+                vk.check(lib.vkResetCommandBuffer(commands[0], 0), "vkResetCommandBuffer")
+                self._free_commands.append(commands)
+        self._in_flight = []
+        self._staged = 0
+        self._raise_validation_errors()
+
+    def _raise_validation_errors(self):
+        if not self.messages:
+            return
+        bit = self.lib.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT
+        errors = [f"{name}: {text}" for severity, name, text in self.messages if severity & bit]
+        self.messages.clear()
+        if errors:
+            raise DriverError("vulkan", VALIDATION_LAYER, None, f"{len(errors)} error(s)",
+                              " | ".join(errors))
+
+    # -- recordings ----------------------------------------------------------------------------
+    def capture(self, issue):
+        """The launches `issue()` makes, recorded once into a command buffer of their own
+        (descriptor sets and push constants baked in) that replay() submits again."""
+        if self._capturing is not None:
+            raise RuntimeError("capture inside a capture")
+        commands = self._command_buffer(self.lib.VK_COMMAND_BUFFER_USAGE_SIMULTANEOUS_USE_BIT)
+        self._capturing = commands
+        try:
+            issue()
+        except BaseException:
+            self.lib.vkEndCommandBuffer(commands[0])
+            self.lib.vkFreeCommandBuffers(self.device, self._command_pool, 1, commands)
+            raise
+        finally:
+            self._capturing = None
+        self._end(commands)
+        return Recording(commands)
+
+    def replay(self, recording):
+        """Submits a recording after everything issued before it (writes included)."""
+        self._not_capturing("replay")
+        self._submit(recording.commands)

@@ -1,0 +1,421 @@
+"""The wgpu Device: wgpu-native (Vulkan underneath) through drivers/wgpu.py, running the SPIR-V
+of codegen/spirv.py through wgpu's translator (naga).
+
+Opens one Vulkan adapter by ordinal and requests a device with the adapter's own limits (the
+immediates limit that carries push constants included) and the features poot's capabilities
+stand for. Launches are encoded into one compute pass; the encoder is submitted before a queue
+write (so the write lands after the launches issued before it), before a read, and at
+synchronize. Every object that could be invalid is made inside error scopes, and an encoder is
+finished inside one, so an error is raised here and never reaches wgpuQueueSubmit (where
+wgpu-native aborts the process). Free memory and the subgroup size come from raw Vulkan on the
+same physical device, since wgpu offers neither. wgpu command buffers are used once, so there
+is no capture/replay: the runner launches every step.
+"""
+import contextlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from itertools import count
+
+import numpy as np
+
+from drivers import DriverError, LibraryNotFound
+from drivers import wgpu
+
+from ..codegen.spirv import binding_layout, render_spirv
+from ..errors import BackendUnavailable, CapacityError, ModelRefused
+from .vulkan import PhysicalDeviceView
+
+ffi = wgpu.ffi
+
+
+@dataclass(eq=False)
+class DeviceBuffer:
+    handle: object
+    nbytes: int
+    size: int                 # nbytes rounded up to whole 4-byte words, as wgpu copies them
+    serial: int
+
+
+@dataclass(eq=False)
+class Program:
+    name: str
+    pipeline: object
+    group_layout: object
+    push_size: int
+    pack: object              # scalars -> immediate (push-constant) bytes
+    groups: dict = field(default_factory=dict)    # buffer serials -> bind group
+
+
+@contextlib.contextmanager
+def native_stderr(into):
+    """Collects what native code writes to file descriptor 2 meanwhile into `into`. Listing
+    adapters has libwayland complain there about XDG_RUNTIME_DIR on a headless host (wgpu
+    probes presentation support), which would break the one-line messages of startup."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            into.append(" ".join(sink.read().decode("utf-8", "replace").split()))
+
+
+class WgpuDevice:
+    backend = "wgpu"
+
+    def __init__(self, ordinal=0):
+        try:
+            self.lib, _ = wgpu.load()
+        except LibraryNotFound as e:
+            raise BackendUnavailable(f"wgpu: wgpu-native is not installed (pip install wgpu): "
+                                     f"{e}") from None
+        except DriverError as e:
+            raise BackendUnavailable(f"wgpu: {e}") from None
+        lib = self.lib
+        self.instance = lib.wgpuCreateInstance(wgpu.chain(
+            wgpu.new("WGPUInstanceDescriptor"),
+            wgpu.new("WGPUInstanceExtras", backends=lib.WGPUInstanceBackend_Vulkan)))
+        if self.instance == ffi.NULL:
+            raise BackendUnavailable("wgpu: wgpuCreateInstance failed")
+        options = wgpu.new("WGPUInstanceEnumerateAdapterOptions",
+                           backends=lib.WGPUInstanceBackend_Vulkan)
+        said = []
+        with native_stderr(said):
+            adapters = ffi.new("WGPUAdapter[]", lib.wgpuInstanceEnumerateAdapters(
+                self.instance, options, ffi.NULL))
+            lib.wgpuInstanceEnumerateAdapters(self.instance, options, adapters)
+        if not 0 <= ordinal < len(adapters):
+            raise BackendUnavailable(f"wgpu: no Vulkan adapter {ordinal} (wgpu sees "
+                                     f"{len(adapters)}; mesa-vulkan-drivers gives lavapipe)"
+                                     + (f"; the driver said: {said[0]}" if said[0] else ""))
+        self.adapter, self.ordinal = adapters[ordinal], ordinal
+        try:
+            described = [self._describe(adapter) for adapter in adapters]
+            name, ids, subgroup_sizes = described[ordinal]
+            self.name = f"{name} (wgpu:{ordinal})"
+            twins = sum(1 for _, other, _ in described[:ordinal] if other == ids)
+            self._open(ids, twins, subgroup_sizes)
+        except DriverError as e:
+            raise BackendUnavailable(f"wgpu: cannot open adapter {ordinal}: {e}") from None
+        finally:
+            for i, other in enumerate(adapters):
+                if i != ordinal:
+                    lib.wgpuAdapterRelease(other)
+        self.allocated = 0
+        self._serials = count()
+        self._programs = {}
+        self._groups_of = {}          # buffer serial -> programs holding a group that binds it
+        self._encoder = self._pass = None
+        self._readback = None
+
+    def _describe(self, adapter):
+        """(device name, (vendor id, device id), (min, max subgroup size)) of an adapter."""
+        lib = self.lib
+        info = wgpu.new("WGPUAdapterInfo")
+        if lib.wgpuAdapterGetInfo(adapter, info) != lib.WGPUStatus_Success:
+            raise DriverError("wgpu", "wgpuAdapterGetInfo", None, "failed", "no adapter info")
+        try:
+            return (wgpu.text(info.device), (info.vendorID, info.deviceID),
+                    (info.subgroupMinSize, info.subgroupMaxSize))
+        finally:
+            lib.wgpuAdapterInfoFreeMembers(info[0])
+
+    def _open(self, ids, twins, subgroup_sizes):
+        """The device, after what wgpu cannot say is read from Vulkan on the same physical
+        device (the `twins`-th one with these PCI ids, as wgpu lists them in Vulkan's order):
+        the free memory, and the subgroup size when wgpu reports a range, or 0 as on
+        lavapipe."""
+        lib, adapter = self.lib, self.adapter
+        try:
+            self._view, self._no_view = PhysicalDeviceView(*ids, twins), None
+        except (DriverError, LookupError) as e:
+            self._view, self._no_view = None, str(e)
+        low, high = subgroup_sizes
+        if low == high and low:
+            self.subgroup_size = low
+        else:
+            self.subgroup_size = self._view.subgroup_size if self._view else 0
+
+        def offered(feature):
+            return bool(lib.wgpuAdapterHasFeature(adapter, feature))
+        wanted = {"f16": lib.WGPUFeatureName_ShaderF16,
+                  "immediates": lib.WGPUNativeFeature_Immediates,
+                  "subgroup": lib.WGPUNativeFeature_Subgroup,
+                  "int64": lib.WGPUNativeFeature_ShaderInt64}
+        features = {name: f for name, f in wanted.items() if offered(f)}
+        # naga rejects 8-bit storage and 16-bit integers (PLATFORM-NOTES): no storage8, int16;
+        # storage16 is f16 buffers only (program() refuses 16-bit integer buffers).
+        caps = {"shared"}
+        if "f16" in features:
+            caps |= {"float16", "storage16"}
+        if "int64" in features:
+            caps.add("int64")
+        if "subgroup" in features and self.subgroup_size:
+            caps |= {"subgroup", "subgroup_arith", "subgroup_shuffle"}
+        self.caps = frozenset(caps)
+        self.limits = wgpu.new("WGPULimits")
+        if lib.wgpuAdapterGetLimits(adapter, self.limits) != lib.WGPUStatus_Success:
+            raise DriverError("wgpu", "wgpuAdapterGetLimits", None, "failed", "no limits")
+        self.errors = []              # errors outside any scope; raised at synchronize
+        self._on_error = wgpu.uncaptured_error_callback(self.errors)
+        required = list(features.values())
+        self.device = wgpu.request_device(lib, self.instance, adapter, wgpu.new(
+            "WGPUDeviceDescriptor", label="poot", requiredFeatureCount=len(required),
+            requiredFeatures=ffi.new("WGPUFeatureName[]", required), requiredLimits=self.limits,
+            uncapturedErrorCallbackInfo={"callback": self._on_error}))
+        self.queue = lib.wgpuDeviceGetQueue(self.device)
+
+    def _scope(self, call):
+        return wgpu.error_scope(self.lib, self.instance, self.device, call)
+
+    # -- memory --------------------------------------------------------------------------------
+    def memory(self):
+        """(free, total) bytes of the device-local heaps, from VK_EXT_memory_budget read
+        through raw Vulkan on the same physical device."""
+        if self._view is None:
+            raise CapacityError(f"wgpu: {self.name}: no memory budget can be read (raw Vulkan "
+                                f"does not show this device: {self._no_view}); --memory-limit "
+                                "sets one")
+        return self._view.budget(f"wgpu: {self.name}")
+
+    def alloc(self, nbytes):
+        """A storage buffer; one buffer is bounded by maxStorageBufferBindingSize (each is
+        bound whole)."""
+        nbytes = int(nbytes)
+        limit = min(self.limits.maxStorageBufferBindingSize, self.limits.maxBufferSize)
+        if nbytes > limit:
+            raise ModelRefused(f"wgpu: {self.name}: a buffer of {nbytes} bytes is over the "
+                               f"adapter's limit for one storage binding ({limit} bytes)")
+        lib, size = self.lib, max(-(-nbytes // 4) * 4, 4)
+        usage = lib.WGPUBufferUsage_Storage | lib.WGPUBufferUsage_CopySrc \
+            | lib.WGPUBufferUsage_CopyDst
+        try:
+            with self._scope("wgpuDeviceCreateBuffer"):
+                handle = lib.wgpuDeviceCreateBuffer(self.device, wgpu.new(
+                    "WGPUBufferDescriptor", size=size, usage=usage))
+        except DriverError as e:
+            lib.wgpuBufferRelease(handle)
+            raise CapacityError(f"wgpu: {self.name}: cannot allocate {nbytes} bytes: {e}") \
+                from None
+        self.allocated += nbytes
+        return DeviceBuffer(handle, nbytes, size, next(self._serials))
+
+    def free(self, buffer):
+        if self._encoder is not None:       # a destroyed buffer must not reach a submit
+            self._submit()
+        for program in self._groups_of.pop(buffer.serial, ()):
+            for key in [k for k in program.groups if buffer.serial in k]:
+                self.lib.wgpuBindGroupRelease(program.groups.pop(key))
+        self.lib.wgpuBufferDestroy(buffer.handle)
+        self.lib.wgpuBufferRelease(buffer.handle)
+        self.allocated -= buffer.nbytes
+
+    # -- host <-> device -----------------------------------------------------------------------
+    def write(self, buffer, array, offset=0):
+        """Host -> device through the queue, after every launch issued before it."""
+        data = np.ascontiguousarray(array)
+        if offset + data.nbytes > buffer.nbytes:
+            raise ValueError(f"write of {data.nbytes} bytes at {offset} into {buffer.nbytes}")
+        if offset % 4 or data.nbytes % 4:
+            raise ValueError(f"wgpu writes whole 4-byte words: {data.nbytes} bytes at {offset}")
+        if self._encoder is not None:
+            self._submit()
+        self.lib.wgpuQueueWriteBuffer(self.queue, buffer.handle, offset,
+                                      ffi.from_buffer(data), data.nbytes)
+
+    def read(self, buffer, nbytes=None, offset=0):
+        """Device -> host, after everything issued before it, through a mappable buffer."""
+        nbytes = buffer.nbytes - offset if nbytes is None else nbytes
+        if offset + nbytes > buffer.nbytes:
+            raise ValueError(f"read of {nbytes} bytes at {offset} from {buffer.nbytes}")
+        lib = self.lib
+        start = offset // 4 * 4
+        size = max(-(-(offset + nbytes) // 4) * 4 - start, 4)
+        if self._readback is None or self._readback.size < size:
+            if self._readback is not None:
+                self.synchronize()
+                lib.wgpuBufferDestroy(self._readback.handle)
+                lib.wgpuBufferRelease(self._readback.handle)
+            with self._scope("wgpuDeviceCreateBuffer"):
+                handle = lib.wgpuDeviceCreateBuffer(self.device, wgpu.new(
+                    "WGPUBufferDescriptor", size=size,
+                    usage=lib.WGPUBufferUsage_MapRead | lib.WGPUBufferUsage_CopyDst))
+            self._readback = DeviceBuffer(handle, size, size, -1)
+        lib.wgpuCommandEncoderCopyBufferToBuffer(self._encoding(), buffer.handle, start,
+                                                 self._readback.handle, 0, size)
+        self._submit()
+        wgpu.map_buffer(lib, self.instance, self.device, self._readback.handle,
+                        lib.WGPUMapMode_Read, 0, size)
+        try:
+            mapped = lib.wgpuBufferGetConstMappedRange(self._readback.handle, 0, size)
+            return ffi.buffer(mapped, size)[offset - start:offset - start + nbytes]
+        finally:
+            lib.wgpuBufferUnmap(self._readback.handle)
+
+    def copy(self, dst, src, nbytes):
+        if nbytes > min(dst.nbytes, src.nbytes) or nbytes % 4:
+            raise ValueError(f"copy of {nbytes} bytes between {src.nbytes} and {dst.nbytes} "
+                             "(wgpu copies whole 4-byte words)")
+        self.lib.wgpuCommandEncoderCopyBufferToBuffer(self._encoding(), src.handle, 0,
+                                                      dst.handle, 0, nbytes)
+
+    # -- programs and launches -----------------------------------------------------------------
+    def program(self, kernel):
+        """The compute pipeline of a kernel (its SPIR-V translated by naga, built once per
+        kernel name); a kernel needing what the device lacks, or that wgpu rejects, is
+        refused with the reason."""
+        program = self._programs.get(kernel.name)
+        if program is not None:
+            return program
+        missing = kernel.caps - self.caps
+        if missing:
+            raise ModelRefused(f"wgpu: {self.name}: kernel {kernel.name} needs "
+                               f"{', '.join(sorted(missing))}, which the device lacks")
+        narrow = [p.name for p in kernel.params
+                  if p.kind == "buffer" and p.dtype.bits == 16 and p.dtype.kind != "f"]
+        if narrow:      # bf16 is a 16-bit integer to SPIR-V, and naga has no 16-bit integers
+            raise ModelRefused(f"wgpu: {self.name}: kernel {kernel.name} needs int16 (for its "
+                               f"16-bit integer buffers {', '.join(narrow)}), which the device "
+                               "lacks")
+        limits, layout = self.limits, binding_layout(kernel)
+        for need, have, what in (
+                (kernel.shared_bytes, limits.maxComputeWorkgroupStorageSize,
+                 "bytes of shared memory"),
+                (layout.push_constant_size, limits.maxImmediateSize,
+                 "bytes of push constants (immediates)"),
+                (len(layout.buffers), limits.maxStorageBuffersPerShaderStage, "storage buffers"),
+                (int(np.prod(kernel.workgroup)), limits.maxComputeInvocationsPerWorkgroup,
+                 "invocations per workgroup")):
+            if need > have:
+                raise ModelRefused(f"wgpu: {self.name}: kernel {kernel.name} needs {need} "
+                                   f"{what}; the adapter offers {have}")
+        try:
+            program = self._pipeline(kernel, layout)
+        except DriverError as e:
+            raise ModelRefused(f"wgpu: {self.name}: wgpu rejects kernel {kernel.name}: "
+                               f"{e}") from None
+        self._programs[kernel.name] = program
+        return program
+
+    def _pipeline(self, kernel, layout):
+        lib, dev = self.lib, self.device
+        code = render_spirv(kernel, self.subgroup_size)
+        source = wgpu.new("WGPUShaderSourceSPIRV", codeSize=len(code) // 4,
+                          code=ffi.from_buffer("uint32_t[]", code))
+        with self._scope("wgpuDeviceCreateShaderModule"):
+            module = lib.wgpuDeviceCreateShaderModule(dev, wgpu.chain(
+                wgpu.new("WGPUShaderModuleDescriptor", label=kernel.name), source))
+        # (a module whose scope raised is never used: a pipeline from it aborts the process)
+        try:
+            entries = wgpu.new_array("WGPUBindGroupLayoutEntry", [
+                {"binding": b.binding, "visibility": lib.WGPUShaderStage_Compute,
+                 "buffer": {"type": lib.WGPUBufferBindingType_ReadOnlyStorage
+                            if b.access == "r" else lib.WGPUBufferBindingType_Storage}}
+                for b in layout.buffers])
+            with self._scope("wgpuDeviceCreateBindGroupLayout"):
+                group_layout = lib.wgpuDeviceCreateBindGroupLayout(dev, wgpu.new(
+                    "WGPUBindGroupLayoutDescriptor", entryCount=len(layout.buffers),
+                    entries=entries))
+            with self._scope("wgpuDeviceCreatePipelineLayout"):
+                pipeline_layout = lib.wgpuDeviceCreatePipelineLayout(dev, wgpu.new(
+                    "WGPUPipelineLayoutDescriptor", bindGroupLayoutCount=1,
+                    bindGroupLayouts=ffi.new("WGPUBindGroupLayout[]", [group_layout]),
+                    immediateSize=layout.push_constant_size))
+            try:
+                with self._scope("wgpuDeviceCreateComputePipeline"):
+                    pipeline = lib.wgpuDeviceCreateComputePipeline(dev, wgpu.new(
+                        "WGPUComputePipelineDescriptor", label=kernel.name,
+                        layout=pipeline_layout,
+                        compute={"module": module, "entryPoint": kernel.name}))
+            finally:
+                lib.wgpuPipelineLayoutRelease(pipeline_layout)
+        finally:
+            lib.wgpuShaderModuleRelease(module)
+        return Program(kernel.name, pipeline, group_layout, layout.push_constant_size,
+                       layout.pack_push_constants)
+
+    def _bind_group(self, program, buffers):
+        """The bind group of `buffers` for `program`, made once and kept until one of them is
+        freed (the runner launches the same buffers every step)."""
+        key = tuple(b.serial for b in buffers)
+        group = program.groups.get(key)
+        if group is None:
+            entries = wgpu.new_array("WGPUBindGroupEntry", [
+                {"binding": i, "buffer": b.handle, "offset": 0, "size": b.size}
+                for i, b in enumerate(buffers)])
+            with self._scope("wgpuDeviceCreateBindGroup"):
+                group = self.lib.wgpuDeviceCreateBindGroup(self.device, wgpu.new(
+                    "WGPUBindGroupDescriptor", layout=program.group_layout,
+                    entryCount=len(buffers), entries=entries))
+            program.groups[key] = group
+            for serial in set(key):
+                self._groups_of.setdefault(serial, set()).add(program)
+        return group
+
+    def launch(self, program, kernel, grid, args):
+        """One dispatch in the open compute pass (wgpu orders dispatches that share a buffer);
+        args follow kernel.params (buffers, then Python scalars, which become immediates)."""
+        buffers, scalars = [], []
+        for param, arg in zip(kernel.params, args, strict=True):
+            (buffers if param.kind == "buffer" else scalars).append(arg)
+        groups = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        if max(groups) > self.limits.maxComputeWorkgroupsPerDimension:
+            raise ValueError(f"{kernel.name}: grid {groups} is over the adapter's "
+                             f"{self.limits.maxComputeWorkgroupsPerDimension} per dimension")
+        group = self._bind_group(program, buffers)
+        lib, compute = self.lib, self._compute_pass()
+        lib.wgpuComputePassEncoderSetPipeline(compute, program.pipeline)
+        lib.wgpuComputePassEncoderSetBindGroup(compute, 0, group, 0, ffi.NULL)
+        if program.push_size:
+            values = program.pack(scalars)
+            lib.wgpuComputePassEncoderSetImmediates(compute, 0, ffi.from_buffer(values),
+                                                    len(values))
+        lib.wgpuComputePassEncoderDispatchWorkgroups(compute, *groups)
+
+    # -- encoding and submission ---------------------------------------------------------------
+    def _encoding(self):
+        """The open command encoder, its compute pass ended (for copies)."""
+        lib = self.lib
+        if self._pass is not None:
+            lib.wgpuComputePassEncoderEnd(self._pass)
+            lib.wgpuComputePassEncoderRelease(self._pass)
+            self._pass = None
+        if self._encoder is None:
+            self._encoder = lib.wgpuDeviceCreateCommandEncoder(self.device, ffi.NULL)
+        return self._encoder
+
+    def _compute_pass(self):
+        if self._pass is None:
+            self._pass = self.lib.wgpuCommandEncoderBeginComputePass(self._encoding(), ffi.NULL)
+        return self._pass
+
+    def _submit(self):
+        """Finishes the encoder inside an error scope and submits it when it is valid."""
+        if self._encoder is None:
+            return
+        lib = self.lib
+        encoder, self._encoder, commands = self._encoding(), None, None
+        try:
+            with self._scope("wgpuCommandEncoderFinish"):
+                commands = lib.wgpuCommandEncoderFinish(encoder, ffi.NULL)
+            lib.wgpuQueueSubmit(self.queue, 1, ffi.new("WGPUCommandBuffer[]", [commands]))
+        finally:
+            if commands is not None:
+                lib.wgpuCommandBufferRelease(commands)
+            lib.wgpuCommandEncoderRelease(encoder)
+
+    def synchronize(self):
+        """Submits what is encoded and waits for the queue; raises an error wgpu reported
+        outside any scope meanwhile."""
+        self._submit()
+        self.lib.wgpuDevicePoll(self.device, 1, ffi.NULL)
+        if self.errors:
+            error = self.errors[0]
+            self.errors.clear()
+            raise error

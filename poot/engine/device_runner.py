@@ -55,22 +55,14 @@ class DeviceRunner:
 
     # -- the plan ------------------------------------------------------------------------------
     def _lower(self):
-        """The graph's ops as launch steps, with two fusions into matmuls: a SwiGLU whose only
-        use is a matmul's input is formed as that matmul reads it, and an add whose input is a
-        matmul used only there (a residual add) becomes the matmul's epilogue."""
+        """The graph's ops as launch steps, with one fusion: an add whose input is a matmul
+        used only there (a residual add) becomes the matmul's epilogue. (A SwiGLU formed as the
+        down projection reads it was measured slower: every row recomputes it.)"""
         ops_ = self.graph.ops
         uses = Counter(t.name for op in ops_ for t in op.inputs)
         uses.update(t.name for t in self.graph.outputs.values())
         producer = {op.output.name: op for op in ops_}
-        swiglu_of, add_of, fused = {}, {}, set()
-        for op in ops_:
-            if op.kind != "matmul":
-                continue
-            x = op.inputs[0]
-            maker = producer.get(x.name)
-            if maker is not None and maker.kind == "swiglu" and uses[x.name] == 1:
-                swiglu_of[id(op)] = maker
-                fused.add(id(maker))
+        add_of, fused = {}, set()
         for op in ops_:
             if op.kind != "add":
                 continue
@@ -85,15 +77,12 @@ class DeviceRunner:
         for op in ops_:
             if id(op) in fused:
                 continue
-            if op.kind == "matmul":
-                x, w = op.inputs
-                inputs = swiglu_of[id(op)].inputs if id(op) in swiglu_of else (x,)
-                attrs = {"swiglu": id(op) in swiglu_of, "residual": id(op) in add_of}
-                output = op.output
-                if id(op) in add_of:
-                    add, residual = add_of[id(op)]
-                    inputs, output = inputs + (residual,), add.output
-                steps.append(Step("matmul", inputs + (w,), output, attrs))
+            if op.kind == "matmul" and id(op) in add_of:
+                add, residual = add_of[id(op)]
+                steps.append(Step("matmul", (op.inputs[0], residual, op.inputs[1]), add.output,
+                                  {"residual": True}))
+            elif op.kind == "matmul":
+                steps.append(Step("matmul", op.inputs, op.output, {"residual": False}))
             else:
                 steps.append(Step(op.kind, op.inputs, op.output, op.attrs))
         return steps
@@ -271,11 +260,10 @@ class DeviceRunner:
                 n = self._shape(x, T, R)[0]
                 group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
                 per_wg = wg // sg
-                sources = [B(t) for t in ins[:2 if op.attrs["swiglu"] else 1]]
-                residual = [B(ins[-2])] if op.attrs["residual"] else []
+                residual = [B(ins[1])] if op.attrs["residual"] else []
                 self._launch(matmul.matvec(w.dtype, sg, group, **op.attrs),
                              (-(-w.shape[0] // per_wg), -(-n // group)),
-                             *self._weight_planes(w), *sources, B(out), *residual, w.shape[0],
+                             *self._weight_planes(w), B(x), B(out), *residual, w.shape[0],
                              w.shape[1], n)
             elif op.kind == "add":
                 n = int(np.prod(self._shape(out, T, R)))

@@ -13,32 +13,22 @@ WORKGROUP = 256
 
 
 @cache
-def matvec(dtype, subgroup_size, tokens=1, unroll=None, swiglu=False, residual=False):
+def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False):
     """y[t, m] for t < n_tokens; grid (ceil(rows / subgroups per workgroup), ceil(T / tokens)).
 
-    Buffers: planes of W (u32), x f32 [T, cols] (with `swiglu`: gate and up [T, cols], and
-    x = silu(gate) * up is formed as it is read), y f32 [T, rows] (with `residual`: y = W x + r,
+    Buffers: planes of W (u32), x f32 [T, cols], y f32 [T, rows] (with `residual`: y = W x + r,
     r [T, rows] read at y's index, so r may be y itself); scalars rows, cols, n_tokens.
     cols must be a multiple of the reader's block (32 for block formats, 8 for floats).
     """
     r = reader(dtype)
     unroll = unroll or (4 if dtype in ("F32", "F16", "BF16") else 2)
     name = f"matvec_{dtype.lower()}_t{tokens}_u{unroll}_s{subgroup_size}"
-    name += "_swiglu" * swiglu + "_residual" * residual
+    name += "_residual" * residual
     k = KernelBuilder(name, (WORKGROUP,))
     buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
-    if swiglu:
-        gate, up = k.buffer("gate", F32), k.buffer("up", F32)
-    else:
-        x = k.buffer("x", F32)
+    x = k.buffer("x", F32)
     y = k.buffer("y", F32, "w")
     res = k.buffer("residual", F32) if residual else None
-
-    def load_x(index):
-        if not swiglu:
-            return x.load(index, 4)
-        return tuple(g / (1.0 + k.exp(-g)) * u for g, u in zip(gate.load(index, 4),
-                                                               up.load(index, 4)))
 
     rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
     row = k.block_id(0) * (WORKGROUP // subgroup_size) + k.subgroup_id()
@@ -59,7 +49,7 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, swiglu=False, residual=F
                 total = acc[t].get()
                 for block, vals in zip(blocks, values):
                     xrow = (t0 + t) * cols + block * r.block_elems
-                    xs = [v for i in range(0, r.block_elems, 4) for v in load_x(xrow + i)]
+                    xs = [v for i in range(0, r.block_elems, 4) for v in x.load(xrow + i, 4)]
                     for wv, xv in zip(vals, xs):
                         total = k.fma(wv, xv, total)
                 acc[t].set(total)

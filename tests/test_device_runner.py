@@ -7,10 +7,11 @@ import poot
 from poot.backends.select import open_device
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.errors import BackendUnavailable
+from poot.kernels.quant import DEVICE_DTYPES
 from tests.models import default_model, tiny_model
 
 
-@pytest.fixture(scope="module", params=["ptx", "vulkan", "wgpu"])
+@pytest.fixture(scope="module", params=["ptx", "rocm", "vulkan", "wgpu"])
 def device(request):
     try:
         return open_device(request.param)
@@ -36,7 +37,7 @@ def greedy(runner, prompt, n, table):
     return ids[len(prompt):], np.array(logits)
 
 
-@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
 def test_tiny_model_matches_reference(tmp_path, device, dtype):
     model = poot.load(tiny_model(tmp_path, dtype=dtype))
     table = list(np.random.default_rng().permutation(32))

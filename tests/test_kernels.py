@@ -11,7 +11,7 @@ from poot.errors import BackendUnavailable
 from poot.formats.quants import dequantize, quantize
 from poot.ir import reference as ref
 from poot.kernels import matmul, ops
-from poot.kernels.quant import DEVICE_DTYPES, planes
+from poot.kernels.quant import DEVICE_DTYPES, planes, reader
 
 rng = np.random.default_rng()
 
@@ -21,6 +21,9 @@ def open_device(backend):
         if backend == "ptx":
             from poot.backends.ptx import PtxDevice
             return PtxDevice(0)
+        if backend == "rocm":
+            from poot.backends.rocm import RocmDevice
+            return RocmDevice(0)
         if backend == "vulkan":
             from poot.backends.vulkan import VulkanDevice
             return VulkanDevice(0)
@@ -32,7 +35,7 @@ def open_device(backend):
     pytest.skip(f"{backend}: no device backend of that name is built")
 
 
-@pytest.fixture(scope="module", params=["ptx", "vulkan", "wgpu"])
+@pytest.fixture(scope="module", params=["ptx", "rocm", "vulkan", "wgpu"])
 def device(request):
     return open_device(request.param)
 
@@ -75,7 +78,7 @@ def weight(dtype, rows, cols):
     raw = quantize(dtype, values).reshape(rows, -1)
     dense = dequantize(dtype, raw, (rows, cols))
     p = planes(dtype, raw, (rows, cols))
-    return [p[name] for name in ("values", "scales", "quants") if name in p], dense
+    return [p[name] for name in reader(dtype).plane_names], dense
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)

@@ -2,14 +2,13 @@
 
 The rules (docs/backends.md): `auto` takes the first backend whose device is present, in the
 order ptx, rocm, wgpu, and never vulkan or reference; a named backend that cannot open stops
-startup with its reason. This version builds the `ptx`, `vulkan` and `wgpu` device backends and
-the numpy `reference`; rocm is not built yet and says so.
+startup with its reason. This version builds the `ptx`, `rocm`, `vulkan` and `wgpu` device
+backends and the numpy `reference`.
 """
 from ..errors import BackendUnavailable, UsageError
 
 BACKENDS = ("auto", "ptx", "rocm", "vulkan", "wgpu", "reference")
 AUTO_ORDER = ("ptx", "rocm", "wgpu")
-NOT_BUILT = ("rocm",)
 
 
 def open_device(name, ordinal=0):
@@ -27,8 +26,9 @@ def open_device(name, ordinal=0):
                 reasons.append(str(e))
         raise BackendUnavailable("--backend auto found no device: " + "; ".join(reasons)
                                  + " (--backend reference runs the numpy interpreter)")
-    if name in NOT_BUILT:
-        raise BackendUnavailable(f"{name}: this backend is not built in this version of poot")
+    if name == "rocm":
+        from .rocm import RocmDevice
+        return RocmDevice(ordinal)
     if name == "vulkan":
         from .vulkan import VulkanDevice
         return VulkanDevice(ordinal)

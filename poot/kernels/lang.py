@@ -60,7 +60,11 @@ class Shared:
 
 
 class Value:
-    """The result of one Let; Python operators on Values append Lets to the builder's block."""
+    """The result of one Let; Python operators on Values append Lets to the builder's block.
+
+    Integer `/` and `//` divide as C does, truncating toward zero (not Python's floor), and `%`
+    keeps the dividend's sign: write ceilings as (a + b - 1) // b.
+    """
 
     def __init__(self, builder, vid, dtype):
         self.b, self.id, self.dtype = builder, vid, dtype

@@ -2,20 +2,32 @@
 
 A weight matrix [rows, cols] stays in its file's number format (F16, BF16, F32 or a block
 quantisation) but is stored as 32-bit words in "planes", so every target can read it with
-aligned 32-bit loads (wgpu's shader translator has no 8- or 16-bit storage): a block format's
-scales go to one plane and its quants to another, each row of a plane padded to whole words.
-`planes(dtype, raw)` makes the planes on the host from the file's bytes; `BlockReader` emits the
-kernel code that turns one block of a row into float32 values. Both follow the ggml block
-definitions (see poot/formats/quants.py).
+aligned 32-bit loads (wgpu's shader translator has no 8- or 16-bit storage): each field of the
+format's block (scales, quants, high bits...) goes to its own plane, each row of a plane padded
+to whole words. `planes(dtype, raw)` makes them on the host from the file's bytes; a
+`BlockReader` emits the kernel code that turns one unit of a row (8 to 64 values) into float32
+values. Both follow the ggml block definitions (see poot/formats/quants.py).
 """
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..formats.quants import QUANTS
-from .lang import F32, I32, U32
+from .lang import F32, I32
 
-DEVICE_DTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# dtype -> the planes of its file block: (name, first byte, end byte), and the values one
+# decode unit yields.
+LAYOUTS = {
+    "F32": ((("values", 0, 4),), 8),
+    "F16": ((("values", 0, 2),), 8),
+    "BF16": ((("values", 0, 2),), 8),
+    "Q8_0": ((("scales", 0, 2), ("quants", 2, 34)), 32),          # f16 d, 32 x i8
+    "Q4_0": ((("scales", 0, 2), ("quants", 2, 18)), 32),          # f16 d, 32 nibbles
+    "Q4_1": ((("scales", 0, 4), ("quants", 4, 20)), 32),          # f16 d, f16 m, 32 nibbles
+    "Q4_K": ((("head", 0, 16), ("quants", 16, 144)), 64),         # d, dmin, 12 B scales; 256 nibbles
+    "Q6_K": ((("ql", 0, 128), ("qh", 128, 192), ("scales", 192, 208), ("d", 208, 210)), 32),
+}
+DEVICE_DTYPES = tuple(LAYOUTS)
 
 
 def _words(rows_bytes):
@@ -29,87 +41,135 @@ def _words(rows_bytes):
 def planes(dtype, raw, shape):
     """Device planes (name -> uint32 [rows, words]) of a weight stored as `raw` file bytes."""
     rows, cols = shape
-    if dtype not in DEVICE_DTYPES:
+    if dtype not in LAYOUTS:
         raise ValueError(f"no device layout for {dtype}")
     q = QUANTS[dtype]
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // q.block_elems, q.block_bytes)
-    if dtype in ("F32", "F16", "BF16"):
-        return {"values": _words(blocks.reshape(rows, -1))}
-    if dtype == "Q8_0":                       # f16 d, 32 x i8
-        return {"scales": _words(blocks[:, :, :2].reshape(rows, -1)),
-                "quants": _words(blocks[:, :, 2:].reshape(rows, -1))}
-    if dtype == "Q4_0":                       # f16 d, 16 bytes of nibbles
-        return {"scales": _words(blocks[:, :, :2].reshape(rows, -1)),
-                "quants": _words(blocks[:, :, 2:].reshape(rows, -1))}
-    # Q4_1: f16 d, f16 m (one word per block), 16 bytes of nibbles
-    return {"scales": _words(blocks[:, :, :4].reshape(rows, -1)),
-            "quants": _words(blocks[:, :, 4:].reshape(rows, -1))}
+    return {name: _words(blocks[:, :, start:end].reshape(rows, -1))
+            for name, start, end in LAYOUTS[dtype][0]}
 
 
 @dataclass(frozen=True)
 class BlockReader:
-    """Kernel-side decoding of one block of a weight row.
-
-    `block_elems` values per block, read as `quant_words` u32 words of the quants plane (or of
-    the values plane for plain floats). `decode(k, buffers, row_words, block)` returns the
-    block's values as a list of f32 Values in element order.
-    """
+    """Kernel-side decoding of a weight row, `block_elems` values (one unit) at a time."""
     dtype: str
-    block_elems: int
-    quant_words: int
+
+    @property
+    def block_elems(self):
+        return LAYOUTS[self.dtype][1]
 
     @property
     def plane_names(self):
-        return ("values",) if self.dtype in ("F32", "F16", "BF16") else ("scales", "quants")
+        return tuple(name for name, _, _ in LAYOUTS[self.dtype][0])
 
     def row_words(self, plane, cols):
-        """u32 words per row of a plane for a row of `cols` values."""
-        nb = cols // QUANTS[self.dtype].block_elems
-        per_block = {"values": QUANTS[self.dtype].block_bytes, "quants": self.quant_words * 4,
-                     "scales": 4 if self.dtype == "Q4_1" else 2}[plane]
-        return -(-nb * per_block // 4)
+        """u32 words per row of a plane, for a row of `cols` values (an int, or an i32 Value in
+        a kernel: the rounding up is written so both divide the same way)."""
+        q = QUANTS[self.dtype]
+        start, end = next((s, e) for name, s, e in LAYOUTS[self.dtype][0] if name == plane)
+        return (cols // q.block_elems * (end - start) + 3) // 4
 
-    def decode(self, k, buf, row, block, cols):
-        """The f32 values of block `block` of row `row`; `buf` maps plane name -> Buffer."""
-        n_words = self.quant_words
-        plane = "values" if "values" in buf else "quants"
-        base = row * self.row_words(plane, cols) + block * n_words
+    def _words(self, k, buf, plane, row, cols, first, count):
+        """`count` consecutive words of a row of a plane, from word `first`, in wide loads."""
+        base = row * self.row_words(plane, cols) + first
         words = []
-        for i in range(0, n_words, 4):
-            width = 4 if n_words - i >= 4 else (2 if n_words - i >= 2 else 1)
+        for i in range(0, count, 4):
+            width = min(4, count - i)
             got = buf[plane].load(base + i, width) if width > 1 else (buf[plane][base + i],)
             words += list(got)
-        if self.dtype == "F32":
-            return [w.bitcast(F32) for w in words]
-        if self.dtype == "F16":
-            return [h for w in words for h in k.unpack_half2(w)]
-        if self.dtype == "BF16":
-            return [v for w in words for v in ((w << 16).bitcast(F32),
-                                               (w & 0xFFFF0000).bitcast(F32))]
-        srow = row * self.row_words("scales", cols)
-        if self.dtype == "Q4_1":
-            d, m = k.unpack_half2(buf["scales"][srow + block])
-        else:                                   # two f16 scales per word
-            pair = k.unpack_half2(buf["scales"][srow + (block >> 1)])
-            d = k.select((block & 1).eq(0), pair[0], pair[1])
-        if self.dtype == "Q8_0":
-            return [((w.bitcast(I32) << (24 - 8 * j)) >> 24).to(F32) * d
-                    for w in words for j in range(4)]
-        low = [((w >> (8 * j)) & 0xF).to(F32) for w in words for j in range(4)]
-        high = [((w >> (8 * j + 4)) & 0xF).to(F32) for w in words for j in range(4)]
-        if self.dtype == "Q4_0":
-            return [(q - 8.0) * d for q in low + high]
-        return [k.fma(q, d, m) for q in low + high]
+        return words
+
+    def decode(self, k, buf, row, unit, cols):
+        """The f32 values of unit `unit` of row `row`; `buf` maps plane name -> Buffer."""
+        d = self.dtype
+        words = lambda plane, first, n: self._words(k, buf, plane, row, cols, first, n)  # noqa
+        if d in ("F32", "F16", "BF16"):
+            per_unit = 8 if d == "F32" else 4
+            ws = words("values", unit * per_unit, per_unit)
+            if d == "F32":
+                return [w.bitcast(F32) for w in ws]
+            if d == "F16":
+                return [h for w in ws for h in k.unpack_half2(w)]
+            return [v for w in ws for v in ((w << 16).bitcast(F32), (w & 0xFFFF0000).bitcast(F32))]
+        if d in ("Q8_0", "Q4_0", "Q4_1"):
+            qs = words("quants", unit * (8 if d == "Q8_0" else 4), 8 if d == "Q8_0" else 4)
+            srow = row * self.row_words("scales", cols)
+            if d == "Q4_1":
+                scale, low = k.unpack_half2(buf["scales"][srow + unit])
+            else:                                     # two f16 scales per word
+                pair = k.unpack_half2(buf["scales"][srow + (unit >> 1)])
+                scale = k.select((unit & 1).eq(0), pair[0], pair[1])
+            if d == "Q8_0":
+                return [((w.bitcast(I32) << (24 - 8 * j)) >> 24).to(F32) * scale
+                        for w in qs for j in range(4)]
+            nibbles = _nibbles(qs, 0) + _nibbles(qs, 4)
+            if d == "Q4_0":
+                return [(q - 8.0) * scale for q in nibbles]
+            return [k.fma(q, scale, low) for q in nibbles]
+        if d == "Q4_K":
+            return self._q4_k(k, words, unit)
+        return self._q6_k(k, buf, words, row, unit, cols)
+
+    def _q4_k(self, k, words, unit):
+        """Unit = the pair of 32-value sub-blocks (2p, 2p+1) of super-block b: the low then the
+        high nibbles of 32 quant bytes, each sub-block x = d*sc*q - dmin*m with 6-bit sc, m."""
+        b, p = unit >> 2, unit & 3
+        head = words("head", b * 4, 4)
+        d, dmin = k.unpack_half2(head[0])
+        byte = lambda i: (head[1 + i // 4] >> (8 * (i % 4))) & 0xFF  # noqa: E731
+        scale, minimum = [], []                      # 6-bit (sc, m) of sub-blocks 0..7
+        for j in range(8):
+            if j < 4:
+                scale.append(byte(j) & 63)
+                minimum.append(byte(j + 4) & 63)
+            else:
+                scale.append((byte(j + 4) & 0xF) | ((byte(j - 4) >> 6) << 4))
+                minimum.append((byte(j + 4) >> 4) | ((byte(j) >> 6) << 4))
+        qs = words("quants", b * 32 + p * 8, 8)
+        values = []
+        for half, shift in ((0, 0), (1, 4)):
+            j = _pick(k, p, [scale[2 * i + half] for i in range(4)])
+            m = _pick(k, p, [minimum[2 * i + half] for i in range(4)])
+            factor, offset = d * j.to(F32), dmin * m.to(F32)
+            values += [k.fma(q, factor, -offset) for q in _nibbles(qs, shift)]
+        return values
+
+    def _q6_k(self, k, buf, words, row, unit, cols):
+        """Unit = 32 values of super-block b, half h, group g: 4 low bits from ql (low or high
+        nibbles of 32 bytes), 2 high bits from qh, x = d * sc * (q - 32), an int8 scale per 16."""
+        b, h, g = unit >> 3, (unit >> 2) & 1, unit & 3
+        ql = words("ql", b * 32 + h * 16 + (g & 1) * 8, 8)
+        qh = words("qh", b * 16 + h * 8, 8)
+        low_shift, high_shift = (g >> 1) * 4, g * 2
+        pair = k.unpack_half2(buf["d"][row * self.row_words("d", cols) + (b >> 1)])
+        d = k.select((b & 1).eq(0), pair[0], pair[1])
+        values = []
+        for part in range(2):                        # values 0..15 and 16..31 of the unit
+            index = h * 8 + g * 2 + part
+            word = words("scales", b * 4 + (index >> 2), 1)[0]
+            sc = ((word.bitcast(I32) << (24 - 8 * (index & 3))) >> 24).to(F32) * d
+            for w_low, w_high in zip(ql[part * 4:part * 4 + 4], qh[part * 4:part * 4 + 4]):
+                for j in range(4):
+                    low = (w_low >> (8 * j + low_shift)) & 0xF
+                    high = (w_high >> (8 * j + high_shift)) & 3
+                    values.append(((low | (high << 4)).bitcast(I32) - 32).to(F32) * sc)
+        return values
 
 
-def reader(dtype, block_for_float=8):
-    """The BlockReader of a device dtype. Plain floats are read `block_for_float` at a time."""
-    if dtype == "F32":
-        return BlockReader(dtype, block_for_float, block_for_float)
-    if dtype in ("F16", "BF16"):
-        return BlockReader(dtype, block_for_float, block_for_float // 2)
-    if dtype == "Q8_0":
-        return BlockReader(dtype, 32, 8)
-    if dtype in ("Q4_0", "Q4_1"):
-        return BlockReader(dtype, 32, 4)
-    raise ValueError(f"no device layout for {dtype}")
+def _nibbles(words, shift):
+    """The 4-bit values at `shift` of every byte of `words`, byte order, as f32."""
+    return [((w >> (8 * j + shift)) & 0xF).to(F32) for w in words for j in range(4)]
+
+
+def _pick(k, index, choices):
+    """choices[index] for a small run-time index, by selects."""
+    out = choices[-1]
+    for i in range(len(choices) - 2, -1, -1):
+        out = k.select(index.eq(i), choices[i], out)
+    return out
+
+
+def reader(dtype):
+    if dtype not in LAYOUTS:
+        raise ValueError(f"no device layout for {dtype}")
+    return BlockReader(dtype)

@@ -51,6 +51,7 @@ from drivers import comgr as comgr_driver
 from ..errors import ModelRefused
 from ..kernels.lang import (BINARY, BOOL, COMPARE, F16, F32, SPECIAL, UNARY, Assign, Barrier, For,
                             If, Let, Return, Store, VarDecl, walk)
+from . import bf16_bits, f16_bits, f32_bits
 
 # What every gfx9/gfx10/gfx11 ISA offers, in lang.py's capability names.
 AMDGPU_CAPS = frozenset({"storage16", "storage8", "float16", "int16", "int64", "subgroup",
@@ -258,24 +259,6 @@ def _kernel_metadata(cg, image, name):
 
 
 # -- numbers as C writes them --------------------------------------------------------------------
-def _f32_bits(x):
-    with np.errstate(over="ignore"):
-        return int(np.array(x, np.float32).view(np.uint32))
-
-
-def _f16_bits(x):
-    with np.errstate(over="ignore"):
-        return int(np.array(x, np.float16).view(np.uint16))
-
-
-def _bf16_bits(x):
-    """f32 -> bf16, round to nearest even (NaN stays a quiet NaN)."""
-    bits = _f32_bits(x)
-    if (bits & 0x7FFFFFFF) > 0x7F800000:
-        return (bits >> 16) | 0x0040
-    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-
-
 def _ctype(dtype):
     return C_TYPE[dtype.name]
 
@@ -289,14 +272,14 @@ def _literal(value, dtype):
     if dtype.kind == "b":
         return "true" if value else "false"
     if dtype == F32:
-        bits = _f32_bits(value)
+        bits = f32_bits(value)
         if (bits & 0x7F800000) == 0x7F800000:            # inf, NaN: by their bits
             return f"__builtin_astype(0x{bits:08x}u, float)"
         return float(np.array(bits, np.uint32).view(np.float32)).hex() + "f"
     if dtype == F16:
-        return f"__builtin_astype((ushort)0x{_f16_bits(value):04x}, half)"
+        return f"__builtin_astype((ushort)0x{f16_bits(value):04x}, half)"
     if dtype.kind == "bf":
-        return f"((ushort)0x{_bf16_bits(value):04x})"
+        return f"((ushort)0x{bf16_bits(value):04x})"
     bits = int(value) & ((1 << dtype.bits) - 1)
     number = bits - (1 << dtype.bits) if dtype.kind == "i" and bits >> (dtype.bits - 1) else bits
     if -65536 < number < 65536:

@@ -44,6 +44,7 @@ import re
 
 import numpy as np
 
+from poot.codegen import bf16_bits, f16_bits, f32_bits
 from poot.errors import ModelRefused
 from poot.kernels.lang import (BF16, BINARY, BOOL, COMPARE, F16, F32, I32, SPECIAL, UNARY,
                                Assign, Barrier, For, If, Let, Return, Store, VarDecl)
@@ -85,26 +86,8 @@ def render_ptx(kernel, sm=90):
 
 
 # -- numbers as PTX writes them ------------------------------------------------------------------
-def _f32_bits(x):
-    with np.errstate(over="ignore"):
-        return int(np.array(x, np.float32).view(np.uint32))
-
-
-def _f16_bits(x):
-    with np.errstate(over="ignore"):
-        return int(np.array(x, np.float16).view(np.uint16))
-
-
-def _bf16_bits(x):
-    """f32 -> bf16, round to nearest even (NaN stays a quiet NaN)."""
-    bits = _f32_bits(x)
-    if (bits & 0x7FFFFFFF) > 0x7F800000:
-        return (bits >> 16) | 0x0040
-    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-
-
 def _f32(x):
-    return f"0f{_f32_bits(x):08X}"
+    return f"0f{f32_bits(x):08X}"
 
 
 def _f32_split(x):
@@ -467,9 +450,9 @@ class _Renderer:
         elif t == F32:
             self.emit(f"mov.b32 {d}, {_f32(value)};")
         elif t == F16:
-            self.emit(f"mov.b16 {d}, 0x{_f16_bits(value):04X};")
+            self.emit(f"mov.b16 {d}, 0x{f16_bits(value):04X};")
         elif t == BF16:
-            self.emit(f"mov.b16 {d}, 0x{_bf16_bits(value):04X};")
+            self.emit(f"mov.b16 {d}, 0x{bf16_bits(value):04X};")
         else:
             value = int(value) & ((1 << t.bits) - 1)
             if t.kind == "i" and value >> (t.bits - 1):

@@ -16,6 +16,7 @@ from poot.kernels.quant import DEVICE_DTYPES
 def runner_kernels(subgroup_size):
     out = [matmul.matvec(d, subgroup_size, n, residual=r) for d in DEVICE_DTYPES
            for n in TOKEN_GROUPS for r in (False, True)]
+    out += [matmul.tiled(d, residual=r) for d in DEVICE_DTYPES for r in (False, True)]
     out += [ops.embedding(d) for d in DEVICE_DTYPES]
     out += [ops.rms_norm(subgroup_size), ops.elementwise("add"), ops.elementwise("swiglu"),
             ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),

@@ -96,6 +96,19 @@ def test_matvec(device, dtype, n_tokens):
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("n_tokens", [5, 64, 130])
+def test_tiled_matmul(device, dtype, n_tokens):
+    rows, cols = 200, 512
+    w_planes, dense = weight(dtype, rows, cols)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+    r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
+    k = matmul.tiled(dtype, residual=True)
+    got = run(device, k, (-(-rows // matmul.TILE), -(-n_tokens // matmul.TILE)), *w_planes, x,
+              np.zeros((n_tokens, rows), np.float32), r, rows, cols, n_tokens)["y"]
+    assert rel_err(got, ref.matmul(x, dense) + r) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
 def test_embedding(device, dtype):
     vocab, cols = 300, 256
     w_planes, dense = weight(dtype, vocab, cols)

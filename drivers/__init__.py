@@ -43,6 +43,7 @@ def load_library(ffi, library, candidates, env_var):
         try:
             return ffi.dlopen(path), path
         except OSError as error:
-            reason = str(error).strip()
+            # cffi appends a sentence about ctypes.util.find_library to the loader's own words
+            reason = str(error).split("  Additionally, ctypes.util")[0].strip()
             tried.append((f"{path} (from {env_var})" if override else path, reason))
     raise LibraryNotFound(library, tried)

@@ -1,4 +1,4 @@
-"""The `poot` command: generate, tokenize, chat-template, serve.
+"""The `poot` command: generate, tokenize, chat-template, plan, devices, serve.
 
 Every error a person can act on is a PootError; `main` turns it into one line on standard error
 and its exit status (poot/errors.py). `poot serve` is the same program as `poot-serve`.
@@ -48,6 +48,21 @@ def build_parser():
     tpl = sub.add_parser("chat-template",
                          help="render a JSON list of messages (stdin) with the model's template")
     tpl.add_argument("--model")
+
+    pln = sub.add_parser("plan", help="print every serving shape's memory footprint against "
+                         "the device's free memory, the chosen one marked (a dry run: no weights "
+                         "reach the device)")
+    pln.add_argument("--model", help="GGUF file or Hugging Face folder (default: the default "
+                     "model)")
+    pln.add_argument("--backend", default="auto")
+    pln.add_argument("--placement", help="pipeline:ORD or tensor:ORD (as poot-serve)")
+    pln.add_argument("--memory-limit", metavar="SIZE", help="memory to plan within, e.g. 8GiB")
+    pln.add_argument("--max-seqs", type=int, help="pin the sequences decoded at once")
+    pln.add_argument("--ctx", type=int, help="pin the context length per sequence")
+    pln.set_defaults(device_timing=False, port=0)
+
+    sub.add_parser("devices", help="the toolchain check: driver libraries, devices, memory, "
+                   "capabilities, codegen targets")
 
     sub.add_parser("serve", help="the OpenAI-compatible server (same as poot-serve)",
                    add_help=False)
@@ -113,6 +128,41 @@ def cmd_chat_template(args):
     return 0
 
 
+def cmd_plan(args):
+    """The plan poot-serve would make with these flags, every candidate printed; exit 6 when
+    none fits or the free memory is unknown (the table still shows what each would need)."""
+    from .engine import plan
+    from .errors import CapacityError
+    from .loader import load
+    from .serve.cli import check_context, check_flags, device_memory, open_placed
+    ordinal, memory_limit = check_flags(args)
+    device = open_placed(args, ordinal)
+    if device is None:
+        print("backend reference: the numpy interpreter plans nothing against host memory; it "
+              "serves --max-seqs x --ctx (default 8 x the model's context, at most 4096)")
+        return 0
+    unknown = None
+    try:
+        free, _, source = device_memory(device, memory_limit)
+    except CapacityError as e:
+        unknown, free, source = e, None, device.memory_source
+    model = load(args.model)
+    check_context(args, model)
+    result = plan.plan(model, device, free, source, args.max_seqs, args.ctx)
+    print(f"plan for {model.name} on {device.name}")
+    print("\n".join(result.lines()))
+    if unknown is not None:
+        raise unknown
+    result.require()
+    print(f"chosen: {result.candidate}, {plan.size(result.footprint.total)}")
+    return 0
+
+
+def cmd_devices(args):
+    from .backends import toolchain
+    return toolchain.report(sys.stdout)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -121,7 +171,8 @@ def main(argv=None):
             return serve_main(argv[1:])
         args = build_parser().parse_args(argv)
         return {"generate": cmd_generate, "tokenize": cmd_tokenize,
-                "chat-template": cmd_chat_template}[args.command](args)
+                "chat-template": cmd_chat_template, "plan": cmd_plan,
+                "devices": cmd_devices}[args.command](args)
     except PootError as e:
         print(f"poot: {e}", file=sys.stderr)
         return e.exit_status

@@ -15,6 +15,10 @@ class UsageError(PootError):
     exit_status = 2
 
 
+class NoSuchDevice(UsageError):
+    """A device ordinal that the backend's driver does not list (it lists others)."""
+
+
 class BackendUnavailable(PootError):
     """The named (or every probed) backend cannot open."""
     exit_status = 3
@@ -33,6 +37,11 @@ class PlacementRefused(PootError):
 class CapacityError(PootError):
     """No serving shape fits the device memory, or the free memory is unknown."""
     exit_status = 6
+
+
+class PlanMismatch(CapacityError):
+    """After allocating, the device's own accounting disagrees with the memory plan beyond the
+    allocator's granularity: the plan cannot be trusted, so nothing is served."""
 
 
 class ModelFileError(PootError):

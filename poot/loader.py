@@ -85,7 +85,7 @@ class LoadedModel:
 
     def runner(self, device=None, num_blocks=None, block_size=16, max_tokens=256, max_seqs=16):
         """A runner for this model: the numpy reference when `device` is None, else a
-        DeviceRunner on that device (backends/select.py opens devices), allocated."""
+        DeviceRunner on that device (backends/select.py opens devices), allocated and uploaded."""
         from .engine.device_runner import DeviceRunner
         from .engine.runner import ReferenceRunner
         if num_blocks is None:
@@ -94,6 +94,7 @@ class LoadedModel:
             return ReferenceRunner(self, num_blocks, block_size)
         runner = DeviceRunner(self, device, num_blocks, block_size, max_tokens, max_seqs)
         runner.allocate()
+        runner.upload()
         return runner
 
     def close(self):

@@ -582,3 +582,128 @@ def test_vulkan_without_a_budget_serves_within_a_memory_limit(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- startup: backends, placement, the memory plan and its check -------------------------------
+
+def poll_health(port, proc, timeout=120):
+    """Every /health answer from the first one the port gives until serving, as (status, body)."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            seen.append((response.status, json.loads(response.read())))
+            conn.close()
+        except OSError:
+            pass
+        if seen and seen[-1][0] == 200:
+            break
+        time.sleep(0.02)
+    return seen
+
+
+def test_health_is_503_during_a_slow_load_and_200_only_after_the_plan_is_checked():
+    """The default model on lavapipe: mapping it, planning, allocating and uploading ~90 MiB
+    of weights takes long enough for /health to be asked while it runs."""
+    from poot.errors import BackendUnavailable
+    model_path = default_model()
+    try:
+        open_device("vulkan")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poot", "serve", "--backend", "vulkan", "--memory-limit", "1GiB",
+         "--model", str(model_path), "--port", str(port)],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stderr=subprocess.PIPE, text=True)
+    try:
+        seen = poll_health(port, proc)
+        assert seen and seen[-1][0] == 200, proc.stderr.read() if proc.poll() is not None else seen
+        assert seen[0] == (503, {"status": "loading"})
+        assert all(answer == (503, {"status": "loading"}) for answer in seen[:-1])
+        plan = seen[-1][1]["plan"]
+        assert plan["footprint"]["total"] <= plan["memory_free"] == 1 << 30
+        assert plan["checked"]["planned"] == plan["footprint"]["total"]
+        if "count of its allocations" in plan["checked"]["source"]:    # lavapipe: no budget
+            assert plan["checked"]["measured"] == plan["checked"]["planned"]
+        assert plan["kv_blocks"] == plan["max_seqs"] * -(-plan["context"] // 16)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        log = proc.stderr.read()
+        block = log[log.index("plan for "):log.index("poot-serve: serving")]
+        assert "weights" in block and "arenas" in block and "state" in block
+        assert "checked: the allocation took" in block
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("backend, words", [("ptx", "libcuda"), ("rocm", "hsa_init")])
+def test_a_named_backend_that_cannot_open_stops_with_the_drivers_reason(backend, words,
+                                                                          tmp_path, capsys):
+    from poot.errors import BackendUnavailable
+    from poot.serve.cli import main
+    try:
+        open_device(backend)
+        pytest.skip(f"{backend} opens here")
+    except BackendUnavailable:
+        pass
+    assert main(["--backend", backend, "--model", str(tiny_model(tmp_path)), "--port", "0"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith(f"poot-serve: {backend}: ") and words in err and err.count("\n") == 1
+
+
+def test_auto_picks_wgpu_on_lavapipe_and_never_vulkan(tmp_path, capsys):
+    from poot.errors import BackendUnavailable
+    from poot.serve.cli import main
+    for backend in ("ptx", "rocm"):
+        try:
+            open_device(backend)
+            pytest.skip(f"{backend} opens here, so auto picks it")
+        except BackendUnavailable:
+            pass
+    try:
+        open_device("wgpu")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    assert open_device("auto").backend == "wgpu"
+    assert main(["--model", str(tiny_model(tmp_path)), "--port", "0"]) == 6
+    assert capsys.readouterr().err.startswith("poot-serve: wgpu: ")
+
+
+def test_an_ordinal_the_driver_does_not_list_is_a_usage_error(tmp_path, capsys):
+    from poot.errors import BackendUnavailable
+    from poot.serve.cli import main
+    try:
+        open_device("vulkan")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    model = str(tiny_model(tmp_path))
+    for backend in ("vulkan", "wgpu"):
+        assert main(["--backend", backend, "--placement", "pipeline:7", "--model", model,
+                     "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"poot-serve: --placement pipeline:7: {backend}: no Vulkan")
+    # one ordinal that exists simply opens that device (here: then lavapipe's budget is unknown)
+    assert main(["--backend", "vulkan", "--placement", "tensor:0", "--model", model,
+                 "--port", "0"]) == 6
+    assert "budget" in capsys.readouterr().err
+
+
+def test_a_memory_limit_below_the_smallest_footprint_stops_with_exit_6(capsys):
+    from poot.errors import BackendUnavailable
+    from poot.serve.cli import main
+    model_path = default_model()
+    try:
+        open_device("vulkan")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    assert main(["--backend", "vulkan", "--memory-limit", "64MiB", "--model", str(model_path),
+                 "--port", "0"]) == 6
+    err = capsys.readouterr().err
+    assert "no serving shape fits: the smallest, 1 sequence x 512 tokens" in err
+    assert "64.0 MiB free (--memory-limit" in err and err.count("\n") == 1

@@ -2,10 +2,14 @@
 
 A Device has `backend` (its name), `name` (for people), `caps` (the kernel-language
 capabilities it offers: storage16, storage8, float16, int16, int64, subgroup, subgroup_arith,
-subgroup_shuffle, shared), `subgroup_size`, and:
+subgroup_shuffle, shared), `subgroup_size`, `max_buffer` (the most bytes one buffer may hold,
+None for no limit of its own), `memory_source` (where memory() comes from), and:
 
-    memory() -> (free, total)           bytes, from the driver's own accounting
-    alloc(nbytes) -> buffer             free(buffer)
+    memory() -> (free, total)           bytes, from the driver's own accounting (`memory_source`
+                                        names it); CapacityError when the driver reports none
+    allocation_bytes(nbytes)            the device memory one buffer of nbytes takes (the
+                                        allocator's rounding; engine/plan.py counts with it)
+    alloc(nbytes) -> buffer             free(buffer); `allocated` counts the bytes held
     write(buffer, array, offset=0)      host -> device, in order with launches
     read(buffer, nbytes=None, offset=0) -> bytes, after everything issued before it
     copy(dst, src, nbytes)              device -> device, in order

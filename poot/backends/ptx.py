@@ -9,13 +9,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from drivers import DriverError
+from drivers import DriverError, LibraryNotFound
 from drivers import cuda
 
 from ..codegen.ptx import PTX_CAPS, render_ptx
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, NoSuchDevice
 
 SCALAR_CTYPES = {"i32": "int32_t", "u32": "uint32_t", "f32": "float"}
+# cuda.h documents no rounding rule for cuMemAlloc; the driver maps device memory in 2 MiB pages
+# (what cuMemGetAllocationGranularity reports for device memory on current GPUs), so the plan
+# counts every buffer as whole pages: an upper bound, which the post-allocation check
+# (engine/plan.py) compares with what cuMemGetInfo says was taken.
+ALLOCATION_GRANULARITY = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,8 @@ class DeviceBuffer:
 
 class PtxDevice:
     backend = "ptx"
+    memory_source = "cuMemGetInfo"
+    max_buffer = None           # one cuMemAlloc may take any amount the device has
 
     def __init__(self, ordinal=0):
         try:
@@ -33,7 +40,8 @@ class PtxDevice:
             self.cu.init()
             count = self.cu.device_get_count()
             if not 0 <= ordinal < count:
-                raise BackendUnavailable(f"ptx: no CUDA device {ordinal} (the driver sees {count})")
+                error = NoSuchDevice if count else BackendUnavailable
+                raise error(f"ptx: no CUDA device {ordinal} (the driver sees {count})")
             self.handle = self.cu.device_get(ordinal)
             self.context = self.cu.device_primary_ctx_retain(self.handle)
             self.cu.ctx_set_current(self.context)
@@ -44,6 +52,12 @@ class PtxDevice:
             self.multiprocessors = attr(cuda.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             self.name = f"{self.cu.device_get_name(self.handle)} (cuda:{ordinal}, sm_{self.sm})"
             self.stream = self.cu.stream_create()
+        except LibraryNotFound as e:
+            raise BackendUnavailable(f"ptx: the NVIDIA driver library is not installed: {e}") \
+                from None
+        except AttributeError as e:     # cffi: a symbol the library does not export
+            raise BackendUnavailable(f"ptx: the library loaded as libcuda is not the NVIDIA "
+                                     f"driver: {e}") from None
         except DriverError as e:
             raise BackendUnavailable(f"ptx: cannot open CUDA device {ordinal}: {e}") from None
         if self.sm < 80:
@@ -57,6 +71,10 @@ class PtxDevice:
     def memory(self):
         """(free, total) bytes, from cuMemGetInfo."""
         return self.cu.mem_get_info()
+
+    def allocation_bytes(self, nbytes):
+        """The device memory one buffer of `nbytes` takes: whole 2 MiB pages."""
+        return -(-max(int(nbytes), 1) // ALLOCATION_GRANULARITY) * ALLOCATION_GRANULARITY
 
     def alloc(self, nbytes):
         pointer = self.cu.mem_alloc(max(int(nbytes), 1))

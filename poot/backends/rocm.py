@@ -118,6 +118,7 @@ def dispatch_packet(program, kernel, grid, kernargs, signal):
 
 class RocmDevice:
     backend = "rocm"
+    max_buffer = None           # one pool allocation may take any amount the pool has
 
     def __init__(self, ordinal=0):
         try:

@@ -21,7 +21,7 @@ from drivers import DriverError, LibraryNotFound
 from drivers import vulkan as vk
 
 from ..codegen.spirv import binding_layout, render_spirv
-from ..errors import BackendUnavailable, CapacityError, ModelRefused
+from ..errors import BackendUnavailable, CapacityError, ModelRefused, NoSuchDevice
 
 ffi = vk.ffi
 VALIDATION_ENV = "POOT_VULKAN_VALIDATION"
@@ -42,6 +42,7 @@ class DeviceBuffer:
     nbytes: int
     mapped: object            # host pointer of a host-visible allocation, else None
     serial: int
+    allocation: int           # bytes of device memory behind it (VkMemoryRequirements.size)
 
 
 @dataclass(eq=False)
@@ -100,6 +101,11 @@ def open_instance(lib, validate):
         vk.check(create(handle[0], messenger, ffi.NULL, out), "vkCreateDebugUtilsMessengerEXT")
         keep.append(out)
     return handle[0], keep, messages if validate else None
+
+
+def _buffer_bytes(nbytes):
+    """The size of the storage buffer that holds `nbytes`: whole 4-byte words, at least one."""
+    return max(-(-int(nbytes) // 4) * 4, 4)
 
 
 def compute_devices(lib, instance):
@@ -177,8 +183,9 @@ class VulkanDevice:
             self.instance, self._keep, self.messages = open_instance(self.lib, validate)
             devices = compute_devices(self.lib, self.instance)
             if not 0 <= ordinal < len(devices):
-                raise BackendUnavailable(f"vulkan: no Vulkan device {ordinal} with a compute "
-                                         f"queue (the loader sees {len(devices)})")
+                error = NoSuchDevice if devices else BackendUnavailable
+                raise error(f"vulkan: no Vulkan device {ordinal} with a compute queue (the "
+                            f"loader sees {len(devices)})")
             self.physical, self.family = devices[ordinal]
             self._describe(ordinal)
             self._open()
@@ -187,7 +194,8 @@ class VulkanDevice:
         except DriverError as e:
             raise BackendUnavailable(f"vulkan: cannot open Vulkan device {ordinal}: {e}") from None
         self.ordinal = ordinal
-        self.allocated = 0
+        self.allocated = 0            # bytes of device memory allocated, as the driver sized it
+        self._sizes = {}              # buffer bytes -> the allocation the driver requires
         self._serials = count()
         self._programs = {}
         self._sets_of = {}            # buffer serial -> programs holding a set that binds it
@@ -279,9 +287,37 @@ class VulkanDevice:
             dstAccessMask=lib.VK_ACCESS_HOST_READ_BIT)
 
     # -- memory --------------------------------------------------------------------------------
+    @property
+    def memory_source(self):
+        if BUDGET_EXTENSION in self.extensions:
+            return BUDGET_EXTENSION
+        return f"no budget (no {BUDGET_EXTENSION}): --memory-limit needed"
+
     def memory(self):
         """(free, total) bytes of the device-local heaps, from VK_EXT_memory_budget."""
         return heap_budget(self.lib, self.physical, self.extensions, f"vulkan: {self.name}")
+
+    def allocation_bytes(self, nbytes):
+        """The device memory one buffer of `nbytes` takes: the size the driver's
+        VkMemoryRequirements asks for a storage buffer of that many bytes (each buffer has an
+        allocation of its own), read from a buffer created and destroyed for the question."""
+        size = _buffer_bytes(nbytes)
+        if size not in self._sizes:
+            lib = self.lib
+            handle = ffi.new("VkBuffer *")
+            vk.check(lib.vkCreateBuffer(self.device, vk.new(
+                "VkBufferCreateInfo", size=size, usage=self._storage_usage(),
+                sharingMode=lib.VK_SHARING_MODE_EXCLUSIVE), ffi.NULL, handle), "vkCreateBuffer")
+            needs = ffi.new("VkMemoryRequirements *")
+            lib.vkGetBufferMemoryRequirements(self.device, handle[0], needs)
+            lib.vkDestroyBuffer(self.device, handle[0], ffi.NULL)
+            self._sizes[size] = needs.size
+        return self._sizes[size]
+
+    def _storage_usage(self):
+        lib = self.lib
+        return (lib.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | lib.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                | lib.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
 
     def _memory_type(self, type_bits, preferences):
         """The first memory type allowed by `type_bits` whose flags include one of
@@ -326,7 +362,8 @@ class VulkanDevice:
             vk.check(lib.vkMapMemory(self.device, memory[0], 0, lib.VK_WHOLE_SIZE, 0, pointer),
                      "vkMapMemory")
             mapped = pointer[0]
-        return DeviceBuffer(handle[0], memory[0], nbytes, mapped, next(self._serials))
+        return DeviceBuffer(handle[0], memory[0], nbytes, mapped, next(self._serials),
+                            needs.size)
 
     def alloc(self, nbytes):
         """A device-local storage buffer; one buffer is bounded by maxStorageBufferRange and
@@ -345,15 +382,14 @@ class VulkanDevice:
         # On a CPU or integrated device the local memory is host memory: map it. A discrete
         # GPU's host-visible local memory (the PCIe BAR) is small or slow to read: use staging.
         preferences = [local | host, local] if self._uma else [local]
-        usage = (lib.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | lib.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
-                 | lib.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
         try:
-            buffer = self._buffer(max(-(-nbytes // 4) * 4, 4), usage, preferences, self._uma)
+            buffer = self._buffer(_buffer_bytes(nbytes), self._storage_usage(), preferences,
+                                  self._uma)
         except DriverError as e:
             raise CapacityError(f"vulkan: {self.name}: cannot allocate {nbytes} bytes: {e}") \
                 from None
         buffer.nbytes = nbytes
-        self.allocated += nbytes
+        self.allocated += buffer.allocation
         return buffer
 
     def free(self, buffer):
@@ -366,7 +402,7 @@ class VulkanDevice:
                          "vkFreeDescriptorSets")
         self.lib.vkDestroyBuffer(self.device, buffer.handle, ffi.NULL)
         self.lib.vkFreeMemory(self.device, buffer.memory, ffi.NULL)
-        self.allocated -= buffer.nbytes
+        self.allocated -= buffer.allocation
 
     # -- host <-> device -----------------------------------------------------------------------
     def _idle(self):

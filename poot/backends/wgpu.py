@@ -24,8 +24,8 @@ from drivers import DriverError, LibraryNotFound
 from drivers import wgpu
 
 from ..codegen.spirv import binding_layout, render_spirv
-from ..errors import BackendUnavailable, CapacityError, ModelRefused
-from .vulkan import PhysicalDeviceView
+from ..errors import BackendUnavailable, CapacityError, ModelRefused, NoSuchDevice
+from .vulkan import BUDGET_EXTENSION, PhysicalDeviceView
 
 ffi = wgpu.ffi
 
@@ -91,8 +91,11 @@ class WgpuDevice:
                 self.instance, options, ffi.NULL))
             lib.wgpuInstanceEnumerateAdapters(self.instance, options, adapters)
         if not 0 <= ordinal < len(adapters):
-            raise BackendUnavailable(f"wgpu: no Vulkan adapter {ordinal} (wgpu sees "
-                                     f"{len(adapters)}; mesa-vulkan-drivers gives lavapipe)"
+            if len(adapters):
+                raise NoSuchDevice(f"wgpu: no Vulkan adapter {ordinal} (wgpu sees "
+                                   f"{len(adapters)})")
+            raise BackendUnavailable("wgpu: no Vulkan adapter (mesa-vulkan-drivers gives "
+                                     "lavapipe)"
                                      + (f"; the driver said: {said[0]}" if said[0] else ""))
         self.adapter, self.ordinal = adapters[ordinal], ordinal
         try:
@@ -175,6 +178,24 @@ class WgpuDevice:
         return wgpu.error_scope(self.lib, self.instance, self.device, call)
 
     # -- memory --------------------------------------------------------------------------------
+    @property
+    def memory_source(self):
+        if self._view is None:
+            return "no budget (raw Vulkan does not show this device): --memory-limit needed"
+        if BUDGET_EXTENSION not in self._view.extensions:
+            return f"no budget (no {BUDGET_EXTENSION}): --memory-limit needed"
+        return f"{BUDGET_EXTENSION} (through raw Vulkan)"
+
+    @property
+    def max_buffer(self):
+        """The most bytes one buffer may hold: each is bound whole as one storage binding."""
+        return min(self.limits.maxStorageBufferBindingSize, self.limits.maxBufferSize)
+
+    def allocation_bytes(self, nbytes):
+        """The bytes one buffer of `nbytes` asks wgpu for: whole 4-byte words, at least one.
+        (wgpu sub-allocates its Vulkan memory in blocks of its own, which it does not show.)"""
+        return max(-(-int(nbytes) // 4) * 4, 4)
+
     def memory(self):
         """(free, total) bytes of the device-local heaps, from VK_EXT_memory_budget read
         through raw Vulkan on the same physical device."""
@@ -188,11 +209,11 @@ class WgpuDevice:
         """A storage buffer; one buffer is bounded by maxStorageBufferBindingSize (each is
         bound whole)."""
         nbytes = int(nbytes)
-        limit = min(self.limits.maxStorageBufferBindingSize, self.limits.maxBufferSize)
+        limit = self.max_buffer
         if nbytes > limit:
             raise ModelRefused(f"wgpu: {self.name}: a buffer of {nbytes} bytes is over the "
                                f"adapter's limit for one storage binding ({limit} bytes)")
-        lib, size = self.lib, max(-(-nbytes // 4) * 4, 4)
+        lib, size = self.lib, self.allocation_bytes(nbytes)
         usage = lib.WGPUBufferUsage_Storage | lib.WGPUBufferUsage_CopySrc \
             | lib.WGPUBufferUsage_CopyDst
         try:
@@ -203,7 +224,7 @@ class WgpuDevice:
             lib.wgpuBufferRelease(handle)
             raise CapacityError(f"wgpu: {self.name}: cannot allocate {nbytes} bytes: {e}") \
                 from None
-        self.allocated += nbytes
+        self.allocated += size
         return DeviceBuffer(handle, nbytes, size, next(self._serials))
 
     def free(self, buffer):
@@ -214,7 +235,7 @@ class WgpuDevice:
                 self.lib.wgpuBindGroupRelease(program.groups.pop(key))
         self.lib.wgpuBufferDestroy(buffer.handle)
         self.lib.wgpuBufferRelease(buffer.handle)
-        self.allocated -= buffer.nbytes
+        self.allocated -= buffer.size
 
     # -- host <-> device -----------------------------------------------------------------------
     def write(self, buffer, array, offset=0):

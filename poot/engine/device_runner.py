@@ -1,13 +1,16 @@
 """The device runner: the model's step graph lowered to kernel launches on a Device.
 
-Every device buffer comes from one list of (name, bytes) that `allocations()` reports before
-anything is allocated: weights in their device layout (kernels/quant.py), the paged KV cache,
-the step's inputs, the arena slots that carry activations between kernels (assigned once by
-liveness for the largest step), and the logits. A step uploads the batch's small arrays, issues
-the launches in graph order, and reads back the logits of the sampled rows; sampling follows
-engine/sampling.py. The runner knows kernels and devices only through the Device interface
-(backends/__init__.py), so the same lowering serves every backend.
+Every device buffer comes from one list of (name, bytes, kind) that `allocations()` reports
+before anything is allocated: weights in their device layout (kernels/quant.py), the paged KV
+cache, the step's inputs, the arena slots that carry activations between kernels (assigned once
+by liveness for the largest step), and the logits. Constructing a runner reads only the device's
+capabilities, so the memory plan (engine/plan.py) sizes candidates from this same list;
+`allocate()` then allocates it and `upload()` fills it. A step uploads the batch's small
+arrays, issues the launches in graph order, and reads back the logits of the sampled rows;
+sampling follows engine/sampling.py. The runner knows kernels and devices only through the
+Device interface (backends/__init__.py), so the same lowering serves every backend.
 """
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -36,6 +39,7 @@ class Step:
 class Allocation:
     name: str
     nbytes: int
+    kind: str           # "weights" (and constants), "state" (the KV cache), "arenas" (per step)
 
 
 class DeviceRunner:
@@ -90,13 +94,14 @@ class DeviceRunner:
     def _check_supported(self):
         for t in self.graph.weights.values():
             if len(t.shape) == 2 and t.dtype not in DEVICE_DTYPES:
-                raise ModelRefused(f"{self.device.name}: weight {t.name} is {t.dtype}; the "
-                                   f"device kernels read {', '.join(DEVICE_DTYPES)}")
+                raise ModelRefused(f"{self.backend}: {self.device.name}: weight {t.name} is "
+                                   f"{t.dtype}; the device kernels read "
+                                   f"{', '.join(DEVICE_DTYPES)}")
         for kernel in self._kernels():
             missing = kernel.caps - self.device.caps
             if missing:
-                raise ModelRefused(f"{self.device.name}: kernel {kernel.name} needs "
-                                   f"{', '.join(sorted(missing))}, which the device lacks")
+                raise ModelRefused(f"{self.backend}: {self.device.name}: kernel {kernel.name} "
+                                   f"needs {', '.join(sorted(missing))}, which the device lacks")
 
     def _kernels(self):
         sg, cfg = self.device.subgroup_size, self.model.config
@@ -130,7 +135,7 @@ class DeviceRunner:
 
     def _elements(self, shape):
         sizes = {"T": self.max_tokens, "R": self.max_seqs}
-        return int(np.prod([sizes.get(d, d) for d in shape]))
+        return math.prod(sizes.get(d, d) for d in shape)
 
     def _assign_slots(self):
         """Arena slots by liveness: a value takes a free slot of its size at its op and frees
@@ -175,21 +180,20 @@ class DeviceRunner:
         for t in self.graph.weights.values():
             if len(t.shape) == 2:
                 for plane, words in self._planes_of(t).items():
-                    out.append(Allocation(f"{t.name}:{plane}", words * 4))
+                    out.append(Allocation(f"{t.name}:{plane}", words * 4, "weights"))
             else:
-                out.append(Allocation(t.name, self._elements(t.shape) * 4))
+                out.append(Allocation(t.name, self._elements(t.shape) * 4, "weights"))
         for name, (t, array) in self.graph.consts.items():
-            out.append(Allocation(name, array.nbytes))
+            out.append(Allocation(name, array.nbytes, "weights"))
         cfg = self.model.config
         cache_bytes = self.num_blocks * self.block_size * cfg.n_kv_heads * cfg.head_dim * 2
         for name in self.graph.state:
-            out.append(Allocation(name, cache_bytes))
-        out += [Allocation("tokens", self.max_tokens * 4), Allocation("positions", self.max_tokens * 4),
-                Allocation("seq_rows", self.max_tokens * 4),
-                Allocation("block_tables", self.max_seqs * self.table_width * 4),
-                Allocation("sample_tokens", self.max_seqs * 4),
-                Allocation("argmax", self.max_seqs * 4)]
-        out += [Allocation(f"arena.{i}", size) for i, size in enumerate(self._slot_sizes)]
+            out.append(Allocation(name, cache_bytes, "state"))
+        step = [("tokens", self.max_tokens), ("positions", self.max_tokens),
+                ("seq_rows", self.max_tokens), ("block_tables", self.max_seqs * self.table_width),
+                ("sample_tokens", self.max_seqs), ("argmax", self.max_seqs)]
+        out += [Allocation(name, words * 4, "arenas") for name, words in step]
+        out += [Allocation(f"arena.{i}", size, "arenas") for i, size in enumerate(self._slot_sizes)]
         return out
 
     def _planes_of(self, t):
@@ -198,10 +202,14 @@ class DeviceRunner:
 
     # -- allocation and upload -----------------------------------------------------------------
     def allocate(self):
-        """Allocates every buffer of allocations() and uploads weights and constants."""
-        dev = self.device
+        """Allocates every buffer of allocations(), and nothing else: what the device holds
+        afterwards is what the plan counted (engine/plan.py checks it)."""
         for a in self.allocations():
-            self.buffers[a.name] = dev.alloc(a.nbytes)
+            self.buffers[a.name] = self.device.alloc(a.nbytes)
+
+    def upload(self):
+        """Writes weights and constants into their buffers and builds every kernel's program."""
+        dev = self.device
         for t in self.graph.weights.values():
             info = self.model.file.tensors[self.model._file_names[t.name]]
             if len(t.shape) == 2:

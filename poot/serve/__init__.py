@@ -34,16 +34,17 @@ class Server:
     def engine(self):
         return self.serving.engine
 
-    def load(self, model, runner, *, devices=(), max_seqs=16, step_tokens=256,
+    def load(self, model, runner, *, devices=(), plan=None, max_seqs=16, step_tokens=256,
              max_context=None):
         """Start an engine over `runner` for `model`; /health then reports serving, naming
-        `devices` (what the runner runs on, as the program describes them)."""
+        `devices` (what the runner runs on, as the program describes them) and `plan` (the
+        memory plan and its check, engine/plan.py) beside the shape the engine runs."""
         engine = Engine(runner, model.tokenizer, max_seqs=max_seqs, step_tokens=step_tokens,
                         max_context=max_context)
         engine.start()
-        plan = {"max_seqs": engine.max_seqs, "context": engine.context_limit,
-                "step_tokens": engine.step_tokens, "kv_blocks": runner.num_blocks,
-                "kv_block_size": runner.block_size}
+        plan = dict(plan or {}, max_seqs=engine.max_seqs, context=engine.context_limit,
+                    step_tokens=engine.step_tokens, kv_blocks=runner.num_blocks,
+                    kv_block_size=runner.block_size)
         self.serving.ready(model, engine, {"model": model.name, "backend": runner.backend,
                                            "devices": list(devices), "plan": plan})
         return engine

@@ -1,9 +1,11 @@
 """The poot-serve program (also `python -m poot serve`): flags, startup in order, signals, exit.
 
-Startup: check the flags and the backend, bind the port (/health says loading), load the model,
-build the runner and the engine, serve until SIGINT/SIGTERM, then stop accepting and give
-in-flight requests a bounded time to finish. Every PootError ends the program through
-`exit_status`, the one place where errors become a message and a status.
+Startup: check the flags and open the backend, bind the port (/health says loading), load the
+model, plan the serving shape within the device's free memory (engine/plan.py), allocate it,
+check the device's accounting against the plan, upload the weights, start the engine (/health
+says serving), serve until SIGINT/SIGTERM, then stop accepting and give in-flight requests a
+bounded time to finish. Every PootError ends the program through `exit_status`, the one place
+where errors become a message and a status.
 """
 import logging
 import math
@@ -15,11 +17,14 @@ import threading
 
 from poot.backends.select import BACKENDS, open_device
 from poot.cli import Parser
-from poot.errors import CapacityError, PlacementRefused, PootError, UsageError
+from poot.engine import plan
+from poot.errors import CapacityError, NoSuchDevice, PlacementRefused, PootError, UsageError
 
-BLOCK_SIZE = 16
-STEP_TOKENS = 256                  # tokens per engine step: prefill chunks plus decodes
-DEFAULT_CONTEXT = 4096             # per sequence, unless --ctx says otherwise
+# The reference backend plans nothing against host memory: it serves this shape unless pinned.
+REFERENCE_BLOCK_SIZE = 16
+REFERENCE_STEP_TOKENS = 256
+REFERENCE_MAX_SEQS = 8
+REFERENCE_CONTEXT = 4096
 SHUTDOWN_GRACE_S = 10.0
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
                "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -59,10 +64,13 @@ def build_parser():
     p.add_argument("--device-timing", action="store_true",
                    help="per-kernel timing on the device")
     p.add_argument("--memory-limit", metavar="SIZE",
-                   help="memory to plan within, e.g. 8GiB (for now: bounds the KV cache)")
-    p.add_argument("--max-seqs", type=int, default=8, help="sequences decoded at once")
+                   help="memory to plan within, e.g. 8GiB: caps the driver's free memory, and "
+                   "is needed where the driver reports none")
+    p.add_argument("--max-seqs", type=int, help="sequences decoded at once (default: the "
+                   "largest that fits; reference: %d)" % REFERENCE_MAX_SEQS)
     p.add_argument("--ctx", type=int, help="context length per sequence (default: the "
-                   f"model's, at most {DEFAULT_CONTEXT})")
+                   "longest that fits, up to the model's; reference: the model's, at most "
+                   f"{REFERENCE_CONTEXT})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
@@ -73,7 +81,7 @@ def build_parser():
 def check_flags(args):
     """Flag rules that hold before anything opens: (device ordinal, memory limit or None)."""
     memory_limit = parse_size(args.memory_limit) if args.memory_limit else None
-    if args.max_seqs < 1:
+    if args.max_seqs is not None and args.max_seqs < 1:
         raise UsageError(f"--max-seqs {args.max_seqs}: must be at least 1")
     if args.ctx is not None and args.ctx < 1:
         raise UsageError(f"--ctx {args.ctx}: must be at least 1")
@@ -101,14 +109,31 @@ def check_flags(args):
     return ordinal, memory_limit
 
 
-def kv_blocks(model, context, max_seqs, memory_limit):
-    """KV blocks: a full context for every sequence, or as many as `memory_limit` holds (at
-    least one full context, else a capacity error). Counted at 4 bytes a value, the reference's
-    float32, which bounds every runner's cache."""
-    per_seq = -(-context // BLOCK_SIZE)
+def open_placed(args, ordinal):
+    """The device of --backend at the ordinal --placement names (0 without one): an ordinal the
+    driver does not list is a usage error once the driver has said how many it lists."""
+    try:
+        return open_device(args.backend, ordinal)   # decided once, before the port opens
+    except NoSuchDevice as e:
+        if args.placement:
+            raise NoSuchDevice(f"--placement {args.placement}: {e}") from None
+        raise
+
+
+def check_context(args, model):
+    if args.ctx is not None and args.ctx > model.context_length:
+        raise UsageError(f"--ctx {args.ctx} exceeds the model's context length "
+                         f"{model.context_length}")
+
+
+def reference_blocks(model, context, max_seqs, memory_limit):
+    """The reference backend's KV blocks: a full context for every sequence, or as many as
+    `memory_limit` holds of its float32 cache (at least one full context, else a capacity
+    error). The reference plans nothing else against host memory."""
+    per_seq = -(-context // REFERENCE_BLOCK_SIZE)
     blocks = per_seq * max_seqs
     if memory_limit is not None:
-        graph = model.step_graph(num_blocks=1, block_size=BLOCK_SIZE)
+        graph = model.step_graph(num_blocks=1, block_size=REFERENCE_BLOCK_SIZE)
         block_bytes = sum(4 * math.prod(t.shape) for t in graph.state.values())
         blocks = min(blocks, memory_limit // block_bytes)
         if blocks < per_seq:
@@ -130,7 +155,7 @@ def device_memory(device, memory_limit):
         return memory_limit, memory_limit, "--memory-limit (the driver reports no budget)"
     if memory_limit is not None and memory_limit < free:
         return memory_limit, total, "--memory-limit"
-    return free, total, "driver"
+    return free, total, device.memory_source
 
 
 def describe(device, memory):
@@ -143,7 +168,7 @@ def describe(device, memory):
 
 def serve(args, stop_event):
     ordinal, memory_limit = check_flags(args)
-    device = open_device(args.backend, ordinal)     # decided once, before the port opens
+    device = open_placed(args, ordinal)
     memory = device_memory(device, memory_limit) if device is not None else None
     from poot.loader import default_model_path, load
     from poot.serve import Server
@@ -152,26 +177,54 @@ def serve(args, stop_event):
     log.info("listening on %s (loading the model)", server.url)
     try:
         model = load(args.model or default_model_path())
-        if args.ctx is not None and args.ctx > model.context_length:
-            raise UsageError(f"--ctx {args.ctx} exceeds the model's context length "
-                             f"{model.context_length}")
-        context = min(model.context_length, args.ctx or DEFAULT_CONTEXT)
-        blocks = kv_blocks(model, context, args.max_seqs, memory_limit)
-        runner = model.runner(device, num_blocks=blocks, block_size=BLOCK_SIZE,
-                              max_tokens=STEP_TOKENS, max_seqs=args.max_seqs)
-        engine = server.load(model, runner, devices=[describe(device, memory)],
-                             max_seqs=args.max_seqs, step_tokens=STEP_TOKENS,
-                             max_context=context)
+        check_context(args, model)
+        if device is None:
+            runner, shape = reference_runner(model, args, memory_limit)
+        else:
+            runner, shape = device_runner(model, device, memory, args)
+        engine = server.load(model, runner, devices=[describe(device, memory)], plan=shape,
+                             max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
+                             max_context=shape["context"])
     except BaseException:
         server.close(grace=0)
         raise
-    log.info("serving %s on %s: backend %s, %d sequences x %d tokens, %d KV blocks",
-             model.name, server.url, runner.backend, engine.max_seqs, engine.context_limit,
-             blocks)
+    log.info("serving %s on %s: backend %s, %d sequences x %d tokens", model.name, server.url,
+             runner.backend, engine.max_seqs, engine.context_limit)
     stop_event.wait()
     log.info("stopping: finishing in-flight requests (up to %.0f s)", SHUTDOWN_GRACE_S)
     server.close(grace=SHUTDOWN_GRACE_S)
     return 0
+
+
+def reference_runner(model, args, memory_limit):
+    context = min(model.context_length, args.ctx or REFERENCE_CONTEXT)
+    max_seqs = args.max_seqs or REFERENCE_MAX_SEQS
+    blocks = reference_blocks(model, context, max_seqs, memory_limit)
+    runner = model.runner(None, num_blocks=blocks, block_size=REFERENCE_BLOCK_SIZE)
+    return runner, {"max_seqs": max_seqs, "context": context,
+                    "step_tokens": REFERENCE_STEP_TOKENS, "kv_blocks": blocks,
+                    "kv_block_size": REFERENCE_BLOCK_SIZE}
+
+
+def device_runner(model, device, memory, args):
+    """The runner of the planned shape: planned, allocated, checked against the device's own
+    accounting, then uploaded; and the plan as /health shows it."""
+    free, _, source = memory
+    chosen = plan.plan(model, device, free, source, args.max_seqs, args.ctx).require()
+    runner = plan.runner_for(model, device, chosen.candidate)
+    before, _ = plan.held(device)
+    runner.allocate()
+    check = plan.verify(device, chosen, runner, before)
+    f = chosen.footprint
+    log.info("plan for %s on %s, %s free (%s):\n  %s (%d KV blocks of %d tokens)\n"
+             "  weights %s + arenas %s + state %s = %s\n"
+             "  checked: the allocation took %s by %s (planned %s)", model.name, device.name,
+             plan.size(free), source, chosen.candidate, chosen.candidate.kv_blocks,
+             plan.BLOCK_SIZE, plan.size(f.weights), plan.size(f.arenas), plan.size(f.state),
+             plan.size(f.total), plan.size(check.measured), check.source,
+             plan.size(check.planned))
+    runner.upload()
+    return runner, dict(chosen.describe(), checked=check.describe())
 
 
 def exit_status(exc):

@@ -1,0 +1,223 @@
+"""The memory plan: the serving shape a device can hold, chosen before anything is allocated.
+
+A Candidate is a serving shape: sequences decoded at once, tokens of context each, and the
+prefill chunk (the most tokens one engine step runs). Its Footprint is the device runner's own
+allocation list (DeviceRunner.allocations(), which a runner reports before touching device
+memory), each buffer rounded by the device's allocation rule (Device.allocation_bytes): weights
+counted once, the arenas every step reuses, and the state (the paged KV cache). `plan` takes the
+largest candidate whose footprint fits the free memory (and whose every buffer fits the device's
+limit for one buffer); that candidate's runner allocates exactly
+the list that was counted, and `verify` then compares the device's own accounting with the plan.
+
+Not here: where the free memory comes from (serve/cli.py reads the driver's figure, capped by
+--memory-limit), and the reference backend, which plans nothing against host memory.
+"""
+from dataclasses import dataclass
+
+from ..errors import CapacityError, ModelRefused, PlanMismatch
+from .device_runner import DeviceRunner
+
+BLOCK_SIZE = 16                         # tokens per KV block
+MAX_SEQS = (1, 2, 4, 8, 16, 32, 64)     # sequences at once, unless --max-seqs pins one
+MIN_CONTEXT = 512                       # the shortest context offered (the model's if shorter)
+STEP_TOKENS = (128, 512)                # prefill chunks (at least max_seqs: a decode step)
+KINDS = ("weights", "arenas", "state")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    max_seqs: int
+    context: int
+    step_tokens: int
+
+    @property
+    def kv_blocks(self):
+        """KV blocks for every sequence holding a full context at once."""
+        return self.max_seqs * -(-self.context // BLOCK_SIZE)
+
+    @property
+    def rank(self):
+        """Candidates are ordered by the tokens of KV cache they hold; at equal tokens the longer
+        context comes later (a request longer than the context cannot be served at all, while
+        sequences beyond max_seqs only wait their turn); then the larger prefill chunk."""
+        return (self.max_seqs * self.context, self.context, self.step_tokens)
+
+    def __str__(self):
+        return (f"{self.max_seqs} sequence{'s' if self.max_seqs > 1 else ''} x {self.context} "
+                f"tokens, prefill chunk {self.step_tokens}")
+
+
+@dataclass(frozen=True)
+class Footprint:
+    weights: int
+    arenas: int
+    state: int
+    total: int
+    largest: int = 0            # the largest single buffer, in bytes
+    largest_name: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every candidate's footprint against the free memory, and the one chosen (None: none
+    fits, or the free memory is unknown)."""
+    device: str
+    free: object                # bytes, or None when the driver reports no budget
+    source: str                 # where `free` comes from
+    max_buffer: object          # the device's limit for one buffer in bytes, or None
+    table: tuple                # ((Candidate, Footprint), ...), smallest rank first
+    chosen: object              # index into table, or None
+
+    @property
+    def candidate(self):
+        return self.table[self.chosen][0]
+
+    @property
+    def footprint(self):
+        return self.table[self.chosen][1]
+
+    def require(self):
+        """The plan itself, or the CapacityError that shows the smallest footprint beside the
+        free memory."""
+        if self.chosen is not None:
+            return self
+        candidate, need = min(self.table, key=lambda row: row[1].total)
+        if fits(need, self.free, None):     # it fits, but one of its buffers is too large
+            raise ModelRefused(
+                f"{self.device}: no serving shape fits: even the smallest, {candidate}, has a "
+                f"buffer of {need.largest} bytes ({need.largest_name}), over the device's limit "
+                f"for one buffer ({self.max_buffer} bytes)")
+        free = "an unknown amount" if self.free is None else size(self.free)
+        raise CapacityError(
+            f"{self.device}: no serving shape fits: the smallest, {candidate}, needs "
+            f"{size(need.total)} (weights {size(need.weights)}, arenas {size(need.arenas)}, "
+            f"state {size(need.state)}); {free} free ({self.source})")
+
+    def describe(self):
+        """The chosen plan as /health shows it."""
+        c, f = self.candidate, self.footprint
+        return {"max_seqs": c.max_seqs, "context": c.context, "step_tokens": c.step_tokens,
+                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE,
+                "footprint": {"weights": f.weights, "arenas": f.arenas, "state": f.state,
+                              "total": f.total},
+                "memory_free": self.free, "memory_source": self.source}
+
+    def lines(self):
+        """Every candidate as a table row, the chosen one marked."""
+        out = [f"{'seqs':>5} {'context':>8} {'chunk':>6} {'weights':>12} {'arenas':>12} "
+               f"{'state':>12} {'total':>12}"]
+        for i, (c, f) in enumerate(self.table):
+            over = self.free is not None and f.total > self.free
+            too_large = self.max_buffer is not None and f.largest > self.max_buffer
+            mark = ("  <- chosen" if i == self.chosen else "  over" if over
+                    else "  buffer over the device's limit" if too_large else "")
+            out.append(f"{c.max_seqs:>5} {c.context:>8} {c.step_tokens:>6} "
+                       f"{size(f.weights):>12} {size(f.arenas):>12} {size(f.state):>12} "
+                       f"{size(f.total):>12}{mark}")
+        free = "unknown" if self.free is None else size(self.free)
+        out.append(f"free: {free} ({self.source})")
+        return out
+
+
+@dataclass(frozen=True)
+class Check:
+    """The post-allocation check: what the device's accounting says the allocation took."""
+    planned: int                # the footprint's total
+    measured: int               # the growth of what the device holds
+    requested: int              # the bytes of the buffers themselves, unrounded
+    granularity: int            # the allocator's smallest allocation
+    source: str                 # where `measured` comes from
+
+    def describe(self):
+        return {"planned": self.planned, "measured": self.measured, "source": self.source}
+
+
+def size(nbytes):
+    """Bytes for people: MiB with one decimal (GiB from 10 GiB on)."""
+    if nbytes >= 10 << 30:
+        return f"{nbytes / (1 << 30):,.1f} GiB"
+    return f"{nbytes / (1 << 20):,.1f} MiB"
+
+
+def candidates(model_context, max_seqs=None, context=None):
+    """Every candidate, smallest rank first: contexts doubling from MIN_CONTEXT up to the
+    model's own, sequences from MAX_SEQS, prefill chunks from STEP_TOKENS; a pinned --max-seqs
+    or --ctx is the only value of its axis."""
+    if context is not None:
+        contexts = [context]
+    else:
+        contexts, c = [], MIN_CONTEXT
+        while c < model_context:
+            contexts.append(c)
+            c *= 2
+        contexts.append(model_context)
+    seqs = [max_seqs] if max_seqs is not None else MAX_SEQS
+    shapes = {Candidate(s, c, max(t, s)) for s in seqs for c in contexts for t in STEP_TOKENS}
+    return sorted(shapes, key=lambda c: c.rank)
+
+
+def runner_for(model, device, candidate):
+    """The device runner of a candidate, nothing allocated (it has read the device's caps)."""
+    return DeviceRunner(model, device, candidate.kv_blocks, BLOCK_SIZE, candidate.step_tokens,
+                        candidate.max_seqs)
+
+
+def footprint(runner):
+    """The device memory of a runner's allocation list, by kind, each buffer rounded by the
+    device's allocation rule."""
+    rounded = runner.device.allocation_bytes
+    kinds = dict.fromkeys(KINDS, 0)
+    allocations = runner.allocations()
+    for a in allocations:
+        kinds[a.kind] += rounded(a.nbytes)
+    largest = max(allocations, key=lambda a: a.nbytes)
+    return Footprint(**kinds, total=sum(kinds.values()), largest=largest.nbytes,
+                     largest_name=largest.name)
+
+
+def fits(footprint, free, max_buffer):
+    """Within the free memory, and every buffer within the device's limit for one buffer."""
+    return (free is not None and footprint.total <= free
+            and (max_buffer is None or footprint.largest <= max_buffer))
+
+
+def plan(model, device, free, source, max_seqs=None, context=None):
+    """Every candidate's footprint against `free` bytes (None when unknown), and the largest
+    that fits chosen; Plan.require() stops when none does."""
+    table = tuple((c, footprint(runner_for(model, device, c)))
+                  for c in candidates(model.context_length, max_seqs, context))
+    fitting = [i for i, (_, f) in enumerate(table) if fits(f, free, device.max_buffer)]
+    return Plan(f"{device.backend}: {device.name}", free, source, device.max_buffer, table,
+                fitting[-1] if fitting else None)
+
+
+def held(device):
+    """(bytes of device memory held now, where the figure comes from): total minus free by the
+    driver's own figure where it reports one; else the device's count of its allocations —
+    always for wgpu, whose allocator takes Vulkan memory in blocks of its own that a budget
+    would show but the plan cannot count."""
+    if device.backend != "wgpu":
+        try:
+            free, total = device.memory()
+            return total - free, device.memory_source
+        except CapacityError:
+            pass
+    return device.allocated, f"the {device.backend} device's count of its allocations"
+
+
+def verify(device, plan, runner, before):
+    """Checks what the allocation took against the plan: `before` is held(device)[0] read just
+    before runner.allocate(). The growth must lie between the buffers' own bytes and the
+    plan's rounded total, give or take one granule of the allocator; otherwise PlanMismatch
+    (exit status 6) stops the server before it serves."""
+    after, source = held(device)
+    check = Check(planned=plan.footprint.total, measured=after - before,
+                  requested=sum(a.nbytes for a in runner.allocations()),
+                  granularity=device.allocation_bytes(1), source=source)
+    low, high = check.requested - check.granularity, check.planned + check.granularity
+    if not low <= check.measured <= high:
+        raise PlanMismatch(
+            f"{device.backend}: {device.name}: the allocation took {check.measured} bytes by {source}, but the "
+            f"plan counted {check.planned} ({check.requested} requested, allocator granularity "
+            f"{check.granularity}): the plan cannot be trusted, so nothing is served")
+    return check

@@ -7,6 +7,7 @@ which memory, whether to retry, all belong to `poot/backends/`.
 """
 
 import os
+import sys
 
 
 class DriverError(Exception):
@@ -24,9 +25,12 @@ class LibraryNotFound(DriverError):
 
     def __init__(self, library, tried):
         self.tried = list(tried)
-        paths = "; ".join(f"{path} ({reason})" for path, reason in self.tried)
-        paths = paths or "no candidate path"
-        super().__init__(library, "dlopen", None, "library not found", f"{library}: tried {paths}")
+        if not self.tried:
+            text = f"{library}: no candidate path"
+        else:           # the paths, and the loader's words for the first (the usual soname)
+            text = (f"{library}: tried {', '.join(path for path, _ in self.tried)} "
+                    f"({self.tried[0][1]})")
+        super().__init__(library, "dlopen", None, "library not found", text)
 
 
 def load_library(ffi, library, candidates, env_var):
@@ -37,7 +41,11 @@ def load_library(ffi, library, candidates, env_var):
     soname searched by the dynamic loader, or a full path) is tried in order.
     """
     override = os.environ.get(env_var)
-    paths = [override] if override else list(candidates)
+    # names of another system's libraries are not worth a dlopen (nor a line in the error)
+    foreign = {"linux": (".dylib", ".dll"), "darwin": (".so", ".dll"), "win32": (".so", ".dylib")}
+    skip = foreign.get(sys.platform, ())
+    paths = [override] if override else [c for c in candidates
+                                         if not any(c.endswith(s) or f"{s}." in c for s in skip)]
     tried = []
     for path in paths:
         try:

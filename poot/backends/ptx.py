@@ -5,6 +5,7 @@ by kernel name), launches in stream order, and the driver's own memory figures. 
 chooses a device or retries: a device that cannot open raises BackendUnavailable with the
 driver's words.
 """
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,14 +63,24 @@ class PtxDevice:
             raise BackendUnavailable(f"ptx: cannot open CUDA device {ordinal}: {e}") from None
         if self.sm < 80:
             raise BackendUnavailable(f"ptx: {self.name} is sm_{self.sm}; poot's PTX needs sm_80+")
+        self._threads = threading.local()
+        self._threads.current = True
         self.ordinal = ordinal
         self.caps = PTX_CAPS
         self.allocated = 0
         self._programs = {}
         self._timed = None
 
+    def _current(self):
+        """Makes the device's context current on the calling thread (the engine runs steps on a
+        thread of its own; a CUDA context is current per thread)."""
+        if not getattr(self._threads, "current", False):
+            self.cu.ctx_set_current(self.context)
+            self._threads.current = True
+
     def memory(self):
         """(free, total) bytes, from cuMemGetInfo."""
+        self._current()
         return self.cu.mem_get_info()
 
     def allocation_bytes(self, nbytes):
@@ -77,21 +88,25 @@ class PtxDevice:
         return -(-max(int(nbytes), 1) // ALLOCATION_GRANULARITY) * ALLOCATION_GRANULARITY
 
     def alloc(self, nbytes):
+        self._current()
         pointer = self.cu.mem_alloc(max(int(nbytes), 1))
         self.allocated += nbytes
         return DeviceBuffer(int(pointer), int(nbytes))
 
     def free(self, buffer):
+        self._current()
         self.cu.mem_free(buffer.pointer)
         self.allocated -= buffer.nbytes
 
     def write(self, buffer, array, offset=0):
+        self._current()
         data = np.ascontiguousarray(array)
         if offset + data.nbytes > buffer.nbytes:
             raise ValueError(f"write of {data.nbytes} bytes at {offset} into {buffer.nbytes}")
         self.cu.memcpy_htod_async(buffer.pointer + offset, data, data.nbytes, self.stream)
 
     def read(self, buffer, nbytes=None, offset=0):
+        self._current()
         nbytes = buffer.nbytes if nbytes is None else nbytes
         out = bytearray(nbytes)
         self.cu.memcpy_dtoh_async(out, buffer.pointer + offset, nbytes, self.stream)
@@ -99,10 +114,12 @@ class PtxDevice:
         return bytes(out)
 
     def copy(self, dst, src, nbytes):
+        self._current()
         self.cu.memcpy_dtod_async(dst.pointer, src.pointer, nbytes, self.stream)
 
     def program(self, kernel):
         """The loaded function of a kernel (rendered, JIT-compiled by the driver, cached)."""
+        self._current()
         function = self._programs.get(kernel.name)
         if function is None:
             module, _ = self.cu.module_load_data(render_ptx(kernel, self.sm))
@@ -112,6 +129,7 @@ class PtxDevice:
 
     def launch(self, function, kernel, grid, args):
         """One launch in stream order; args follow kernel.params (buffers, then Python scalars)."""
+        self._current()
         typed = []
         for param, arg in zip(kernel.params, args, strict=True):
             if param.kind == "buffer":
@@ -130,10 +148,12 @@ class PtxDevice:
 
     def start_timing(self):
         """Times every launch from now on with a pair of events (--device-timing)."""
+        self._current()
         self._timed = []
 
     def stop_timing(self):
         """[(kernel name, seconds)] of the launches since start_timing, in launch order."""
+        self._current()
         self.synchronize()
         out = []
         for name, start, end in self._timed:
@@ -144,10 +164,12 @@ class PtxDevice:
         return out
 
     def synchronize(self):
+        self._current()
         self.cu.stream_synchronize(self.stream)
 
     def capture(self, issue):
         """A CUDA graph of the launches `issue()` makes, to replay as one launch."""
+        self._current()
         self.cu.stream_begin_capture(self.stream)
         try:
             issue()
@@ -158,4 +180,5 @@ class PtxDevice:
         return executable
 
     def replay(self, executable):
+        self._current()
         self.cu.graph_launch(executable, self.stream)

@@ -91,11 +91,6 @@ class DeviceRunner:
                 steps.append(Step(op.kind, op.inputs, op.output, op.attrs))
         return steps
 
-    @staticmethod
-    def _tiles(w):
-        """Whether a weight's rows split into the tiled kernel's steps (more than 8 tokens)."""
-        return w.shape[1] % matmul.tile_depth(w.dtype) == 0
-
     def _check_supported(self):
         for t in self.graph.weights.values():
             if len(t.shape) == 2 and t.dtype not in DEVICE_DTYPES:
@@ -120,10 +115,7 @@ class DeviceRunner:
     def _kernels_of(self, op, sg, cfg):
         if op.kind == "matmul":
             w = op.inputs[-1]
-            out = [matmul.matvec(w.dtype, sg, n, **op.attrs) for n in TOKEN_GROUPS]
-            if self._tiles(w):
-                out.append(matmul.tiled(w.dtype, **op.attrs))
-            return out
+            return [matmul.matvec(w.dtype, sg, n, **op.attrs) for n in TOKEN_GROUPS]
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -278,14 +270,9 @@ class DeviceRunner:
                 residual = [B(ins[1])] if op.attrs["residual"] else []
                 args = (*self._weight_planes(w), B(x), B(out), *residual, w.shape[0],
                         w.shape[1], n)
-                if n > TOKEN_GROUPS[-1] and self._tiles(w):
-                    tile = matmul.TILE
-                    self._launch(matmul.tiled(w.dtype, **op.attrs),
-                                 (-(-w.shape[0] // tile), -(-n // tile)), *args)
-                else:
-                    group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-                    self._launch(matmul.matvec(w.dtype, sg, group, **op.attrs),
-                                 (-(-w.shape[0] // (wg // sg)), -(-n // group)), *args)
+                group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
+                self._launch(matmul.matvec(w.dtype, sg, group, **op.attrs),
+                             (-(-w.shape[0] // (wg // sg)), -(-n // group)), *args)
             elif op.kind == "add":
                 n = int(np.prod(self._shape(out, T, R)))
                 nb = int(np.prod(self._shape(ins[1], T, R)))

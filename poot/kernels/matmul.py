@@ -2,9 +2,11 @@
 
 `matvec` is the decode kernel: a subgroup per weight row streams the row once for all of the
 step's few tokens (bandwidth-bound: each weight byte is read once per step). Tokens beyond its
-`tokens` constant run in further launches over the token axis (grid y). `tiled` is the kernel
-for many tokens (prefill, large batches): a workgroup computes a 64-token x 64-row tile,
-decoding each weight block once into shared memory for all 64 tokens.
+`tokens` constant run in further launches over the token axis (grid y). `tiled` is written for
+many tokens (prefill, large batches): a workgroup computes a 64-token x 64-row tile, decoding
+each weight block once into shared memory for all 64 tokens. It is checked on every target but
+the runner does not route to it yet: its first version measured slower than the grouped matvec
+on the H200 (docs/benchmarks.md), and this one is not yet timed there.
 """
 from functools import cache
 
@@ -85,7 +87,9 @@ def tiled(dtype, residual=False):
 
     Same buffers and scalars as matvec; cols must be a multiple of tile_depth(dtype). Each step
     over the columns stages x [64 tokens x depth] and the dequantised W [64 rows x depth] in
-    shared memory; a thread accumulates a 4 x 4 block of the tile in registers.
+    shared memory; thread (tx, ty) accumulates rows tx + 16j and tokens ty + 16i. A W row's
+    columns are rotated by the row number, so the 16 consecutive rows a warp reads at one
+    column fall in 16 different banks (the x reads are broadcasts).
     """
     r = reader(dtype)
     depth = tile_depth(dtype)
@@ -99,8 +103,9 @@ def tiled(dtype, residual=False):
     rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
     xs = k.shared("xs", F32, TILE * depth)
     ws = k.shared("ws", F32, TILE * depth)
+    rotate = depth - 1                              # depth is a power of two
     tid = k.thread_id()
-    tx, ty = tid % 16, tid / 16                     # rows 4*tx.., tokens 4*ty.. of the tile
+    tx, ty = tid % 16, tid / 16
     m0, t0 = k.block_id(0) * TILE, k.block_id(1) * TILE
     acc = [[k.var(F32, 0.0) for _ in range(4)] for _ in range(4)]
     with k.for_(0, cols, depth) as c0:
@@ -108,27 +113,27 @@ def tiled(dtype, residual=False):
         with k.for_(tid * 4, TILE * depth, WORKGROUP * 4) as i:
             t, c = i / depth, i % depth
             inside = t0 + t < n_tokens
-            src = k.select(inside, (t0 + t) * cols + c0 + c, 0)
-            values = x.load(src, 4)
-            xs.store(i, *(k.select(inside, v, 0.0) for v in values))
+            values = x.load(k.select(inside, (t0 + t) * cols + c0 + c, 0), 4)
+            for e, v in enumerate(values):
+                xs[t * depth + c + e] = k.select(inside, v, 0.0)
         # stage W: TILE rows x `units` decode units, one unit per thread at a time
         with k.for_(tid, TILE * units, WORKGROUP) as j:
             row, u = j / units, j % units
             m = k.min(m0 + row, rows - 1)           # rows past the end decode a real row
             for e, v in enumerate(r.decode(k, buf, m, c0 / r.block_elems + u, cols)):
-                ws[row * depth + u * r.block_elems + e] = v
+                ws[row * depth + ((u * r.block_elems + e + row) & rotate)] = v
         k.barrier()
         with k.for_(0, depth) as c:
-            a = [xs[(ty * 4 + i) * depth + c] for i in range(4)]
-            b = [ws[(tx * 4 + j) * depth + c] for j in range(4)]
+            a = [xs[(ty + 16 * i) * depth + c] for i in range(4)]
+            b = [ws[(tx + 16 * j) * depth + ((c + tx + 16 * j) & rotate)] for j in range(4)]
             for i in range(4):
                 for j in range(4):
                     acc[i][j].set(k.fma(a[i], b[j], acc[i][j].get()))
         k.barrier()
     for i in range(4):
-        t = t0 + ty * 4 + i
+        t = t0 + ty + 16 * i
         for j in range(4):
-            m = m0 + tx * 4 + j
+            m = m0 + tx + 16 * j
             with k.if_((t < n_tokens) & (m < rows)):
                 at = t * rows + m
                 y[at] = acc[i][j].get() + res[at] if residual else acc[i][j].get()

@@ -545,16 +545,18 @@ def test_a_vulkan_driver_without_a_budget_stops_with_exit_6(backend, tmp_path, c
     assert "budget" in capsys.readouterr().err
 
 
-def test_vulkan_without_a_budget_serves_within_a_memory_limit(tmp_path):
+@pytest.mark.parametrize("backend, model", [("vulkan", "tiny"), ("wgpu", "tiny"),
+                                            ("wgpu", "default")])
+def test_vulkan_without_a_budget_serves_within_a_memory_limit(tmp_path, backend, model):
     from poot.errors import BackendUnavailable
     try:
-        open_device("vulkan")
+        open_device(backend)
     except BackendUnavailable as e:
         pytest.skip(str(e))
-    model_path = tiny_model(tmp_path)
+    model_path = tiny_model(tmp_path) if model == "tiny" else default_model()
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "poot", "serve", "--backend", "vulkan", "--memory-limit",
+        [sys.executable, "-m", "poot", "serve", "--backend", backend, "--memory-limit",
          "512MiB", "--model", str(model_path), "--port", str(port), "--ctx", "256"],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         stderr=subprocess.PIPE, text=True)

@@ -441,6 +441,20 @@ def test_the_default_model_serves_concurrent_chats_like_single_ones(default_serv
 
 # ---- the program ----------------------------------------------------------------------------
 
+def wait_until_serving(proc, port, seconds):
+    """Polls /health of the server process on `port` until it answers 200."""
+    deadline, status = time.monotonic() + seconds, None
+    while time.monotonic() < deadline and status != 200 and proc.poll() is None:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            status = conn.getresponse().status
+            conn.close()
+        except OSError:
+            time.sleep(0.1)
+    assert status == 200, proc.stderr.read() if proc.poll() is not None else "no health"
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -457,17 +471,7 @@ def test_the_program_serves_and_exits_0_on_sigterm(tmp_path):
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        status = None
-        while time.monotonic() < deadline and status != 200 and proc.poll() is None:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                status = conn.getresponse().status
-                conn.close()
-            except OSError:
-                time.sleep(0.1)
-        assert status == 200, proc.stderr.read() if proc.poll() is not None else "no health"
+        wait_until_serving(proc, port, 60)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                max_retries=0)
         stream = client.completions.create(model=model_path.stem, prompt="bye", max_tokens=30,
@@ -561,16 +565,7 @@ def test_vulkan_without_a_budget_serves_within_a_memory_limit(tmp_path, backend,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         stderr=subprocess.PIPE, text=True)
     try:
-        deadline, status = time.monotonic() + 120, None
-        while time.monotonic() < deadline and status != 200 and proc.poll() is None:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                status = conn.getresponse().status
-                conn.close()
-            except OSError:
-                time.sleep(0.2)
-        assert status == 200, proc.stderr.read() if proc.poll() is not None else "no health"
+        wait_until_serving(proc, port, 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                max_retries=0)
         got = client.completions.create(model=model_path.stem, prompt="Hello", max_tokens=8,

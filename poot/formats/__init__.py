@@ -27,6 +27,24 @@ class TensorInfo:
     path: str
 
 
+class MappedFile:
+    """A file read through one read-only memory map (`_mm`, viewed as bytes in `_bytes`)."""
+
+    def close(self):
+        """Release the mapping. Arrays already handed out keep it alive until they go."""
+        self._bytes = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 from poot.formats.gguf import GGUFFile  # noqa: E402  (the readers use TensorInfo)
 from poot.formats.safetensors import HFModelFolder  # noqa: E402
 

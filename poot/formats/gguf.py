@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from poot.errors import ModelFileError
-from poot.formats import TensorInfo
+from poot.formats import MappedFile, TensorInfo
 from poot.formats.quants import GGML_TYPES, QUANTS, dequantize, quantize
 
 MAGIC = b"GGUF"
@@ -82,7 +82,7 @@ class _Cursor:
         return n
 
 
-class GGUFFile:
+class GGUFFile(MappedFile):
     """One GGUF file, memory-mapped. `.tensors` maps names to `TensorInfo` in file order."""
 
     kind = "gguf"
@@ -245,20 +245,6 @@ class GGUFFile:
         """The tensor's values as float32 of its shape (F32: a read-only view, no copy)."""
         t = self.info(name)
         return dequantize(t.dtype, self.raw(name), t.shape)
-
-    def close(self):
-        """Release the mapping. Arrays already handed out keep it alive until they go."""
-        self._bytes = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from poot.errors import ModelFileError
-from poot.formats import TensorInfo
+from poot.formats import MappedFile, TensorInfo
 from poot.formats.quants import quantize
 
 # safetensors dtype -> numpy dtype of one stored element (BF16 is stored as its 16 bits).
@@ -39,7 +39,7 @@ def _unique_keys(pairs):
     return dict(pairs)
 
 
-class SafetensorsFile:
+class SafetensorsFile(MappedFile):
     """One `.safetensors` file, memory-mapped. `.tensors` maps names to `TensorInfo` in header
     order; `.metadata` is the "__metadata__" dict (or {})."""
 
@@ -130,20 +130,6 @@ class SafetensorsFile:
         if t.dtype == "BF16":
             return (values.astype(np.uint32) << 16).view(np.float32)
         return values
-
-    def close(self):
-        """Release the mapping. Arrays already handed out keep it alive until they go."""
-        self._bytes = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _read_json(path, required):

@@ -52,8 +52,10 @@ def build_parser():
     pln = sub.add_parser("plan", help="print every serving shape's memory footprint against "
                          "the device's free memory, the chosen one marked (a dry run: no weights "
                          "reach the device)")
-    pln.add_argument("--model", help="GGUF file or Hugging Face folder (default: the default "
+    pln.add_argument("model_path", nargs="?", metavar="MODEL",
+                     help="GGUF file or Hugging Face folder (or --model; default: the default "
                      "model)")
+    pln.add_argument("--model", help="the same as MODEL")
     pln.add_argument("--backend", default="auto")
     pln.add_argument("--placement", help="pipeline:ORD or tensor:ORD (as poot-serve)")
     pln.add_argument("--memory-limit", metavar="SIZE", help="memory to plan within, e.g. 8GiB")
@@ -135,6 +137,9 @@ def cmd_plan(args):
     from .errors import CapacityError
     from .loader import load
     from .serve.cli import check_context, check_flags, device_memory, open_placed
+    if args.model_path and args.model and args.model_path != args.model:
+        raise UsageError(f"plan: two models given ({args.model_path} and --model {args.model})")
+    args.model = args.model or args.model_path
     ordinal, memory_limit = check_flags(args)
     device = open_placed(args, ordinal)
     if device is None:

@@ -170,7 +170,8 @@ class PtxDevice:
     def capture(self, issue):
         """A CUDA graph of the launches `issue()` makes, to replay as one launch."""
         self._current()
-        self.cu.stream_begin_capture(self.stream)
+        # thread-local: HTTP threads may still ask the driver things while the engine captures
+        self.cu.stream_begin_capture(self.stream, cuda.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         try:
             issue()
         finally:

@@ -704,3 +704,56 @@ def test_a_memory_limit_below_the_smallest_footprint_stops_with_exit_6(capsys):
     err = capsys.readouterr().err
     assert "no serving shape fits: the smallest, 1 sequence x 512 tokens" in err
     assert "64.0 MiB free (--memory-limit" in err and err.count("\n") == 1
+
+
+def test_device_timing_shows_each_kernels_device_time_in_metrics(tmp_path):
+    from poot.errors import BackendUnavailable
+    try:
+        open_device("vulkan")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    model_path = tiny_model(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poot", "serve", "--backend", "vulkan", "--memory-limit",
+         "512MiB", "--device-timing", "--model", str(model_path), "--port", str(port),
+         "--ctx", "256"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_serving(proc, port, 120)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        got = client.completions.create(model=model_path.stem, prompt="Hello", max_tokens=4,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        want = poot.LLM(model_path, backend="reference").generate(
+            "Hello", max_tokens=4, temperature=0, ignore_eos=True)
+        assert got.choices[0].text == want.text
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        seconds = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^poot_kernel_seconds_total\{kernel="([^"]+)"\} (\S+)$', text, re.M)}
+        launches = {m.group(1): int(m.group(2)) for m in re.finditer(
+            r'^poot_kernel_launches_total\{kernel="([^"]+)"\} (\S+)$', text, re.M)}
+        assert any(k.startswith("matvec_") for k in seconds)
+        assert any(k.startswith("argmax_") for k in launches)
+        assert all(v > 0 for v in seconds.values()) and set(seconds) == set(launches)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_device_timing_on_a_backend_without_it_is_refused(capsys, tmp_path):
+    from poot.errors import BackendUnavailable
+    from poot.serve.cli import main
+    try:
+        open_device("wgpu")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    assert main(["--backend", "wgpu", "--device-timing", "--model", str(tiny_model(tmp_path)),
+                 "--port", "0"]) == 2
+    assert "no per-kernel timing" in capsys.readouterr().err

@@ -30,6 +30,7 @@ BUDGET_EXTENSION = "VK_EXT_memory_budget"
 STAGING_BYTES = 64 << 20
 SPIN_SECONDS = 100e-6         # poll the fence this long before sleeping in vkWaitForFences
 SETS_PER_POOL = 256
+TIMED_LAUNCHES = 4096         # launches one start_timing/stop_timing may time
 # VkPhysicalDeviceMaintenance3Properties (core 1.1) is not among the binding's declarations: it
 # is read as raw words {sType, pad, pNext, maxPerSetDescriptors, pad, maxMemoryAllocationSize}.
 MAINTENANCE_3_PROPERTIES = 1000168000
@@ -121,6 +122,13 @@ def compute_devices(lib, instance):
     return found
 
 
+def queue_timestamp_bits(lib, physical, family):
+    """Valid bits of the timestamps the compute queue family writes (0: none)."""
+    families = vk.enumerate_all(lib.vkGetPhysicalDeviceQueueFamilyProperties,
+                                "VkQueueFamilyProperties", physical)
+    return families[family].timestampValidBits
+
+
 def device_extensions(lib, physical):
     return {vk.text(e.extensionName) for e in vk.enumerate_all(
         lib.vkEnumerateDeviceExtensionProperties, "VkExtensionProperties", physical, ffi.NULL)}
@@ -188,6 +196,7 @@ class VulkanDevice:
                             f"loader sees {len(devices)})")
             self.physical, self.family = devices[ordinal]
             self._describe(ordinal)
+            self.timestamp_bits = queue_timestamp_bits(self.lib, self.physical, self.family)
             self._open()
         except LibraryNotFound as e:
             raise BackendUnavailable(f"vulkan: the Vulkan loader is not installed: {e}") from None
@@ -204,6 +213,7 @@ class VulkanDevice:
         self._commands = None         # the command buffer being recorded, begun lazily
         self._capturing = None
         self._staging, self._staged = None, 0
+        self._timed, self._queries = None, None
 
     # -- opening -------------------------------------------------------------------------------
     def _describe(self, ordinal):
@@ -613,7 +623,49 @@ class VulkanDevice:
             values = program.pack(scalars)
             lib.vkCmdPushConstants(cb, program.layout, lib.VK_SHADER_STAGE_COMPUTE_BIT, 0,
                                    len(values), ffi.from_buffer(values))
+        if self._timed is None:
+            lib.vkCmdDispatch(cb, *groups)
+            return
+        first = 2 * len(self._timed)
+        if first + 2 > TIMED_LAUNCHES * 2:
+            raise RuntimeError(f"vulkan: more than {TIMED_LAUNCHES} launches timed at once")
+        stage = lib.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
+        lib.vkCmdWriteTimestamp(cb, stage, self._queries, first)
         lib.vkCmdDispatch(cb, *groups)
+        lib.vkCmdWriteTimestamp(cb, stage, self._queries, first + 1)
+        self._timed.append(kernel.name)
+
+    def start_timing(self):
+        """Times every launch from now on with a pair of timestamps (--device-timing)."""
+        self._not_capturing("timing")
+        lib = self.lib
+        if not self.timestamp_bits:
+            raise ValueError(f"vulkan: {self.name} has no timestamps on its compute queue")
+        if self._queries is None:
+            pool = ffi.new("VkQueryPool *")
+            vk.check(lib.vkCreateQueryPool(self.device, vk.new(
+                "VkQueryPoolCreateInfo", queryType=lib.VK_QUERY_TYPE_TIMESTAMP,
+                queryCount=2 * TIMED_LAUNCHES), ffi.NULL, pool), "vkCreateQueryPool")
+            self._queries = pool[0]
+        self._record()
+        lib.vkCmdResetQueryPool(self._commands[0], self._queries, 0, 2 * TIMED_LAUNCHES)
+        self._timed = []
+
+    def stop_timing(self):
+        """[(kernel name, seconds)] of the launches since start_timing, in launch order."""
+        timed, self._timed = self._timed, None
+        self.synchronize()
+        if not timed:
+            return []
+        ticks = ffi.new("uint64_t[]", 2 * len(timed))
+        lib = self.lib
+        vk.check(lib.vkGetQueryPoolResults(
+            self.device, self._queries, 0, 2 * len(timed), ffi.sizeof(ticks), ticks, 8,
+            lib.VK_QUERY_RESULT_64_BIT | lib.VK_QUERY_RESULT_WAIT_BIT), "vkGetQueryPoolResults")
+        mask = (1 << self.timestamp_bits) - 1 if self.timestamp_bits < 64 else (1 << 64) - 1
+        period = self.limits.timestampPeriod * 1e-9           # seconds per tick
+        return [(name, ((ticks[2 * i + 1] - ticks[2 * i]) & mask) * period)
+                for i, name in enumerate(timed)]
 
     # -- command buffers and submission --------------------------------------------------------
     def _command_buffer(self, flags):

@@ -56,6 +56,7 @@ class DeviceRunner:
         self._check_supported()
         self._uses, self._slot_of, self._slot_sizes = self._assign_slots()
         self.buffers, self.graphs = {}, {}
+        self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
 
     # -- the plan ------------------------------------------------------------------------------
     def _lower(self):
@@ -314,6 +315,13 @@ class DeviceRunner:
     def _weight_planes(self, t):
         return [self.buffers[f"{t.name}:{p}"] for p in reader(t.dtype).plane_names]
 
+    def time_kernels(self):
+        """Device timing from now on (--device-timing): every step launches kernel by kernel,
+        each timed by the device, totals kept in kernel_times. Recordings are not used."""
+        if not hasattr(self.device, "start_timing"):
+            raise ValueError(f"{self.backend}: the device has no per-kernel timing")
+        self.kernel_times = {}
+
     def run(self, batch, record=True):
         """Runs a step on the device, leaving logits and greedy tokens there.
 
@@ -323,6 +331,15 @@ class DeviceRunner:
         `record=False` issues every launch one by one instead (per-kernel device timing).
         """
         T, R = len(batch.tokens), len(batch.sample_tokens)
+        if self.kernel_times is not None:
+            self._upload(batch)
+            self.device.start_timing()
+            self._issue(T, R)
+            for name, seconds in self.device.stop_timing():
+                total = self.kernel_times.setdefault(name, [0, 0.0])
+                total[0] += 1
+                total[1] += seconds
+            return R
         bucket = 1 << max(T - 1, 0).bit_length()
         if record and T == R and bucket <= self.max_seqs and hasattr(self.device, "capture"):
             pad = bucket - T

@@ -36,6 +36,11 @@ class EngineStats:
     preemptions_total: int
     steps_total: int
     error: str | None
+    kernel_times: dict | None = None    # kernel -> (launches, device seconds), when timed
+
+
+def _snapshot(kernel_times):
+    return None if kernel_times is None else {k: tuple(v) for k, v in kernel_times.items()}
 
 
 class RequestHandle:
@@ -210,7 +215,7 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             preemptions_total=self._preemptions_total, steps_total=self._steps_total,
-            error=self.error)
+            error=self.error, kernel_times=_snapshot(getattr(self.runner, "kernel_times", None)))
 
     def _cancel(self, seq_id):
         with self._wake:

@@ -62,7 +62,8 @@ def build_parser():
     p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--placement", help="pipeline:ORD,ORD,... or tensor:ORD,ORD,... (ptx only)")
     p.add_argument("--device-timing", action="store_true",
-                   help="per-kernel timing on the device")
+                   help="time every kernel on the device (steps run launch by launch, not "
+                   "replayed); totals in /metrics")
     p.add_argument("--memory-limit", metavar="SIZE",
                    help="memory to plan within, e.g. 8GiB: caps the driver's free memory, and "
                    "is needed where the driver reports none")
@@ -102,10 +103,8 @@ def check_flags(args):
             raise PlacementRefused(f"--placement {args.placement}: {kind} groups are not "
                                    "built in this version of poot; name one device")
         ordinal = ordinals[0]
-    if args.device_timing:
-        raise UsageError("--device-timing: per-kernel timing is not built in this version of "
-                         "poot" if args.backend != "reference" else
-                         "--device-timing: backend reference has no device to time")
+    if args.device_timing and args.backend == "reference":
+        raise UsageError("--device-timing: backend reference has no device to time")
     return ordinal, memory_limit
 
 
@@ -169,6 +168,9 @@ def describe(device, memory):
 def serve(args, stop_event):
     ordinal, memory_limit = check_flags(args)
     device = open_placed(args, ordinal)
+    if args.device_timing and not hasattr(device, "start_timing"):
+        raise UsageError(f"--device-timing: backend {device.backend} ({device.name}) has no "
+                         "per-kernel timing (ptx, rocm and vulkan have)")
     memory = device_memory(device, memory_limit) if device is not None else None
     from poot.loader import default_model_path, load
     from poot.serve import Server
@@ -224,6 +226,8 @@ def device_runner(model, device, memory, args):
              plan.size(f.total), plan.size(check.measured), check.source,
              plan.size(check.planned))
     runner.upload()
+    if args.device_timing:
+        runner.time_kernels()      # every step kernel by kernel: /metrics shows device time
     return runner, dict(chosen.describe(), checked=check.describe())
 
 

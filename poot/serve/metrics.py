@@ -103,4 +103,14 @@ class Metrics:
                     ("poot_kv_blocks_free", "gauge", "KV cache blocks free.",
                      stats.kv_blocks_free)):
                 family(name, kind, help_, [f"{name} {value}"])
+            if stats.kernel_times is not None:
+                times = sorted(stats.kernel_times.items())
+                family("poot_kernel_launches_total", "counter",
+                       "Kernel launches timed on the device (--device-timing).",
+                       [f'poot_kernel_launches_total{{kernel="{_escape(k)}"}} {n}'
+                        for k, (n, _) in times])
+                family("poot_kernel_seconds_total", "counter",
+                       "Device seconds spent in each kernel (--device-timing).",
+                       [f'poot_kernel_seconds_total{{kernel="{_escape(k)}"}} {_number(t)}'
+                        for k, (_, t) in times])
         return "\n".join(lines) + "\n"

@@ -4,6 +4,7 @@ The tiny random model keeps these fast; the default model (when present in the c
 the chat template and a real conversation. Every response is compared with what the engine gives
 for the same request run alone, so batching, streaming and disconnects must change nothing.
 """
+import contextlib
 import http.client
 import json
 import os
@@ -441,6 +442,23 @@ def test_the_default_model_serves_concurrent_chats_like_single_ones(default_serv
 
 # ---- the program ----------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def server_process(*flags):
+    """`python -m poot serve FLAGS --port P` in its own process: yields (process, port); the
+    process is killed if the test leaves it running."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poot", "serve", *map(str, flags), "--port", str(port)],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def wait_until_serving(proc, port, seconds):
     """Polls /health of the server process on `port` until it answers 200."""
     deadline, status = time.monotonic() + seconds, None
@@ -463,14 +481,8 @@ def free_port():
 
 def test_the_program_serves_and_exits_0_on_sigterm(tmp_path):
     model_path = tiny_model(tmp_path)
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from poot.serve.cli import main; "
-         "sys.exit(main(sys.argv[1:]))", "--backend", "reference", "--model", str(model_path),
-         "--port", str(port), "--ctx", "256"],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        stderr=subprocess.PIPE, text=True)
-    try:
+    with server_process("--backend", "reference", "--model", model_path,
+                        "--ctx", 256) as (proc, port):
         wait_until_serving(proc, port, 60)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                max_retries=0)
@@ -481,10 +493,6 @@ def test_the_program_serves_and_exits_0_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert list(stream)[-1].choices[0].finish_reason == "length"
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 NO_VULKAN = {"POOT_VULKAN_LIB": "/nonexistent", "POOT_WGPU_LIB": "/nonexistent"}
@@ -558,13 +566,8 @@ def test_vulkan_without_a_budget_serves_within_a_memory_limit(tmp_path, backend,
     except BackendUnavailable as e:
         pytest.skip(str(e))
     model_path = tiny_model(tmp_path) if model == "tiny" else default_model()
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poot", "serve", "--backend", backend, "--memory-limit",
-         "512MiB", "--model", str(model_path), "--port", str(port), "--ctx", "256"],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        stderr=subprocess.PIPE, text=True)
-    try:
+    with server_process("--backend", backend, "--memory-limit", "512MiB", "--model",
+                        model_path, "--ctx", 256) as (proc, port):
         wait_until_serving(proc, port, 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                max_retries=0)
@@ -575,10 +578,6 @@ def test_vulkan_without_a_budget_serves_within_a_memory_limit(tmp_path, backend,
         assert got.choices[0].text == want.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 # ---- startup: backends, placement, the memory plan and its check -------------------------------
@@ -610,13 +609,8 @@ def test_health_is_503_during_a_slow_load_and_200_only_after_the_plan_is_checked
         open_device("vulkan")
     except BackendUnavailable as e:
         pytest.skip(str(e))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poot", "serve", "--backend", "vulkan", "--memory-limit", "1GiB",
-         "--model", str(model_path), "--port", str(port)],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        stderr=subprocess.PIPE, text=True)
-    try:
+    with server_process("--backend", "vulkan", "--memory-limit", "1GiB", "--model",
+                        model_path) as (proc, port):
         seen = poll_health(port, proc)
         assert seen and seen[-1][0] == 200, proc.stderr.read() if proc.poll() is not None else seen
         assert seen[0] == (503, {"status": "loading"})
@@ -633,10 +627,6 @@ def test_health_is_503_during_a_slow_load_and_200_only_after_the_plan_is_checked
         block = log[log.index("plan for "):log.index("poot-serve: serving")]
         assert "weights" in block and "arenas" in block and "state" in block
         assert "checked: the allocation took" in block
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.parametrize("backend, words", [("ptx", "libcuda"), ("rocm", "hsa_init")])
@@ -713,14 +703,8 @@ def test_device_timing_shows_each_kernels_device_time_in_metrics(tmp_path):
     except BackendUnavailable as e:
         pytest.skip(str(e))
     model_path = tiny_model(tmp_path)
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poot", "serve", "--backend", "vulkan", "--memory-limit",
-         "512MiB", "--device-timing", "--model", str(model_path), "--port", str(port),
-         "--ctx", "256"],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        stderr=subprocess.PIPE, text=True)
-    try:
+    with server_process("--backend", "vulkan", "--memory-limit", "512MiB", "--device-timing",
+                        "--model", model_path, "--ctx", 256) as (proc, port):
         wait_until_serving(proc, port, 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                max_retries=0)
@@ -741,10 +725,6 @@ def test_device_timing_shows_each_kernels_device_time_in_metrics(tmp_path):
         assert all(v > 0 for v in seconds.values()) and set(seconds) == set(launches)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_device_timing_on_a_backend_without_it_is_refused(capsys, tmp_path):

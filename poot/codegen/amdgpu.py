@@ -381,16 +381,6 @@ class _Renderer:
             raise ValueError(f"var %{var} is used but never declared in kernel {self.kernel.name}")
         return self.vars[var]
 
-    def array(self, name, shared):
-        if shared:
-            found = [s for s in self.kernel.shared if s.name == name]
-        else:
-            found = [p for p in self.kernel.params if p.name == name and p.kind == "buffer"]
-        if not found:
-            raise ValueError(f"{name!r} is no {'shared array' if shared else 'buffer'} of "
-                             f"kernel {self.kernel.name}")
-        return found[0]
-
     # -- statements ------------------------------------------------------------------------------
     def block(self, body):
         for stmt in body:
@@ -459,7 +449,7 @@ class _Renderer:
 
     def chunks(self, name, shared, index, width):
         """(pointer expression to lane `start`, start, lanes) per vector access of a width."""
-        array = self.array(name, shared)
+        array = self.kernel.array(name, shared)
         base = f"sh_{name}" if shared else name
         per = self.per_access(array.dtype)
         for start in range(0, width, per):
@@ -467,13 +457,13 @@ class _Renderer:
             yield f"{base} + {index}{offset}", start, min(per, width - start)
 
     def pointer_cast(self, name, shared, vtype):
-        array = self.array(name, shared)
+        array = self.kernel.array(name, shared)
         const = "const " if not shared and array.access == "r" else ""
         return f"({'__local' if shared else '__global'} {const}{vtype} *)"
 
     def load(self, let):
         name, shared, width = let.attr("target"), let.attr("shared"), let.attr("width", 1)
-        ctype = _ctype(self.array(name, shared).dtype)
+        ctype = _ctype(self.kernel.array(name, shared).dtype)
         index = self.name(let.args[0])
         if width == 1:
             return self.emit(f"const {ctype} v{let.id} = {'sh_' if shared else ''}{name}[{index}];")
@@ -492,7 +482,7 @@ class _Renderer:
         self.vectors[let.id] = lanes
 
     def store(self, stmt):
-        array = self.array(stmt.target, stmt.shared)
+        array = self.kernel.array(stmt.target, stmt.shared)
         ctype = _ctype(array.dtype)
         values = [self.name(v) for v in stmt.values]
         for value in stmt.values:

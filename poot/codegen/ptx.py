@@ -318,19 +318,9 @@ class _Renderer:
         self.label(f"$L{n}_end")
 
     # -- memory ----------------------------------------------------------------------------------
-    def array(self, name, shared):
-        if shared:
-            found = [s for s in self.kernel.shared if s.name == name]
-        else:
-            found = [p for p in self.kernel.params if p.name == name and p.kind == "buffer"]
-        if not found:
-            raise ValueError(f"{name!r} is no {'shared array' if shared else 'buffer'} of "
-                             f"kernel {self.kernel.name}")
-        return found[0]
-
     def address(self, name, shared, index):
         """The address of element `index` (a Value) of a buffer or shared array."""
-        size = self.array(name, shared).dtype.bytes
+        size = self.kernel.array(name, shared).dtype.bytes
         reg, dtype = self.val(index), index.dtype
         if dtype.kind not in "iu":
             raise TypeError(f"index of {dtype}")
@@ -370,7 +360,7 @@ class _Renderer:
 
     def load(self, let):
         name, shared, width = let.attr("target"), let.attr("shared"), let.attr("width", 1)
-        array = self.array(name, shared)
+        array = self.kernel.array(name, shared)
         if width == 1:
             regs = [self.named(let.id, let.dtype)]
         else:
@@ -381,7 +371,7 @@ class _Renderer:
         self.access("ld", space, array.dtype, address, regs)
 
     def store(self, stmt):
-        array = self.array(stmt.target, stmt.shared)
+        array = self.kernel.array(stmt.target, stmt.shared)
         values = [self.val(v) for v in stmt.values]
         address = self.address(stmt.target, stmt.shared, stmt.index)
         self.access("st", "shared" if stmt.shared else "global", array.dtype, address, values)

@@ -241,6 +241,15 @@ class Kernel:
     def param(self, name):
         return next(p for p in self.params if p.name == name)
 
+    def array(self, name, shared):
+        """The buffer parameter or shared array a load or store names."""
+        found = [a for a in (self.shared if shared else self.params)
+                 if a.name == name and (shared or a.kind == "buffer")]
+        if not found:
+            raise ValueError(f"{name!r} is no {'shared array' if shared else 'buffer'} of "
+                             f"kernel {self.name}")
+        return found[0]
+
 
 class KernelBuilder:
     """Builds one Kernel. Use `with k.if_(c):`, `with k.for_(start, stop) as i:` for control."""

@@ -190,6 +190,7 @@ CUresult cuStreamDestroy_v2(CUstream hStream);
 CUresult cuStreamSynchronize(CUstream hStream);
 CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
 CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
+CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags);
 CUresult cuEventSynchronize(CUevent hEvent);
 CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd);
 CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd);
@@ -462,6 +463,10 @@ class Driver:
 
     def event_record(self, event, stream=None):
         self._check("cuEventRecord", self.lib.cuEventRecord(event, _stream(stream)))
+
+    def stream_wait_event(self, stream, event):
+        """Later work on `stream` waits for the work `event` last recorded (any device's)."""
+        self._check("cuStreamWaitEvent", self.lib.cuStreamWaitEvent(_stream(stream), event, 0))
 
     def event_synchronize(self, event):
         self._check("cuEventSynchronize", self.lib.cuEventSynchronize(event))

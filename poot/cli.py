@@ -57,7 +57,7 @@ def build_parser():
                      "model)")
     pln.add_argument("--model", help="the same as MODEL")
     pln.add_argument("--backend", default="auto")
-    pln.add_argument("--placement", help="pipeline:ORD or tensor:ORD (as poot-serve)")
+    pln.add_argument("--placement", help="pipeline:ORD,... or tensor:ORD,... (as poot-serve)")
     pln.add_argument("--memory-limit", metavar="SIZE", help="memory to plan within, e.g. 8GiB")
     pln.add_argument("--max-seqs", type=int, help="pin the sequences decoded at once")
     pln.add_argument("--ctx", type=int, help="pin the context length per sequence")
@@ -136,24 +136,32 @@ def cmd_plan(args):
     from .engine import plan
     from .errors import CapacityError
     from .loader import load
-    from .serve.cli import check_context, check_flags, device_memory, open_placed
+    from .serve.cli import (check_context, check_flags, device_memory, open_placed,
+                            parse_placement)
     if args.model_path and args.model and args.model_path != args.model:
         raise UsageError(f"plan: two models given ({args.model_path} and --model {args.model})")
     args.model = args.model or args.model_path
-    ordinal, memory_limit = check_flags(args)
-    device = open_placed(args, ordinal)
+    ordinals, memory_limit = check_flags(args)
+    device = open_placed(args, ordinals)
     if device is None:
         print("backend reference: the numpy interpreter plans nothing against host memory; it "
               "serves --max-seqs x --ctx (default 8 x the model's context, at most 4096)")
         return 0
     unknown = None
-    try:
-        free, _, source = device_memory(device, memory_limit)
-    except CapacityError as e:
-        unknown, free, source = e, None, device.memory_source
+    members = getattr(device, "devices", None)      # a ptx group
     model = load(args.model)
     check_context(args, model)
-    result = plan.plan(model, device, free, source, args.max_seqs, args.ctx)
+    if members:
+        memory = [device_memory(d, memory_limit) for d in members]
+        kind, _ = parse_placement(args.placement)
+        result = plan.plan_group(model, device, kind, [m[0] for m in memory], memory[0][2],
+                                 args.max_seqs, args.ctx)
+    else:
+        try:
+            free, _, source = device_memory(device, memory_limit)
+        except CapacityError as e:
+            unknown, free, source = e, None, device.memory_source
+        result = plan.plan(model, device, free, source, args.max_seqs, args.ctx)
     print(f"plan for {model.name} on {device.name}")
     print("\n".join(result.lines()))
     if unknown is not None:

@@ -74,10 +74,11 @@ class LoadedModel:
         """A weight dequantised to float32 (the reference interpreter's view of it)."""
         return self.file.array(self._file_names[name])
 
-    def step_graph(self, num_blocks, block_size):
+    def step_graph(self, num_blocks, block_size, part=None):
+        """The step graph; `part` (engine/placement.py) makes one device's part of a group."""
         try:
             return llama.forward(self.config, self.weight_shapes(), num_blocks, block_size,
-                                 self.freq_factors)
+                                 self.freq_factors, part)
         except llama.MissingWeight as e:
             raise ModelFileError(self.path, f"tensor {e.name} is missing", tensor=e.name) from None
         except llama.WrongShape as e:

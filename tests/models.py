@@ -5,12 +5,13 @@ from poot.loader import default_model_path
 from poot.models.random_weights import write_random_llama
 
 
-def tiny_model(folder, dtype="F16", arch="llama", seed=0):
-    """A 2-layer random Llama GGUF with a real byte-level tokenizer and ChatML template."""
-    path = folder / f"tiny-{arch}-{dtype.lower()}-{seed}.gguf"
+def tiny_model(folder, dtype="F16", arch="llama", seed=0, shape=None):
+    """A 2-layer random Llama GGUF with a real byte-level tokenizer and ChatML template
+    (`shape`: another of random_weights.SHAPES)."""
+    shape = shape or ("tiny" if dtype in ("F32", "F16", "BF16") else "tiny-k")
+    path = folder / f"{shape}-{arch}-{dtype.lower()}-{seed}.gguf"
     if not path.exists():
-        write_random_llama(path, "tiny" if dtype in ("F32", "F16", "BF16") else "tiny-k",
-                           dtype=dtype, seed=seed, arch=arch)
+        write_random_llama(path, shape, dtype=dtype, seed=seed, arch=arch)
     return path
 
 

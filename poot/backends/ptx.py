@@ -4,6 +4,10 @@ Opens one device by ordinal on its primary context and one stream; buffers, PTX 
 by kernel name), launches in stream order, and the driver's own memory figures. Nothing here
 chooses a device or retries: a device that cannot open raises BackendUnavailable with the
 driver's words.
+
+PtxGroup opens several devices in one process for a placement over them (engine/group.py):
+peer access between every pair, peer copies on the streams, cross-device ordering by events
+(never a host round trip), and one CUDA graph capturing a step over all of them.
 """
 import threading
 from dataclasses import dataclass
@@ -14,7 +18,7 @@ from drivers import DriverError, LibraryNotFound
 from drivers import cuda
 
 from ..codegen.ptx import PTX_CAPS, render_ptx
-from ..errors import BackendUnavailable, NoSuchDevice
+from ..errors import BackendUnavailable, NoSuchDevice, PlacementRefused
 
 SCALAR_CTYPES = {"i32": "int32_t", "u32": "uint32_t", "f32": "float"}
 # cuda.h documents no rounding rule for cuMemAlloc; the driver maps device memory in 2 MiB pages
@@ -22,6 +26,7 @@ SCALAR_CTYPES = {"i32": "int32_t", "u32": "uint32_t", "f32": "float"}
 # counts every buffer as whole pages: an upper bound, which the post-allocation check
 # (engine/plan.py) compares with what cuMemGetInfo says was taken.
 ALLOCATION_GRANULARITY = 2 << 20
+_thread = threading.local()     # .context: the context current on this thread, as poot set it
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,7 @@ class PtxDevice:
             raise BackendUnavailable(f"ptx: cannot open CUDA device {ordinal}: {e}") from None
         if self.sm < 80:
             raise BackendUnavailable(f"ptx: {self.name} is sm_{self.sm}; poot's PTX needs sm_80+")
-        self._threads = threading.local()
-        self._threads.current = True
+        _thread.context = self.context
         self.ordinal = ordinal
         self.caps = PTX_CAPS
         self.allocated = 0
@@ -73,10 +77,11 @@ class PtxDevice:
 
     def _current(self):
         """Makes the device's context current on the calling thread (the engine runs steps on a
-        thread of its own; a CUDA context is current per thread)."""
-        if not getattr(self._threads, "current", False):
+        thread of its own, a group drives several devices from one; a CUDA context is current
+        per thread)."""
+        if getattr(_thread, "context", None) != self.context:
             self.cu.ctx_set_current(self.context)
-            self._threads.current = True
+            _thread.context = self.context
 
     def memory(self):
         """(free, total) bytes, from cuMemGetInfo."""
@@ -92,6 +97,10 @@ class PtxDevice:
         pointer = self.cu.mem_alloc(max(int(nbytes), 1))
         self.allocated += nbytes
         return DeviceBuffer(int(pointer), int(nbytes))
+
+    def view(self, buffer, offset):
+        """The part of a buffer from byte `offset` on (a pipeline micro-batch's rows)."""
+        return DeviceBuffer(buffer.pointer + offset, buffer.nbytes - offset)
 
     def free(self, buffer):
         self._current()
@@ -174,8 +183,10 @@ class PtxDevice:
         self.cu.stream_begin_capture(self.stream, cuda.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         try:
             issue()
-        finally:
-            graph = self.cu.stream_end_capture(self.stream)
+        except BaseException:
+            end_capture_after_error(self)
+            raise
+        graph = self.cu.stream_end_capture(self.stream)
         executable = self.cu.graph_instantiate(graph)
         self.cu.graph_destroy(graph)
         return executable
@@ -183,3 +194,110 @@ class PtxDevice:
     def replay(self, executable):
         self._current()
         self.cu.graph_launch(executable, self.stream)
+
+
+def end_capture_after_error(device):
+    """Ends a capture that an error broke, so the error raised is the first one, not the
+    driver's word that the capture was invalidated by it."""
+    device._current()
+    try:
+        device.cu.graph_destroy(device.cu.stream_end_capture(device.stream))
+    except DriverError:
+        pass
+
+
+class PtxGroup:
+    """CUDA devices of one placement, opened in one process: a context and a stream each, peer
+    access enabled between every pair (refused at startup, with the driver's words, where two
+    cannot reach each other), an event per device for ordering across them."""
+    backend = "ptx"
+
+    def __init__(self, ordinals):
+        self.devices = [PtxDevice(o) for o in ordinals]
+        self.name = ", ".join(d.name for d in self.devices)
+        for a in self.devices:
+            for b in self.devices:
+                if a is b:
+                    continue
+                if not a.cu.device_can_access_peer(a.handle, b.handle):
+                    raise PlacementRefused(f"ptx: {a.name} cannot access the memory of {b.name} "
+                                           "(cuDeviceCanAccessPeer: 0)")
+                a._current()
+                try:
+                    a.cu.ctx_enable_peer_access(b.context)
+                except DriverError as e:
+                    if e.name != "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED":
+                        raise PlacementRefused(f"ptx: peer access from {a.name} to {b.name}: "
+                                               f"{e}") from None
+        self.events = []
+        for d in self.devices:
+            d._current()
+            self.events.append(d.cu.event_create(cuda.CU_EVENT_DISABLE_TIMING))
+
+    def signal(self, i):
+        """Records device i's event after the work issued so far on its stream."""
+        d = self.devices[i]
+        d._current()
+        d.cu.event_record(self.events[i], d.stream)
+
+    def wait(self, i, j):
+        """Device i's later work waits for what device j's event last recorded."""
+        d = self.devices[i]
+        d._current()
+        d.cu.stream_wait_event(d.stream, self.events[j])
+
+    def barrier(self, ranks=None):
+        """No device goes on until every device has done the work issued to it so far."""
+        ranks = range(len(self.devices)) if ranks is None else ranks
+        for i in ranks:
+            self.signal(i)
+        for i in ranks:
+            for j in ranks:
+                if i != j:
+                    self.wait(i, j)
+
+    def copy(self, i, dst, j, src, nbytes):
+        """Copies nbytes from device j's `src` into device i's `dst`, on device i's stream."""
+        d = self.devices[i]
+        d._current()        # unified addressing: a device-to-device copy reaches the peer
+        d.cu.memcpy_dtod_async(dst.pointer, src.pointer, nbytes, d.stream)
+
+    def capture(self, issue):
+        """One CUDA graph of the work `issue()` gives every device: captured from device 0's
+        stream, the others joined in by events (fork) and back (join) before it ends."""
+        lead = self.devices[0]
+        lead._current()
+        lead.cu.stream_begin_capture(lead.stream, cuda.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        try:
+            self.signal(0)
+            for i in range(1, len(self.devices)):
+                self.wait(i, 0)
+            issue()
+            for i in range(1, len(self.devices)):
+                self.signal(i)
+                self.wait(0, i)
+        except BaseException:
+            end_capture_after_error(lead)
+            raise
+        lead._current()
+        graph = lead.cu.stream_end_capture(lead.stream)
+        executable = lead.cu.graph_instantiate(graph)
+        lead.cu.graph_destroy(graph)
+        return executable
+
+    def replay(self, executable):
+        """Launches a captured step on device 0's stream, after what every device's stream
+        holds (the step's inputs), and before what they are given next."""
+        for i in range(1, len(self.devices)):
+            self.signal(i)
+            self.wait(0, i)
+        lead = self.devices[0]
+        lead._current()
+        lead.cu.graph_launch(executable, lead.stream)
+        self.signal(0)
+        for i in range(1, len(self.devices)):
+            self.wait(i, 0)
+
+    def synchronize(self):
+        for d in self.devices:
+            d.synchronize()

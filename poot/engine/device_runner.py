@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ModelRefused
+from ..formats.quants import slice_raw
 from ..kernels import matmul, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from .batch import StepBatch, StepOutput
@@ -42,16 +43,80 @@ class Allocation:
     kind: str           # "weights" (and constants), "state" (the KV cache), "arenas" (per step)
 
 
-class DeviceRunner:
-    def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16):
-        self.model, self.device = model, device
+class StepRunner:
+    """A step's run, logits and sampling over the hooks a runner gives: _upload, _issue,
+    _can_capture, _capture, _replay and _read (DeviceRunner for one device, GroupRunner in
+    engine/group.py for a device group)."""
+    kernel_times = None
+
+    def run(self, batch, record=True):
+        """Runs a step on the device, leaving logits and greedy tokens there.
+
+        A pure decode step (every token sampled) runs as one replay of the launches recorded
+        for its bucket, the next power of two of its size; the batch is padded to the bucket by
+        repeating its last token, which rewrites the same cache slot with the same values.
+        `record=False` issues every launch one by one instead (per-kernel device timing).
+        """
+        T, R = len(batch.tokens), len(batch.sample_tokens)
+        if self.kernel_times is not None:
+            self._upload(batch)
+            self.device.start_timing()
+            self._issue(T, R)
+            for name, seconds in self.device.stop_timing():
+                total = self.kernel_times.setdefault(name, [0, 0.0])
+                total[0] += 1
+                total[1] += seconds
+            return R
+        bucket = 1 << max(T - 1, 0).bit_length()
+        if record and T == R and bucket <= self.max_seqs and self._can_capture():
+            pad = bucket - T
+            padded = StepBatch(*(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (
+                batch.tokens, batch.positions, batch.seq_rows)), batch.block_tables,
+                np.concatenate([batch.sample_tokens, T - 1 + np.zeros(pad, np.int32)]),
+                batch.sampling)
+            self._upload(padded)
+            graph = self.graphs.get(bucket)
+            if graph is None:
+                graph = self.graphs[bucket] = self._capture(lambda: self._issue(bucket, bucket))
+            self._replay(graph)
+        else:
+            self._upload(batch)
+            self._issue(T, R)
+        return R
+
+    def logits(self, batch):
+        """Runs a step; the logits of its sampled rows, float32 [R, vocab]."""
+        R = self.run(batch)
+        raw = self._read(self._output_name(), R * self.vocab_size * 4)
+        return np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
+
+    def step(self, batch):
+        """Greedy rows without logprobs read back only the device's argmax; others sample
+        from the logits on the host (engine/sampling.py)."""
+        rows = batch.sampling
+        if not rows.logprobs and not np.any(rows.temperature > 0):
+            R = self.run(batch)
+            tokens = np.frombuffer(self._read("argmax", R * 4), np.int32)
+            return StepOutput(tokens=tokens.copy(), logprobs=np.zeros(R, np.float32),
+                              top_ids=np.zeros((R, 0), np.int32),
+                              top_logprobs=np.zeros((R, 0), np.float32))
+        return sample(self.logits(batch), rows)
+
+
+class DeviceRunner(StepRunner):
+    def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16,
+                 part=None):
+        self.model, self.device, self.part = model, device, part
         self.backend = device.backend
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.vocab_size = model.config.vocab_size
         self.max_context = model.context_length
         self.table_width = -(-min(self.max_context, num_blocks * block_size) // block_size)
-        self.graph = model.step_graph(num_blocks, block_size)
+        self.graph = model.step_graph(num_blocks, block_size, part)
+        self.has_logits = "logits" in self.graph.outputs
+        self.peers = [self]         # the runners of a tensor group, in rank order (group.py)
+        self._offsets = (0, 0)      # (token, row) of a pipeline micro-batch (group.py)
         self.steps = self._lower()
         self._check_supported()
         self._uses, self._slot_of, self._slot_sizes = self._assign_slots()
@@ -78,9 +143,32 @@ class DeviceRunner:
                     add_of[id(maker)] = (op, op.inputs[other])
                     fused.add(id(op))
                     break
+        reduce_of = {}      # an all_reduce whose sum goes only into an add: the add fused into it
+        for op in ops_:
+            if op.kind != "add":
+                continue
+            for mine, other in ((0, 1), (1, 0)):
+                maker = producer.get(op.inputs[mine].name)
+                if maker is not None and maker.kind == "all_reduce" and \
+                        uses[op.inputs[mine].name] == 1 and op.inputs[other].kind == "value":
+                    reduce_of[id(maker)] = (op, op.inputs[other])
+                    fused.add(id(op))
+                    break
+        # the partial sums a group reads from each other's memory live in two buffers of their
+        # own, used in turn (group.py's barriers make that safe), not in the arenas
+        self._reduce_buffer = {}
+        for op in ops_:
+            if op.kind == "all_reduce":
+                self._reduce_buffer[op.inputs[0].name] = f"reduce.{len(self._reduce_buffer) % 2}"
         steps = []
         for op in ops_:
             if id(op) in fused:
+                continue
+            if op.kind == "all_reduce":
+                add, residual = reduce_of.get(id(op), (op, None))
+                steps.append(Step("all_reduce", (op.inputs[0],) + ((residual,) if residual else ()),
+                                  add.output, {"world": op.attrs["world"],
+                                               "residual": residual is not None}))
                 continue
             if op.kind == "matmul" and id(op) in add_of:
                 add, residual = add_of[id(op)]
@@ -110,7 +198,8 @@ class DeviceRunner:
         for step in self.steps:
             for kernel in self._kernels_of(step, sg, cfg):
                 seen.setdefault(kernel.name, kernel)
-        seen.setdefault("argmax", ops.argmax(sg))
+        if self.has_logits:
+            seen.setdefault("argmax", ops.argmax(sg))
         return list(seen.values())
 
     def _kernels_of(self, op, sg, cfg):
@@ -133,6 +222,8 @@ class DeviceRunner:
             return [ops.attention(sg, cfg.head_dim)]
         if op.kind == "gather":
             return [ops.gather_rows()]
+        if op.kind == "all_reduce":
+            return [ops.all_reduce(op.attrs["world"], op.attrs["residual"])]
         return []
 
     def _elements(self, shape):
@@ -157,7 +248,8 @@ class DeviceRunner:
         free, slot_of, sizes = {}, {}, []
         for i, op in enumerate(ops_):
             out = op.output
-            if out.kind == "value" and op.kind not in SHARES_INPUT:
+            if out.kind == "value" and op.kind not in SHARES_INPUT and \
+                    out.name not in self._reduce_buffer:
                 size = self._elements(out.shape) * 4
                 pool = free.setdefault(size, [])
                 slot = pool.pop() if pool else len(sizes)
@@ -187,13 +279,17 @@ class DeviceRunner:
                 out.append(Allocation(t.name, self._elements(t.shape) * 4, "weights"))
         for name, (t, array) in self.graph.consts.items():
             out.append(Allocation(name, array.nbytes, "weights"))
-        cfg = self.model.config
-        cache_bytes = self.num_blocks * self.block_size * cfg.n_kv_heads * cfg.head_dim * 2
-        for name in self.graph.state:
-            out.append(Allocation(name, cache_bytes, "state"))
+        for name, t in self.graph.state.items():      # f16 keys / values
+            out.append(Allocation(name, math.prod(t.shape) * 2, "state"))
         step = [("tokens", self.max_tokens), ("positions", self.max_tokens),
                 ("seq_rows", self.max_tokens), ("block_tables", self.max_seqs * self.table_width),
-                ("sample_tokens", self.max_seqs), ("argmax", self.max_seqs)]
+                ("sample_tokens", self.max_seqs)]
+        if self.has_logits:
+            step.append(("argmax", self.max_seqs))
+        if "hidden" in self.graph.inputs:   # a pipeline stage's input, copied from the last
+            step.append(("hidden", self.max_tokens * self.model.config.d_model))
+        if self._reduce_buffer:
+            step += [(f"reduce.{i}", self.max_tokens * self.model.config.d_model) for i in (0, 1)]
         out += [Allocation(name, words * 4, "arenas") for name, words in step]
         out += [Allocation(f"arena.{i}", size, "arenas") for i, size in enumerate(self._slot_sizes)]
         return out
@@ -216,20 +312,33 @@ class DeviceRunner:
             info = self.model.file.tensors[self.model._file_names[t.name]]
             if len(t.shape) == 2:
                 raw = self.model.file.raw(info.name)
+                if t.name in self.graph.slices:     # a tensor group's shard of the tensor
+                    raw = slice_raw(t.dtype, raw, info.shape, *self.graph.slices[t.name])
                 for plane, words in planes(t.dtype, raw, t.shape).items():
                     dev.write(self.buffers[f"{t.name}:{plane}"], words)
             else:
-                dev.write(self.buffers[t.name], self.model.weight_array(t.name).astype(np.float32))
+                array = self.graph.slice_of(t.name, self.model.weight_array(t.name))
+                dev.write(self.buffers[t.name], np.ascontiguousarray(array, np.float32))
         for name, (t, array) in self.graph.consts.items():
             dev.write(self.buffers[name], array)
         self.programs = {k.name: dev.program(k) for k in self._kernels()}
         dev.synchronize()
 
     # -- a step --------------------------------------------------------------------------------
-    def _buffer(self, tensor):
-        if tensor.kind == "value":
-            return self.buffers[f"arena.{self._slot_of[tensor.name]}"]
-        return self.buffers[tensor.name]
+    def _buffer(self, tensor, offset=True):
+        """The buffer of a tensor; in a pipeline micro-batch, a view from its first row."""
+        if tensor.name in self._reduce_buffer:
+            buffer = self.buffers[self._reduce_buffer[tensor.name]]
+        elif tensor.kind == "value":
+            buffer = self.buffers[f"arena.{self._slot_of[tensor.name]}"]
+        else:
+            buffer = self.buffers[tensor.name]
+        t0, r0 = self._offsets
+        axis = tensor.shape[0] if tensor.shape else None
+        row = {"T": t0, "R": r0}.get(axis, 0) if offset else 0
+        if row == 0:
+            return buffer
+        return self.device.view(buffer, row * math.prod(tensor.shape[1:]) * 4)
 
     def _shape(self, tensor, n_tokens, n_rows):
         return tuple({"T": n_tokens, "R": n_rows}.get(d, d) for d in tensor.shape)
@@ -251,6 +360,13 @@ class DeviceRunner:
 
     def _issue(self, T, R):
         """Issues every launch of a step of T tokens and R sampled rows, in graph order."""
+        for _ in self.launches(T, R):
+            pass
+
+    def launches(self, T, R):
+        """Issues the step's launches in graph order, as a generator: it stops before each
+        all_reduce (yielding the step), so a tensor group can put its barrier between the
+        ranks' partial sums and their reduction (group.py)."""
         sg, cfg = self.device.subgroup_size, self.model.config
         B = self._buffer
         wg = ops.WG
@@ -283,7 +399,7 @@ class DeviceRunner:
                 self._launch(ops.elementwise("swiglu"), (-(-n // wg),), B(ins[0]), B(ins[1]), B(out), n, n)
             elif op.kind == "rope":
                 x, positions, inv_freq = ins
-                if self._uses[x.name] != 1 or B(x) is not B(out):
+                if self._uses[x.name] != 1 or B(x) != B(out):
                     raise RuntimeError("rope runs in place on a value used only by it")
                 _, heads, hd = x.shape
                 pairs = inv_freq.shape[0]
@@ -291,26 +407,45 @@ class DeviceRunner:
                              B(x), B(positions), B(inv_freq), T, heads, hd, pairs)
             elif op.kind == "store_kv":
                 k, v, kc, vc, positions, seq_rows, tables_t = ins
-                words = cfg.n_kv_heads * cfg.head_dim // 2
+                words = kc.shape[2] * cfg.head_dim // 2
                 self._launch(ops.store_kv(), (-(-T * words // wg),), B(k), B(v), B(kc), B(vc),
                              B(positions), B(seq_rows), B(tables_t), T, words, self.table_width,
                              self.block_size)
             elif op.kind == "attention":
                 q, kc, vc, positions, seq_rows, tables_t = ins
-                self._launch(ops.attention(sg, cfg.head_dim), (T * cfg.n_heads,), B(q),
+                heads, kv_heads = q.shape[1], kc.shape[2]
+                self._launch(ops.attention(sg, cfg.head_dim), (T * heads,), B(q),
                              B(out), B(kc), B(vc), B(positions), B(seq_rows), B(tables_t),
-                             cfg.n_heads, cfg.n_kv_heads, self.table_width, self.block_size,
+                             heads, kv_heads, self.table_width, self.block_size,
                              op.attrs["scale"])
-            elif op.kind == "gather":
+            elif op.kind == "gather":       # indices count from the step's first token
                 x, index = ins
-                self._launch(ops.gather_rows(), (R,), B(x), B(index), B(out), x.shape[-1])
+                self._launch(ops.gather_rows(), (R,), B(x, offset=False), B(index), B(out),
+                             x.shape[-1])
+            elif op.kind == "all_reduce":
+                yield op
+                n = int(np.prod(self._shape(out, T, R)))
+                partial = ins[0]
+                parts = [peer._buffer(partial) for peer in self.peers]
+                self._launch(ops.all_reduce(op.attrs["world"], op.attrs["residual"]),
+                             (-(-n // (4 * wg)),), *parts, *[B(r) for r in ins[1:]], B(out),
+                             0, n)
             elif op.kind == "reshape":
                 continue
             else:
                 raise ModelRefused(f"{self.device.name}: op {op.kind} has no kernel")
         # the greedy choice of every row, so greedy steps read back tokens, not logits
-        self._launch(ops.argmax(sg), (R,), self.buffers[self._output_name()],
-                     self.buffers["argmax"], self.vocab_size)
+        if self.has_logits:
+            logits = self.graph.outputs["logits"]
+            argmax = self.graph.inputs["sample_tokens"]     # R rows, as the argmax buffer
+            self._launch(ops.argmax(sg), (R,), B(logits), self._buffer_named("argmax", argmax),
+                         self.vocab_size)
+
+    def _buffer_named(self, name, like):
+        """A step buffer that is not a graph tensor, offset as the tensor `like` would be."""
+        t0, r0 = self._offsets
+        row = {"T": t0, "R": r0}[like.shape[0]]
+        return self.device.view(self.buffers[name], row * 4) if row else self.buffers[name]
 
     def _weight_planes(self, t):
         return [self.buffers[f"{t.name}:{p}"] for p in reader(t.dtype).plane_names]
@@ -322,59 +457,19 @@ class DeviceRunner:
             raise ValueError(f"{self.backend}: the device has no per-kernel timing")
         self.kernel_times = {}
 
-    def run(self, batch, record=True):
-        """Runs a step on the device, leaving logits and greedy tokens there.
+    # what StepRunner.run asks of the device
+    def _can_capture(self):
+        return hasattr(self.device, "capture")
 
-        A pure decode step (every token sampled) runs as one replay of the launches recorded
-        for its bucket, the next power of two of its size; the batch is padded to the bucket by
-        repeating its last token, which rewrites the same cache slot with the same values.
-        `record=False` issues every launch one by one instead (per-kernel device timing).
-        """
-        T, R = len(batch.tokens), len(batch.sample_tokens)
-        if self.kernel_times is not None:
-            self._upload(batch)
-            self.device.start_timing()
-            self._issue(T, R)
-            for name, seconds in self.device.stop_timing():
-                total = self.kernel_times.setdefault(name, [0, 0.0])
-                total[0] += 1
-                total[1] += seconds
-            return R
-        bucket = 1 << max(T - 1, 0).bit_length()
-        if record and T == R and bucket <= self.max_seqs and hasattr(self.device, "capture"):
-            pad = bucket - T
-            padded = StepBatch(*(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (
-                batch.tokens, batch.positions, batch.seq_rows)), batch.block_tables,
-                np.concatenate([batch.sample_tokens, T - 1 + np.zeros(pad, np.int32)]),
-                batch.sampling)
-            self._upload(padded)
-            graph = self.graphs.get(bucket)
-            if graph is None:
-                graph = self.graphs[bucket] = self.device.capture(
-                    lambda: self._issue(bucket, bucket))
-            self.device.replay(graph)
-        else:
-            self._upload(batch)
-            self._issue(T, R)
-        return R
+    def _capture(self, issue):
+        return self.device.capture(issue)
 
-    def logits(self, batch):
-        """Runs a step; the logits of its sampled rows, float32 [R, vocab]."""
-        R = self.run(batch)
-        raw = self.device.read(self.buffers[self._output_name()], R * self.vocab_size * 4)
-        return np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
+    def _replay(self, graph):
+        self.device.replay(graph)
+
+    def _read(self, name, nbytes):
+        """Bytes of a buffer of the runner that computes the logits."""
+        return self.device.read(self.buffers[name], nbytes)
 
     def _output_name(self):
         return f"arena.{self._slot_of[self.graph.outputs['logits'].name]}"
-
-    def step(self, batch):
-        """Greedy rows without logprobs read back only the device's argmax; others sample
-        from the logits on the host (engine/sampling.py)."""
-        rows = batch.sampling
-        if not rows.logprobs and not np.any(rows.temperature > 0):
-            R = self.run(batch)
-            tokens = np.frombuffer(self.device.read(self.buffers["argmax"], R * 4), np.int32)
-            return StepOutput(tokens=tokens.copy(), logprobs=np.zeros(R, np.float32),
-                              top_ids=np.zeros((R, 0), np.int32),
-                              top_logprobs=np.zeros((R, 0), np.float32))
-        return sample(self.logits(batch), rows)

@@ -9,6 +9,11 @@ largest candidate whose footprint fits the free memory (and whose every buffer f
 limit for one buffer); that candidate's runner allocates exactly
 the list that was counted, and `verify` then compares the device's own accounting with the plan.
 
+A device group (engine/group.py) is planned the same way per device: a candidate's footprint on
+each device is that device's own runner's list (its weights, arenas and share of the KV cache),
+and a candidate fits only if it fits on every device (`plan_group`, GroupPlan); the
+post-allocation check runs on each device.
+
 Not here: where the free memory comes from (serve/cli.py reads the driver's figure, capped by
 --memory-limit), and the reference backend, which plans nothing against host memory.
 """
@@ -221,3 +226,91 @@ def verify(device, plan, runner, before):
             f"plan counted {check.planned} ({check.requested} requested, allocator granularity "
             f"{check.granularity}): the plan cannot be trusted, so nothing is served")
     return check
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """A device group's plan: per candidate, one footprint per device; a candidate fits only if
+    every device holds its own footprint."""
+    devices: tuple              # "ptx: name" of each device
+    free: tuple                 # bytes free on each device
+    source: str
+    table: tuple                # ((Candidate, (Footprint per device)), ...), smallest first
+    chosen: object
+
+    @property
+    def candidate(self):
+        return self.table[self.chosen][0]
+
+    @property
+    def footprints(self):
+        return self.table[self.chosen][1]
+
+    @property
+    def footprint(self):
+        """The whole group's footprint, summed over its devices."""
+        return Footprint(*(sum(getattr(f, k) for f in self.footprints)
+                           for k in ("weights", "arenas", "state", "total")))
+
+    def require(self):
+        if self.chosen is not None:
+            return self
+        candidate, needs = min(self.table, key=lambda row: max(f.total for f in row[1]))
+        each = "; ".join(f"{name} needs {size(f.total)} (weights {size(f.weights)}, arenas "
+                         f"{size(f.arenas)}, state {size(f.state)}), {size(free)} free"
+                         for name, f, free in zip(self.devices, needs, self.free))
+        raise CapacityError(f"no serving shape fits the group: the smallest, {candidate}: "
+                            f"{each} ({self.source})")
+
+    def describe(self):
+        c = self.candidate
+        return {"max_seqs": c.max_seqs, "context": c.context, "step_tokens": c.step_tokens,
+                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE,
+                "devices": [{"device": name, "memory_free": free,
+                             "footprint": {"weights": f.weights, "arenas": f.arenas,
+                                           "state": f.state, "total": f.total}}
+                            for name, f, free in zip(self.devices, self.footprints, self.free)],
+                "memory_source": self.source}
+
+    def lines(self):
+        out = [f"{'seqs':>5} {'context':>8} {'chunk':>6} " + " ".join(
+            f"{'device ' + str(i):>12}" for i in range(len(self.devices)))]
+        for i, (c, fs) in enumerate(self.table):
+            over = any(f.total > free for f, free in zip(fs, self.free))
+            mark = "  <- chosen" if i == self.chosen else "  over" if over else ""
+            out.append(f"{c.max_seqs:>5} {c.context:>8} {c.step_tokens:>6} "
+                       + " ".join(f"{size(f.total):>12}" for f in fs) + mark)
+        for i, (name, free) in enumerate(zip(self.devices, self.free)):
+            out.append(f"device {i}: {name}: {size(free)} free ({self.source})")
+        return out
+
+
+def plan_group(model, group, kind, frees, source, max_seqs=None, context=None):
+    """Every candidate's footprint on each device of a group against that device's free
+    bytes; the largest candidate that fits on all of them chosen."""
+    from .group import GroupRunner
+    table = []
+    for c in candidates(model.context_length, max_seqs, context):
+        runner = GroupRunner(model, group, kind, c.kv_blocks, BLOCK_SIZE, c.step_tokens,
+                             c.max_seqs)
+        table.append((c, tuple(footprint(r) for r in runner.runners)))
+    fitting = [i for i, (_, fs) in enumerate(table)
+               if all(fits(f, free, None) for f, free in zip(fs, frees))]
+    return GroupPlan(tuple(f"{d.backend}: {d.name}" for d in group.devices), tuple(frees),
+                     source, tuple(table), fitting[-1] if fitting else None)
+
+
+def group_runner_for(model, group, kind, candidate):
+    from .group import GroupRunner
+    return GroupRunner(model, group, kind, candidate.kv_blocks, BLOCK_SIZE,
+                       candidate.step_tokens, candidate.max_seqs)
+
+
+def verify_group(group, plan, runner, before):
+    """verify() on each device of the group, against its own footprint."""
+    checks = []
+    for device, f, part, held_before in zip(group.devices, plan.footprints, runner.runners,
+                                            before):
+        one = Plan(f"{device.backend}: {device.name}", None, "", None, ((plan.candidate, f),), 0)
+        checks.append(verify(device, one, part, held_before))
+    return checks

@@ -64,6 +64,20 @@ GGML_TYPES = {
 }
 
 
+def slice_raw(dtype, raw, shape, rows=None, cols=None):
+    """The stored bytes of rows/cols ((start, stop) or None for all) of a [rows, cols] tensor
+    stored as `raw`; a column slice must fall on whole blocks."""
+    q = _quant_type(dtype)
+    n_rows, n_cols = shape
+    r0, r1 = rows or (0, n_rows)
+    c0, c1 = cols or (0, n_cols)
+    if c0 % q.block_elems or c1 % q.block_elems:
+        raise ValueError(f"columns {c0}:{c1} of a {dtype} tensor cut its blocks of "
+                         f"{q.block_elems}")
+    blocks = np.asarray(raw).reshape(n_rows, n_cols // q.block_elems, q.block_bytes)
+    return np.ascontiguousarray(blocks[r0:r1, c0 // q.block_elems:c1 // q.block_elems]).reshape(-1)
+
+
 def _quant_type(dtype):
     if dtype not in QUANTS:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(QUANTS)}")

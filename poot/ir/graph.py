@@ -24,6 +24,7 @@ OPS = {
     "attention":  "causal attention of q over the paged cache of its sequence, grouped KV heads",
     "swiglu":     "out = silu(gate) * up",
     "gather":     "out[r] = x[index[r]]",
+    "all_reduce": "out = the sum of x over the devices of a group (each holds a partial sum)",
 }
 
 
@@ -48,6 +49,7 @@ class Graph:
 
     def __init__(self):
         self.inputs, self.weights, self.consts, self.state = {}, {}, {}, {}
+        self.slices = {}        # weight name -> (rows, cols) taken of the file's tensor
         self.ops = []
         self.outputs = {}
         self._count = 0
@@ -56,8 +58,22 @@ class Graph:
     def input(self, name, shape, dtype="i32"):
         return self._declare(self.inputs, Tensor(name, tuple(shape), dtype, "input"))
 
-    def weight(self, name, shape, dtype):
+    def weight(self, name, shape, dtype, rows=None, cols=None):
+        """A weight of the file's `shape`; `rows` / `cols` ((start, stop) or None) declare the
+        slice of it this graph reads, which is then the tensor's shape."""
+        if rows is not None or cols is not None:
+            self.slices[name] = (rows, cols)
+            shape = tuple(n if s is None else s[1] - s[0] for n, s in zip(shape, (rows, cols)))
         return self._declare(self.weights, Tensor(name, tuple(shape), dtype, "weight"))
+
+    def slice_of(self, name, array):
+        """The part of a weight's whole `array` (as the file holds it) this graph reads."""
+        rows, cols = self.slices.get(name, (None, None))
+        if rows is not None:
+            array = array[rows[0]:rows[1]]
+        if cols is not None:
+            array = array[:, cols[0]:cols[1]]
+        return array
 
     def const(self, name, array):
         array = np.ascontiguousarray(array, dtype=np.float32)
@@ -130,3 +146,6 @@ class Graph:
 
     def gather(self, x, index):
         return self._op("gather", (x, index), (index.shape[0],) + x.shape[1:])
+
+    def all_reduce(self, x, world):
+        return self._op("all_reduce", (x,), x.shape, {"world": int(world)})

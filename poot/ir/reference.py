@@ -31,6 +31,13 @@ class ReferenceInterpreter:
         return array
 
     def run(self, inputs):
+        """The graph's outputs for one step's inputs (a graph with all_reduce runs as a group
+        of one: its partial sums are the whole sums)."""
+        return run_group([self], [inputs])[0]
+
+    def steps(self, inputs):
+        """Runs the graph as a generator: at each all_reduce it yields its partial sum and
+        continues with the sum it is sent; returns the outputs."""
         env = dict(inputs)
         for name, (tensor, array) in self.graph.consts.items():
             env[name] = array
@@ -38,13 +45,37 @@ class ReferenceInterpreter:
             env[name] = self.state[name]
         for op in self.graph.ops:
             args = [self._value(env, t) for t in op.inputs]
-            env[op.output.name] = KERNELS[op.kind](*args, **op.attrs)
+            if op.kind == "all_reduce":
+                env[op.output.name] = yield args[0]
+            else:
+                env[op.output.name] = KERNELS[op.kind](*args, **op.attrs)
         return {name: env[t.name] for name, t in self.graph.outputs.items()}
 
     def _value(self, env, tensor):
         if tensor.kind == "weight":
             return self.weight(tensor.name)
         return env[tensor.name]
+
+
+def run_group(interpreters, inputs):
+    """Runs the graphs of a tensor-parallel group in lockstep: at each all_reduce the partial
+    sums of every graph are added and the sum goes to all. [outputs] in the group's order."""
+    runs = [it.steps(inp) for it, inp in zip(interpreters, inputs)]
+    results, sums = [None] * len(runs), [None] * len(runs)
+    while True:
+        partials = {}
+        for i, run in enumerate(runs):
+            if results[i] is None:
+                try:
+                    partials[i] = run.send(sums[i])
+                except StopIteration as done:
+                    results[i] = done.value
+        if not partials:
+            return results
+        if len(partials) != len(runs):
+            raise ValueError("the group's graphs reach different numbers of all_reduce ops")
+        total = sum(partials.values())
+        sums = [total] * len(runs)
 
 
 def embedding(table, ids):

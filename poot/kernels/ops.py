@@ -285,3 +285,25 @@ def argmax(subgroup_size):
     with k.if_(tid.eq(0)):
         token[r] = best_i[0]
     return k.build()
+
+
+@cache
+def all_reduce(world, residual=False):
+    """out[i] = residual[i] + part_0[i] + ... + part_{world-1}[i] for start <= i < stop, four
+    elements a thread: the partial sums of a device group's ranks, each read from its own
+    device's memory (peer access). Every rank adds in rank order, so the sums agree bit for bit
+    on every device. start, stop multiples of 4; grid (ceil((stop - start) / (4 WG)))."""
+    k = KernelBuilder(f"all_reduce_w{world}" + "_residual" * residual, (WG,))
+    parts = [k.buffer(f"part{j}", F32) for j in range(world)]
+    res = k.buffer("residual", F32) if residual else None
+    out = k.buffer("out", F32, "w")
+    start, stop = k.scalar("start", I32), k.scalar("stop", I32)
+    i = start + (k.block_id() * WG + k.thread_id()) * 4
+    with k.if_(i < stop):
+        total = parts[0].load(i, 4)
+        for part in parts[1:]:
+            total = [a + b for a, b in zip(total, part.load(i, 4))]
+        if residual:
+            total = [a + b for a, b in zip(res.load(i, 4), total)]
+        out.store(i, *total)
+    return k.build()

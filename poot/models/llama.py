@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ModelFileError
+from ..engine.placement import Part
 from ..ir.graph import Graph
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
@@ -168,8 +169,14 @@ def gguf_name(hf_name):
     return None
 
 
-def forward(cfg, weights, num_blocks, block_size, freq_factors=None):
-    """The decoder step as a graph. `weights` maps GGUF tensor names to (shape, dtype)."""
+def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
+    """The decoder step as a graph. `weights` maps GGUF tensor names to (shape, dtype).
+
+    `part` (engine/placement.py) makes the graph of one device of a group: its layers, its
+    slice of the heads and feed-forward columns (weights declared with the slice they take of
+    the file's tensor, and an all_reduce of the partial sums after each block), and whether it
+    embeds the tokens (else it reads the input "hidden") and computes the logits (else its
+    output is "hidden"). Without one, the whole model."""
     g = Graph()
     tokens = g.input("tokens", ("T",))
     positions = g.input("positions", ("T",))
@@ -178,45 +185,68 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None):
     sample_tokens = g.input("sample_tokens", ("R",))
     inv_freq = g.const("rope_inv_freq", cfg.rope_inv_freq(freq_factors))
 
-    def w(name, *shape):
-        """The weight called `name`, which must have this shape."""
+    def w(name, *shape, rows=None, cols=None):
+        """The weight called `name`, which must have this shape; `rows`/`cols` (start, stop)
+        declare the slice of it this graph reads."""
         if name not in g.weights:
             if name not in weights:
                 raise MissingWeight(name, shape)
             have, dtype = weights[name]
             if tuple(have) != shape:
                 raise WrongShape(name, shape, tuple(have))
-            g.weight(name, shape, dtype)
+            g.weight(name, shape, dtype, rows=rows, cols=cols)
         return g.weights[name]
 
-    def project(x, name, n_out):
-        y = g.matmul(x, w(f"{name}.weight", n_out, x.shape[-1]))
-        return g.add(y, w(f"{name}.bias", n_out)) if cfg.qkv_bias else y
+    def project(x, name, n_out, rows):
+        y = g.matmul(x, w(f"{name}.weight", n_out, x.shape[-1], rows=rows))
+        return g.add(y, w(f"{name}.bias", n_out, rows=rows)) if cfg.qkv_bias else y
 
+    def reduced(partial):
+        return g.all_reduce(partial, part.world) if part.world > 1 else partial
+
+    part = part or Part((0, cfg.n_layers))
     H, Hkv, D, E, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff
-    x = g.embedding(w("token_embd.weight", cfg.vocab_size, E), tokens)
-    for i in range(cfg.n_layers):
+    group = H // Hkv
+    kv0, kv1 = part.kv_heads or (0, Hkv)
+    f0, f1 = part.ff or (0, F)
+    q_rows, kv_rows = (kv0 * group * D, kv1 * group * D), (kv0 * D, kv1 * D)
+    Hs, Hkvs = (kv1 - kv0) * group, kv1 - kv0
+    whole = (kv0, kv1, f0, f1) == (0, Hkv, 0, F)
+    if whole:
+        q_rows = kv_rows = None
+    if part.first:
+        x = g.embedding(w("token_embd.weight", cfg.vocab_size, E), tokens)
+    else:
+        x = g.input("hidden", ("T", E), "f32")
+    for i in range(*part.layers):
         p = f"blk.{i}."
         # attention block
         h = g.rms_norm(x, w(p + "attn_norm.weight", E), cfg.norm_eps)
-        q = g.reshape(project(h, p + "attn_q", H * D), ("T", H, D))
-        k = g.reshape(project(h, p + "attn_k", Hkv * D), ("T", Hkv, D))
-        v = g.reshape(project(h, p + "attn_v", Hkv * D), ("T", Hkv, D))
+        q = g.reshape(project(h, p + "attn_q", H * D, q_rows), ("T", Hs, D))
+        k = g.reshape(project(h, p + "attn_k", Hkv * D, kv_rows), ("T", Hkvs, D))
+        v = g.reshape(project(h, p + "attn_v", Hkv * D, kv_rows), ("T", Hkvs, D))
         if cfg.qk_norm:
             q = g.rms_norm(q, w(p + "attn_q_norm.weight", D), cfg.norm_eps)
             k = g.rms_norm(k, w(p + "attn_k_norm.weight", D), cfg.norm_eps)
         q = g.rope(q, positions, inv_freq, cfg.rope_style)
         k = g.rope(k, positions, inv_freq, cfg.rope_style)
-        k_cache = g.state_tensor(p + "k_cache", (num_blocks, block_size, Hkv, D))
-        v_cache = g.state_tensor(p + "v_cache", (num_blocks, block_size, Hkv, D))
+        k_cache = g.state_tensor(p + "k_cache", (num_blocks, block_size, Hkvs, D))
+        v_cache = g.state_tensor(p + "v_cache", (num_blocks, block_size, Hkvs, D))
         g.store_kv(k, v, k_cache, v_cache, positions, seq_rows, block_tables)
         a = g.attention(q, k_cache, v_cache, positions, seq_rows, block_tables, D ** -0.5)
-        x = g.add(x, g.matmul(g.reshape(a, ("T", H * D)), w(p + "attn_output.weight", E, H * D)))
+        o = g.matmul(g.reshape(a, ("T", Hs * D)),
+                     w(p + "attn_output.weight", E, H * D, cols=q_rows))
+        x = g.add(x, reduced(o))
         # feed-forward block
         h = g.rms_norm(x, w(p + "ffn_norm.weight", E), cfg.norm_eps)
-        gate = g.matmul(h, w(p + "ffn_gate.weight", F, E))
-        up = g.matmul(h, w(p + "ffn_up.weight", F, E))
-        x = g.add(x, g.matmul(g.swiglu(gate, up), w(p + "ffn_down.weight", E, F)))
+        ff = None if whole else (f0, f1)
+        gate = g.matmul(h, w(p + "ffn_gate.weight", F, E, rows=ff))
+        up = g.matmul(h, w(p + "ffn_up.weight", F, E, rows=ff))
+        x = g.add(x, reduced(g.matmul(g.swiglu(gate, up),
+                                      w(p + "ffn_down.weight", E, F, cols=ff))))
+    if not part.last:
+        g.output("hidden", x)
+        return g
     # only the sampled rows need the final norm and the (large) output projection
     x = g.rms_norm(g.gather(x, sample_tokens), w("output_norm.weight", E), cfg.norm_eps)
     output = "token_embd.weight" if cfg.tied_embeddings else "output.weight"

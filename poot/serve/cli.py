@@ -18,7 +18,8 @@ import threading
 from poot.backends.select import BACKENDS, open_device
 from poot.cli import Parser
 from poot.engine import plan
-from poot.errors import CapacityError, NoSuchDevice, PlacementRefused, PootError, UsageError
+from poot.errors import (BackendUnavailable, CapacityError, NoSuchDevice, PlacementRefused,
+                         PootError, UsageError)
 
 # The reference backend plans nothing against host memory: it serves this shape unless pinned.
 REFERENCE_BLOCK_SIZE = 16
@@ -80,7 +81,8 @@ def build_parser():
 
 
 def check_flags(args):
-    """Flag rules that hold before anything opens: (device ordinal, memory limit or None)."""
+    """Flag rules that hold before anything opens: (device ordinals, memory limit or None);
+    one ordinal (0 without --placement) unless --placement names a group."""
     memory_limit = parse_size(args.memory_limit) if args.memory_limit else None
     if args.max_seqs is not None and args.max_seqs < 1:
         raise UsageError(f"--max-seqs {args.max_seqs}: must be at least 1")
@@ -88,7 +90,7 @@ def check_flags(args):
         raise UsageError(f"--ctx {args.ctx}: must be at least 1")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port}: not a port number")
-    ordinal = 0
+    ordinals = [0]
     if args.placement:
         kind, ordinals = parse_placement(args.placement)
         if args.backend == "reference":
@@ -97,22 +99,30 @@ def check_flags(args):
         if len(ordinals) > 1:
             if args.device_timing:
                 raise PlacementRefused("--device-timing is refused over a device group")
-            if args.backend != "ptx":
+            if args.backend not in ("ptx", "auto"):
                 raise PlacementRefused(f"--placement {args.placement}: backend {args.backend} "
-                                       "cannot copy between devices, so it runs no groups")
-            raise PlacementRefused(f"--placement {args.placement}: {kind} groups are not "
-                                   "built in this version of poot; name one device")
-        ordinal = ordinals[0]
+                                       "cannot copy between devices, so it runs no groups "
+                                       "(only ptx does)")
     if args.device_timing and args.backend == "reference":
         raise UsageError("--device-timing: backend reference has no device to time")
-    return ordinal, memory_limit
+    return ordinals, memory_limit
 
 
-def open_placed(args, ordinal):
-    """The device of --backend at the ordinal --placement names (0 without one): an ordinal the
-    driver does not list is a usage error once the driver has said how many it lists."""
+def open_placed(args, ordinals):
+    """The device of --backend at the ordinal --placement names (0 without one), or the ptx
+    group of the ordinals it lists: an ordinal the driver does not list is a usage error once
+    the driver has said how many it lists."""
     try:
-        return open_device(args.backend, ordinal)   # decided once, before the port opens
+        if len(ordinals) == 1:
+            return open_device(args.backend, ordinals[0])   # decided once, before the port opens
+        from poot.backends.ptx import PtxGroup
+        try:
+            return PtxGroup(ordinals)
+        except BackendUnavailable as e:
+            if args.backend == "auto":      # auto would pick a backend that runs no groups
+                raise PlacementRefused(f"--placement {args.placement}: only ptx runs device "
+                                       f"groups, and it cannot open here: {e}") from None
+            raise
     except NoSuchDevice as e:
         if args.placement:
             raise NoSuchDevice(f"--placement {args.placement}: {e}") from None
@@ -166,12 +176,18 @@ def describe(device, memory):
 
 
 def serve(args, stop_event):
-    ordinal, memory_limit = check_flags(args)
-    device = open_placed(args, ordinal)
+    ordinals, memory_limit = check_flags(args)
+    device = open_placed(args, ordinals)
     if args.device_timing and not hasattr(device, "start_timing"):
         raise UsageError(f"--device-timing: backend {device.backend} ({device.name}) has no "
                          "per-kernel timing (ptx, rocm and vulkan have)")
-    memory = device_memory(device, memory_limit) if device is not None else None
+    members = getattr(device, "devices", None)      # a group's devices
+    if members:
+        memory = [device_memory(d, memory_limit) for d in members]
+        devices = [describe(d, m) for d, m in zip(members, memory)]
+    else:
+        memory = device_memory(device, memory_limit) if device is not None else None
+        devices = [describe(device, memory)]
     from poot.loader import default_model_path, load
     from poot.serve import Server
 
@@ -182,9 +198,11 @@ def serve(args, stop_event):
         check_context(args, model)
         if device is None:
             runner, shape = reference_runner(model, args, memory_limit)
+        elif members:
+            runner, shape = group_runner(model, device, memory, args)
         else:
             runner, shape = device_runner(model, device, memory, args)
-        engine = server.load(model, runner, devices=[describe(device, memory)], plan=shape,
+        engine = server.load(model, runner, devices=devices, plan=shape,
                              max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
                              max_context=shape["context"])
     except BaseException:
@@ -229,6 +247,33 @@ def device_runner(model, device, memory, args):
     if args.device_timing:
         runner.time_kernels()      # every step kernel by kernel: /metrics shows device time
     return runner, dict(chosen.describe(), checked=check.describe())
+
+
+def group_runner(model, group, memory, args):
+    """device_runner() for a device group: planned per device (a shape fits only if it fits on
+    every device), allocated, checked on every device, uploaded."""
+    kind, _ = parse_placement(args.placement)
+    frees = [free for free, _, _ in memory]
+    chosen = plan.plan_group(model, group, kind, frees, memory[0][2], args.max_seqs,
+                             args.ctx).require()
+    runner = plan.group_runner_for(model, group, kind, chosen.candidate)
+    before = [plan.held(d)[0] for d in group.devices]
+    runner.allocate()
+    checks = plan.verify_group(group, chosen, runner, before)
+    log.info("plan for %s on %s group %s: %s (%d KV blocks of %d tokens)", model.name, kind,
+             args.placement, chosen.candidate, chosen.candidate.kv_blocks, plan.BLOCK_SIZE)
+    for d, part, f, check, free in zip(group.devices, runner.parts, chosen.footprints, checks,
+                                       frees):
+        log.info("  %s: %s, %s free: weights %s + arenas %s + state %s = %s; checked: the "
+                 "allocation took %s by %s", d.name, part.describe(), plan.size(free),
+                 plan.size(f.weights), plan.size(f.arenas), plan.size(f.state),
+                 plan.size(f.total), plan.size(check.measured), check.source)
+    runner.upload()
+    shape = chosen.describe()
+    shape["placement"] = kind
+    for entry, part, check in zip(shape["devices"], runner.parts, checks):
+        entry.update(part=part.describe(), checked=check.describe())
+    return runner, shape
 
 
 def exit_status(exc):

@@ -87,3 +87,33 @@ def test_default_model_over_two_devices(group, kind):
     want_ids, _ = greedy(one, prompt, 32, table)
     got_ids, _ = greedy(two, prompt, 32, table)
     assert got_ids == want_ids
+
+
+def test_serve_refuses_an_ordinal_the_driver_does_not_list(group, capsys):
+    from poot.serve.cli import main
+    assert main(["--backend", "ptx", "--placement", "tensor:0,9", "--model", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "--placement tensor:0,9" in err and "no CUDA device 9" in err
+
+
+def test_poot_serve_gives_the_same_tokens_under_every_placement(tmp_path, group):
+    """scripts/compare-placements: poot-serve under one device, pipeline and tensor; /health
+    shows each device's part, footprint and post-allocation check."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    model = tiny_model(tmp_path, dtype="Q4_0", shape="tiny-odd")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "compare-placements"
+    result = subprocess.run([sys.executable, str(script), "--model", str(model), "--tokens", "24",
+                             "0", "pipeline:0,1", "tensor:0,1"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("same tokens as 0") == 2
+    health = [json.loads(line.split("/health: ", 1)[1]) for line in result.stdout.splitlines()
+              if "/health: " in line]
+    assert [len(h["plan"].get("devices", [None])) for h in health] == [1, 2, 2]
+    for h in health[1:]:
+        assert [d["part"]["logits"] for d in h["plan"]["devices"]] in ([False, True],
+                                                                        [True, False])
+        assert all(d["checked"]["measured"] > 0 for d in h["plan"]["devices"])

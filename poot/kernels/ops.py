@@ -206,7 +206,7 @@ def _attention(subgroup_size, head_dim, split):
         lo = k.block_id(1) * split_tokens
         hi = k.min(lo + split_tokens, length)
     else:
-        lo, hi = k.const(0, I32), length
+        lo, hi = 0, length
     row = seq_rows[t]
     word, group = tid % half, tid / half
     with k.for_(tid, head_dim, WG) as i:

@@ -43,7 +43,9 @@ def runner_kernels(wavefront):
     kernels += [ops.embedding(dtype) for dtype in DEVICE_DTYPES]
     kernels += [ops.rms_norm(wavefront), ops.elementwise("add"), ops.elementwise("swiglu"),
                 ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
-                ops.attention(wavefront, 64), ops.attention(wavefront, 128), ops.argmax(wavefront)]
+                ops.attention(wavefront, 64), ops.attention(wavefront, 128),
+                ops.attention_split(wavefront, 64), ops.attention_split(wavefront, 128),
+                ops.attention_combine(64), ops.attention_combine(128), ops.argmax(wavefront)]
     return kernels
 
 

@@ -21,7 +21,8 @@ def runner_kernels(subgroup_size):
     out += [ops.rms_norm(subgroup_size), ops.elementwise("add"), ops.elementwise("swiglu"),
             ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
             ops.attention(subgroup_size, 64), ops.attention(subgroup_size, 128),
-            ops.argmax(subgroup_size)]
+            ops.attention_split(subgroup_size, 64), ops.attention_split(subgroup_size, 128),
+            ops.attention_combine(64), ops.attention_combine(128), ops.argmax(subgroup_size)]
     return out
 
 

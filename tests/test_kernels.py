@@ -215,6 +215,70 @@ def test_attention(device, head_dim, n_heads, n_kv):
     assert rel_err(got, want) < 1e-5
 
 
+def split_partials(q, keys, values, qpos, qrows, split_tokens, n_splits, scale):
+    """numpy's (o, m, l) of every (token, head, split): keys/values [rows, L, heads, D]."""
+    T, H, D = q.shape
+    want = np.zeros((T, H, n_splits, D + 2), np.float32)
+    want[..., D] = ops.LOWEST
+    for t in range(T):
+        for s in range(n_splits):
+            lo, hi = s * split_tokens, min((s + 1) * split_tokens, qpos[t] + 1)
+            if lo >= hi:
+                continue
+            k, v = keys[qrows[t], lo:hi], values[qrows[t], lo:hi]      # [n, H, D]
+            scores = np.einsum("hd,nhd->hn", q[t], k) * scale
+            m = scores.max(axis=1)
+            p = np.exp(scores - m[:, None])
+            want[t, :, s, :D] = np.einsum("hn,nhd->hd", p, v)
+            want[t, :, s, D], want[t, :, s, D + 1] = m, p.sum(axis=1)
+    return want
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv,lengths,split_tokens,n_splits,prefill", [
+    (64, 4, 4, [20], 64, 4, False),                    # shorter than one split
+    (64, 4, 2, [64, 128], 64, 3, False),               # ends on a split boundary
+    (64, 9, 3, [700, 1, 300, 57], 32, 24, False),      # many splits, grouped KV heads
+    (128, 8, 2, [150, 40], 48, 4, True),               # prefill: every token of a sequence
+    (128, 8, 8, [97, 33, 260], 40, 7, True),           # splits not a whole number of blocks
+])
+def test_split_attention(device, head_dim, n_heads, n_kv, lengths, split_tokens, n_splits,
+                         prefill):
+    bs, nb = 16, 128
+    tables, positions, seq_rows, k, v = paged_case(n_kv, head_dim, lengths, bs, nb)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    cache_k, cache_v = (np.zeros((nb, bs, n_kv, head_dim), np.float32) for _ in range(2))
+    ref.store_kv(k16.astype(np.float32), v16.astype(np.float32), cache_k, cache_v, positions,
+                 seq_rows, tables)
+    # the last token of every sequence; with prefill, every token of the first (causal)
+    last = [np.nonzero(seq_rows == s)[0][-1] for s in range(len(lengths))]
+    pick = np.concatenate([np.nonzero(seq_rows == 0)[0] if prefill else [], last[1:], last[:1]])
+    pick = pick.astype(np.int64)
+    q = rng.standard_normal((len(pick), n_heads, head_dim)).astype(np.float32)
+    qpos, qrows = positions[pick], seq_rows[pick]
+    scale = head_dim ** -0.5
+    T = len(pick)
+    partials = run(device, ops.attention_split(device.subgroup_size, head_dim), (T * n_heads,
+                   n_splits), q, np.zeros((T, n_heads, n_splits, head_dim + 2), np.float32),
+                   cache_k.astype(np.float16).view(np.uint32),
+                   cache_v.astype(np.float16).view(np.uint32), qpos, qrows, tables, n_heads,
+                   n_kv, tables.shape[1], bs, scale, split_tokens)["partials"]
+
+    group = n_heads // n_kv
+    seq = [np.repeat(c[tables].reshape(len(lengths), -1, n_kv, head_dim), group, axis=2)
+           for c in (cache_k, cache_v)]
+    want = split_partials(q, *seq, qpos, qrows, split_tokens, n_splits, scale)
+    used = want[..., head_dim + 1] > 0
+    assert np.array_equal(partials[~used], want[~used]), "neutral partials: (0..., lowest, 0)"
+    got_m, want_m = partials[..., head_dim][used], want[..., head_dim][used]
+    assert np.max(np.abs(got_m - want_m)) < 1e-5 * np.max(np.abs(want_m))
+    assert rel_err(partials[..., head_dim + 1][used], want[..., head_dim + 1][used]) < 1e-5
+    assert rel_err(partials[..., :head_dim][used], want[..., :head_dim][used]) < 1e-5
+
+    got = run(device, ops.attention_combine(head_dim), (T * n_heads,), partials,
+              np.zeros_like(q), n_splits)["out"]
+    assert rel_err(got, ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale)) < 1e-5
+
+
 def test_argmax(device):
     logits = rng.standard_normal((5, 49152)).astype(np.float32)
     logits[3, 100] = logits[3, 7000] = logits[3].max() + 1     # a tie: the lower index wins

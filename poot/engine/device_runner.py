@@ -25,6 +25,7 @@ from .sampling import sample
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 SHARES_INPUT = ("reshape", "rope")
+SPLIT_TOKENS = 512              # keys per workgroup when attention is split along the context
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class StepRunner:
 
 class DeviceRunner(StepRunner):
     def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16,
-                 part=None):
+                 part=None, split_tokens=SPLIT_TOKENS):
         self.model, self.device, self.part = model, device, part
         self.backend = device.backend
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -113,6 +114,8 @@ class DeviceRunner(StepRunner):
         self.vocab_size = model.config.vocab_size
         self.max_context = model.context_length
         self.table_width = -(-min(self.max_context, num_blocks * block_size) // block_size)
+        self.split_tokens = split_tokens
+        self.attention_splits = -(-self.table_width * block_size // split_tokens)
         self.graph = model.step_graph(num_blocks, block_size, part)
         self.has_logits = "logits" in self.graph.outputs
         self.peers = [self]         # the runners of a tensor group, in rank order (group.py)
@@ -219,7 +222,8 @@ class DeviceRunner(StepRunner):
         if op.kind == "store_kv":
             return [ops.store_kv()]
         if op.kind == "attention":
-            return [ops.attention(sg, cfg.head_dim)]
+            split = [ops.attention_split(sg, cfg.head_dim), ops.attention_combine(cfg.head_dim)]
+            return [ops.attention(sg, cfg.head_dim), *(split if self.attention_splits > 1 else [])]
         if op.kind == "gather":
             return [ops.gather_rows()]
         if op.kind == "all_reduce":
@@ -292,7 +296,24 @@ class DeviceRunner(StepRunner):
             step += [(f"reduce.{i}", self.max_tokens * self.model.config.d_model) for i in (0, 1)]
         out += [Allocation(name, words * 4, "arenas") for name, words in step]
         out += [Allocation(f"arena.{i}", size, "arenas") for i, size in enumerate(self._slot_sizes)]
+        if self.attention_splits > 1:       # (o [head_dim], m, l) of each token, head and split
+            heads = next(op.inputs[0].shape[1] for op in self.steps if op.kind == "attention")
+            words = (self._split_rows() * heads * self.attention_splits
+                     * (self.model.config.head_dim + 2))
+            out.append(Allocation("attention_partials", words * 4, "arenas"))
         return out
+
+    def _split_rows(self):
+        return min(self.max_tokens, self.max_seqs)
+
+    def _splits_attention(self, T):
+        """Whether a step of T tokens runs attention split along the context (flash decoding):
+        when the longest context the runner holds spans several splits and the step is
+        decode-sized (at most max_seqs tokens; a larger step's T * heads workgroups fill the
+        device already). The splits cover that longest context, whatever the step's lengths,
+        so a captured decode graph serves every length: splits past a token's length write
+        neutral partials."""
+        return self.attention_splits > 1 and T <= self._split_rows()
 
     def _planes_of(self, t):
         r = reader(t.dtype)
@@ -414,10 +435,17 @@ class DeviceRunner(StepRunner):
             elif op.kind == "attention":
                 q, kc, vc, positions, seq_rows, tables_t = ins
                 heads, kv_heads = q.shape[1], kc.shape[2]
-                self._launch(ops.attention(sg, cfg.head_dim), (T * heads,), B(q),
-                             B(out), B(kc), B(vc), B(positions), B(seq_rows), B(tables_t),
-                             heads, kv_heads, self.table_width, self.block_size,
-                             op.attrs["scale"])
+                cache = (B(kc), B(vc), B(positions), B(seq_rows), B(tables_t), heads,
+                         kv_heads, self.table_width, self.block_size, op.attrs["scale"])
+                if self._splits_attention(T):
+                    splits, partials = self.attention_splits, self.buffers["attention_partials"]
+                    self._launch(ops.attention_split(sg, cfg.head_dim), (T * heads, splits),
+                                 B(q), partials, *cache, self.split_tokens)
+                    self._launch(ops.attention_combine(cfg.head_dim), (T * heads,),
+                                 partials, B(out), splits)
+                else:
+                    self._launch(ops.attention(sg, cfg.head_dim), (T * heads,), B(q),
+                                 B(out), *cache)
             elif op.kind == "gather":       # indices count from the step's first token
                 x, index = ins
                 self._launch(ops.gather_rows(), (R,), B(x, offset=False), B(index), B(out),

@@ -1,6 +1,7 @@
-"""The step's small kernels: embedding, RMSNorm, RoPE, KV store, attention, SwiGLU, add, gather,
-argmax. Each function returns a Kernel for a subgroup size; the numpy meaning of each is the op of
-the same name in poot/ir/reference.py (argmax: the greedy choice of engine/sampling.py).
+"""The step's small kernels: embedding, RMSNorm, RoPE, KV store, attention (in one pass, or split
+along the context and combined), SwiGLU, add, gather, argmax. Each function returns a Kernel for
+a subgroup size; the numpy meaning of each is the op of the same name in poot/ir/reference.py
+(argmax: the greedy choice of engine/sampling.py).
 
 Activations are f32 [tokens, features]; the KV cache holds f16 pairs in u32 words,
 [blocks, block_size, kv_heads, head_dim / 2].
@@ -175,26 +176,24 @@ def store_kv():
     return k.build()
 
 
-@cache
-def attention(subgroup_size, head_dim):
-    """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
-    f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
-    (token, head); keys in chunks of WG with a running max and sum. A thread scores one key of
-    the chunk; for the weighted sum of values the threads split into groups that each take
-    every n_groups-th key, a thread one word (two dims) of the value rows, and the groups' sums
-    are added at the end. grid (T * heads)."""
+def _attention(subgroup_size, head_dim, split):
+    """The body of both attention kernels: one workgroup scans keys [lo, hi) of its (token,
+    head) in chunks of WG with a running max and sum (see `attention`), then either normalises
+    (split=False: lo, hi = 0, L) or writes its partial (split=True: the split of block_id(1))."""
     if head_dim % 2 or head_dim // 2 > WG:
         raise ValueError(f"head_dim {head_dim}: even and at most {2 * WG}")
     half = head_dim // 2
     n_groups = WG // half
-    k = KernelBuilder(f"attention_d{head_dim}_s{subgroup_size}", (WG,))
-    q, out = k.buffer("q", F32), k.buffer("out", F32, "w")
+    name = "attention_split" if split else "attention"
+    k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}", (WG,))
+    q, out = k.buffer("q", F32), k.buffer("partials" if split else "out", F32, "w")
     k_cache, v_cache = k.buffer("k_cache", U32), k.buffer("v_cache", U32)
     positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
         k.buffer("block_tables", I32)
     n_heads, n_kv, table_width, block_size = (k.scalar(s, I32) for s in (
         "n_heads", "n_kv_heads", "table_width", "block_size"))
     scale = k.scalar("scale", F32)
+    split_tokens = k.scalar("split_tokens", I32) if split else None
     scratch = k.shared("scratch", F32, WG // subgroup_size)
     probs = k.shared("probs", F32, WG)
     qs = k.shared("q", F32, head_dim)
@@ -203,6 +202,11 @@ def attention(subgroup_size, head_dim):
     t, h = th / n_heads, th % n_heads
     kvh = h / (n_heads / n_kv)
     length = positions[t] + 1
+    if split:       # a split past the length scans nothing: its partial is the neutral one
+        lo = k.block_id(1) * split_tokens
+        hi = k.min(lo + split_tokens, length)
+    else:
+        lo, hi = 0, length
     row = seq_rows[t]
     word, group = tid % half, tid / half
     with k.for_(tid, head_dim, WG) as i:
@@ -215,10 +219,10 @@ def attention(subgroup_size, head_dim):
 
     running_max, running_sum = k.var(F32, LOWEST), k.var(F32, 0.0)
     acc = [k.var(F32, 0.0), k.var(F32, 0.0)]       # dims 2*word, 2*word + 1 of this group's sum
-    with k.for_(0, length, WG) as start:
+    with k.for_(lo, hi, WG) as start:
         j = start + tid
         score = k.var(F32, LOWEST)
-        with k.if_(j < length):
+        with k.if_(j < hi):
             block = tables[row * table_width + j / block_size]
             base = ((block * block_size + j % block_size) * n_kv + kvh) * half
             dot = k.var(F32, 0.0)
@@ -236,7 +240,7 @@ def attention(subgroup_size, head_dim):
         running_max.set(new_max)
         with k.if_(group < n_groups):
             sums = [k.var(F32, 0.0), k.var(F32, 0.0)]
-            with k.for_(group, k.min(length - start, WG), n_groups) as i:
+            with k.for_(group, k.min(hi - start, WG), n_groups) as i:
                 pi = probs[i]
                 va, vb = k.unpack_half2(cache_word(v_cache, start + i, word))
                 sums[0].set(k.fma(pi, va, sums[0].get()))
@@ -248,11 +252,65 @@ def attention(subgroup_size, head_dim):
         partial[group * head_dim + 2 * word] = acc[0].get()
         partial[group * head_dim + 2 * word + 1] = acc[1].get()
     k.barrier()
+    if split:
+        base = (th * k.num_blocks(1) + k.block_id(1)) * (head_dim + 2)
+        with k.if_(tid.eq(0)):
+            out[base + head_dim] = running_max.get()
+            out[base + head_dim + 1] = running_sum.get()
     with k.for_(tid, head_dim, WG) as d:
         total = k.var(F32, 0.0)
         for g in range(n_groups):
             total.set(total.get() + partial[g * head_dim + d])
-        out[th * head_dim + d] = total.get() / running_sum.get()
+        if split:
+            out[base + d] = total.get()
+        else:
+            out[th * head_dim + d] = total.get() / running_sum.get()
+    return k.build()
+
+
+@cache
+def attention(subgroup_size, head_dim):
+    """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
+    f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
+    (token, head); keys in chunks of WG with a running max and sum. A thread scores one key of
+    the chunk; for the weighted sum of values the threads split into groups that each take
+    every n_groups-th key, a thread one word (two dims) of the value rows, and the groups' sums
+    are added at the end. grid (T * heads)."""
+    return _attention(subgroup_size, head_dim, split=False)
+
+
+@cache
+def attention_split(subgroup_size, head_dim):
+    """The first half of split attention (flash decoding), for when T * heads workgroups would
+    leave the device idle: workgroup (t * heads + h, s) scans keys [s * split_tokens,
+    min((s + 1) * split_tokens, L)) as `attention` does and writes, unnormalised,
+    partials[t, h, s] = (sum_j p_j V_j [head_dim], m, l), m = the range's largest score,
+    p_j = exp(score_j - m), l = sum_j p_j. A split past L writes (0..., lowest f32, 0), which
+    weighs nothing in `attention_combine`. grid (T * heads, splits)."""
+    return _attention(subgroup_size, head_dim, split=True)
+
+
+@cache
+def attention_combine(head_dim):
+    """The second half of split attention: out[t, h] = sum_s w_s o_s / sum_s w_s l_s over the
+    partials (o_s, m_s, l_s) of `attention_split`, w_s = exp(m_s - max_s m_s); a neutral split
+    (m_s lowest, l_s and o_s zero) adds nothing. grid (T * heads)."""
+    k = KernelBuilder(f"attention_combine_d{head_dim}", (WG,))
+    partials, out = k.buffer("partials", F32), k.buffer("out", F32, "w")
+    n_splits = k.scalar("n_splits", I32)
+    th, stride = k.block_id(), head_dim + 2
+    first = th * n_splits * stride
+    with k.for_(k.thread_id(), head_dim, WG) as d:
+        m = k.var(F32, LOWEST)
+        with k.for_(0, n_splits) as s:
+            m.set(k.max(m.get(), partials[first + s * stride + head_dim]))
+        num, den = k.var(F32, 0.0), k.var(F32, 0.0)
+        with k.for_(0, n_splits) as s:
+            base = first + s * stride
+            w = k.exp(partials[base + head_dim] - m.get())
+            num.set(k.fma(w, partials[base + d], num.get()))
+            den.set(k.fma(w, partials[base + head_dim + 1], den.get()))
+        out[th * head_dim + d] = num.get() / den.get()
     return k.build()
 
 

@@ -154,7 +154,7 @@ WARP_TOKENS, WARP_ROWS = 64, 32
 
 def mma_operand(dtype):
     """The 16-bit type W (and x) are rounded to for the tensor cores: bf16 for BF16 weights
-    (f16 could not hold their range), f16 for the others (quant blocks decode to f16 closely)."""
+    (f16 could not hold their range), f16 for the others (F32 and block-quant weights rounded)."""
     reader(dtype)
     return BF16 if dtype == "BF16" else F16
 
@@ -190,14 +190,15 @@ def _pack(k, operand, lo, hi):
 def mma_tiled(dtype, residual=False):
     """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / 128)).
 
-    Same buffers and scalars as matvec (cols a multiple of 8, and of the reader's block). Each
-    step of MMA_DEPTH columns: x [128 tokens x 64] is rounded to the operand type (f16; bf16 for
-    BF16 weights) and W [128 rows x 64] is copied (F16, BF16) or decoded and rounded to f16 (the
-    block quants) into shared memory; then each subgroup runs 4 x 4 x 4 mma (m16n8k16) over its
-    64 x 32 part, accumulating in f32. The next step's x and F16/BF16 W are loaded into registers
-    before this step's mma, so their latency hides behind the tensor cores. Tokens past n_tokens
-    read as zeros, rows past `rows` decode row rows - 1, columns past cols read as zeros; none
-    of them is stored.
+    Same buffers and scalars as matvec (cols a multiple of 8, and of the reader's block), so
+    the runner swaps it in for long steps. Each step of MMA_DEPTH columns: x [128 tokens x 64]
+    is rounded to the operand type (mma_operand: f16, bf16 for BF16 weights) and W [128 rows x
+    64] is copied (F16, BF16) or decoded and rounded to f16 (F32, block quants) into shared
+    memory; then each subgroup runs 4 k-steps of 4 x 4 mma (m16n8k16) over its 64 tokens x 32
+    rows, accumulating in f32 registers. The next step's x and F16/BF16 W are loaded into
+    registers before this step's mma, so their latency hides behind the tensor cores. Edges:
+    tokens past n_tokens read x's first values and rows past `rows` read row rows - 1 (neither
+    is stored), columns past cols read as zeros.
     """
     r = reader(dtype)
     operand = mma_operand(dtype)
@@ -218,38 +219,45 @@ def mma_tiled(dtype, residual=False):
     x_parts = MMA_TOKENS * MMA_DEPTH // 4 // MMA_WORKGROUP
     w_parts = MMA_ROWS * MMA_DEPTH // 8 // MMA_WORKGROUP
 
+    # The selects that zero columns past cols come at the stores, so that nothing waits for a
+    # prefetch's loads until the next step.
+    def x_part(p, c0):
+        """(shared word, x element, inside) of part p: 4 values of a token's row."""
+        i = tid + p * MMA_WORKGROUP
+        t, c = t0 + (i >> 4), c0 + (i & 15) * 4
+        return (i >> 4) * ROW_WORDS + (i & 15) * 2, t * cols + c, (t < n_tokens) & (c < cols)
+
+    def w_part(p, c0):
+        """(shared word, W word, inside) of part p: 4 words (8 values) of a row."""
+        i = tid + p * MMA_WORKGROUP
+        m, c = k.min(m0 + (i >> 3), rows - 1), c0 + (i & 7) * 8
+        return (i >> 3) * ROW_WORDS + (i & 7) * 4, m * r.row_words("values", cols) + (c >> 1), \
+            c < cols
+
     def fetch_x(c0):
         values = []
         for p in range(x_parts):
-            i = tid + p * MMA_WORKGROUP
-            t, c = t0 + (i >> 4), c0 + (i & 15) * 4
-            inside = (t < n_tokens) & (c < cols)
-            got = x.load(k.select(inside, t * cols + c, 0), 4)
-            values += [k.select(inside, v, 0.0) for v in got]
+            _, at, inside = x_part(p, c0)
+            values += x.load(k.select(inside, at, 0), 4)
         return values
 
     def fetch_w_words(c0):
         words = []
-        per_row = r.row_words("values", cols)
         for p in range(w_parts):
-            i = tid + p * MMA_WORKGROUP
-            m, c = k.min(m0 + (i >> 3), rows - 1), c0 + (i & 7) * 8
-            inside = c < cols
-            got = buf["values"].load(k.select(inside, m * per_row + (c >> 1), 0), 4)
-            words += [k.select(inside, w, 0) for w in got]
+            _, at, inside = w_part(p, c0)
+            words += buf["values"].load(k.select(inside, at, 0), 4)
         return words
 
-    def store_x(values):
+    def store_x(values, c0):
         for p in range(x_parts):
-            i = tid + p * MMA_WORKGROUP
-            v = values[4 * p:4 * p + 4]
-            xs.store((i >> 4) * ROW_WORDS + (i & 15) * 2, _pack(k, operand, v[0], v[1]),
-                     _pack(k, operand, v[2], v[3]))
+            to, _, inside = x_part(p, c0)
+            v = [k.select(inside, value, 0.0) for value in values[4 * p:4 * p + 4]]
+            xs.store(to, _pack(k, operand, v[0], v[1]), _pack(k, operand, v[2], v[3]))
 
-    def store_w_words(words):
+    def store_w_words(words, c0):
         for p in range(w_parts):
-            i = tid + p * MMA_WORKGROUP
-            ws.store((i >> 3) * ROW_WORDS + (i & 7) * 4, *words[4 * p:4 * p + 4])
+            to, _, inside = w_part(p, c0)
+            ws.store(to, *[k.select(inside, w, 0) for w in words[4 * p:4 * p + 4]])
 
     def decode_w(c0):
         """Block quants: each thread decodes whole units of a W row into the shared tile."""
@@ -289,9 +297,9 @@ def mma_tiled(dtype, residual=False):
     w_next = [k.var(U32, w) for w in fetch_w_words(k.const(0, I32))] if raw else []
     with k.for_(0, cols, MMA_DEPTH) as c0:
         k.barrier()                                 # the last step's mma are done with the tiles
-        store_x([v.get() for v in x_next])
+        store_x([v.get() for v in x_next], c0)
         if raw:
-            store_w_words([w.get() for w in w_next])
+            store_w_words([w.get() for w in w_next], c0)
         else:
             decode_w(c0)
         k.barrier()

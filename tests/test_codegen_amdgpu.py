@@ -22,7 +22,7 @@ from poot.errors import ModelRefused
 from poot.kernels import matmul, ops
 from poot.kernels.lang import F16, F32, I64, U32, Kernel, KernelBuilder
 from poot.kernels.quant import DEVICE_DTYPES
-from tests.test_codegen_ptx import CASES
+from tests.test_codegen_ptx import CASES, MMA_CASES
 
 TARGETS = (("gfx90a", 64), ("gfx1030", 32), ("gfx908", 64))
 TOKEN_GROUPS = (1, 2, 4, 8)
@@ -174,6 +174,13 @@ def test_capabilities_and_refusals():
         build_code_object(k.build(), "gfx1030", 32)
     with pytest.raises(ValueError, match="wavefront 64"):
         build_code_object(base, "gfx90a", 32)
+    for name, capability in (("mma_f16", "mma_f16"), ("mma_bf16", "mma_bf16")):
+        kernel = MMA_CASES[name](np.random.default_rng(0)).kernel
+        with pytest.raises(ModelRefused, match=rf"kernel {name} needs fragment_load, {capability}, "
+                                               r"which the AMDGPU target does not offer"):
+            render_opencl(kernel, 32)
+        with pytest.raises(ModelRefused, match=capability):
+            build_code_object(kernel, "gfx90a", 64)
     with pytest.raises(ValueError, match="gfx9, gfx10 and gfx11"):
         build_code_object(base, "gfx803", 64)
 

@@ -5,7 +5,9 @@ every dtype and every cast pair, vector loads and stores of widths 1/2/4 in glob
 memory, nested if/else/for, vars, subgroup operations, barriers and early returns.
 
 - `ptxas -arch=sm_XX` assembles every kernel for sm_80/86/89/90 (skipped, saying why, without
-  ptxas); an error fails with ptxas's message and the PTX lines it names.
+  ptxas); an error fails with ptxas's message and the PTX lines it names. The matrix operations
+  have cases of their own (MMA_CASES: the other renderers refuse them), and the tensor-core
+  matmul (matmul.mma_tiled) must assemble without spilling registers.
 - With libcuda and a device, every kernel runs on fresh random inputs, its outputs poisoned with
   0xFF bytes first, and is compared with numpy: exact for integers and correctly rounded float
   operations, per-op bounds for the approximate math functions (see TOLERANCES).
@@ -25,9 +27,10 @@ import pytest
 
 from poot.codegen.ptx import PTX_CAPS, PTX_VERSION, kernel_params, render_ptx
 from poot.errors import ModelRefused
-from poot.kernels import lang
+from poot.kernels import lang, matmul
 from poot.kernels.lang import (BF16, BOOL, F16, F32, I8, I16, I32, I64, U8, U16, U32, U64,
                                Kernel, KernelBuilder)
+from poot.kernels.quant import DEVICE_DTYPES
 
 SMS = (80, 86, 89, 90)
 NUMERIC = (F32, F16, BF16, I8, U8, I16, U16, I32, U32, I64, U64)
@@ -543,6 +546,41 @@ CASES.update({"subgroup_bool": subgroup_bool_case, "bitcasts": bitcast_case,
               "control": control_case, "ids": ids_case, "constants": constants_case})
 
 
+def mma_case(dtype, rng):
+    """One subgroup: A [16 x 16] by rows and B [16 x 16] by columns (two n-tiles of 8) staged
+    from global to shared memory as words, each read by one fragment_load, D = A B + C by two
+    mma, stored by the documented accumulator layout. Exact products, f32 sums: a wrong lane or
+    word in a layout gives errors of order one."""
+    k = KernelBuilder(f"mma_{dtype.name}", (32,))
+    a_in, b_in, c_in = k.buffer("a", U32), k.buffer("b", U32), k.buffer("c", F32)
+    d_out = k.buffer("d", F32, "w")
+    sa, sb = k.shared("sa", U32, 16 * 8), k.shared("sb", U32, 16 * 8)
+    lane = k.lane_id()
+    for part in range(4):
+        sa[lane + 32 * part] = a_in[lane + 32 * part]
+        sb[lane + 32 * part] = b_in[lane + 32 * part]
+    k.barrier()
+    g, q = lane >> 2, lane & 3
+    a = k.fragment_load(sa, (lane & 15) * 8 + (lane >> 4) * 4)
+    b = k.fragment_load(sb, ((lane & 7) + (lane >> 4) * 8) * 8 + ((lane >> 3) & 1) * 4)
+    for n, words in enumerate((b[:2], b[2:])):
+        at = [(g + 8 * (j >> 1)) * 16 + 8 * n + 2 * q + (j & 1) for j in range(4)]
+        d = k.mma(dtype, a, words, [c_in[i] for i in at])
+        for i, value in zip(at, d):
+            d_out[i] = value
+    a_, b_ = random(rng, dtype, (16, 16), -2, 2), random(rng, dtype, (16, 16), -2, 2)  # b_: [n, k]
+    c_ = rng.uniform(-4, 4, (16, 16)).astype(np.float32)
+    want = (as_f32(a_, dtype).astype(np.float64) @ as_f32(b_, dtype).T.astype(np.float64)
+            + c_).astype(np.float32)
+    words = lambda m: np.ascontiguousarray(m).view(np.uint32).reshape(-1)  # noqa: E731
+    return Case(k.build(), (1,), {"a": words(a_), "b": words(b_), "c": c_.reshape(-1)},
+                {"d": want.reshape(-1)}, {"d": (1e-5, 1e-4)})
+
+
+# Kernels of the matrix operations: PTX only (the other renderers refuse them).
+MMA_CASES = {f"mma_{t.name}": lambda rng, t=t: mma_case(t, rng) for t in (F16, BF16)}
+
+
 # -- rendering -----------------------------------------------------------------------------------
 def test_cases_use_every_op_and_dtype():
     ops, dtypes, statements = set(), set(), set()
@@ -564,6 +602,19 @@ def test_cases_use_every_op_and_dtype():
     assert every - ops == set()
     assert set(lang.DTYPES.values()) - dtypes == set()
     assert {"If", "For", "VarDecl", "Assign", "Barrier", "Return", "Store"} <= statements
+
+
+def test_mma_cases_use_every_matrix_op_and_operand_type():
+    caps, ops = set(), set()
+    for make in MMA_CASES.values():
+        kernel = make(np.random.default_rng(0)).kernel
+        caps |= kernel.caps
+        ops |= {s.op for s in lang.walk(kernel.body) if isinstance(s, lang.Let)}
+    assert lang.MATRIX <= ops
+    assert set(lang.MMA_CAPS.values()) | {"fragment_load"} <= caps <= PTX_CAPS
+    text = render_ptx(MMA_CASES["mma_bf16"](np.random.default_rng(0)).kernel)
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
 
 
 def test_module_header_entry_and_params():
@@ -588,7 +639,8 @@ def test_module_header_entry_and_params():
 
 def test_capabilities_and_refusals():
     assert PTX_CAPS == {"storage16", "storage8", "float16", "int16", "int64", "subgroup",
-                        "subgroup_arith", "subgroup_shuffle", "shared"}
+                        "subgroup_arith", "subgroup_shuffle", "shared", "fragment_load",
+                        "mma_f16", "mma_bf16"}
     base = CASES["ids"](np.random.default_rng(0)).kernel
     with pytest.raises(ModelRefused, match="matrix"):
         render_ptx(Kernel(base.name, base.params, base.shared, base.workgroup, base.body,
@@ -601,7 +653,9 @@ def test_capabilities_and_refusals():
         render_ptx(base, 75)
 
 
-def _ptxas(tmp_path, text, sm):
+def _ptxas(tmp_path, text, sm, *flags):
+    """Assembles `text` for sm_`sm`; fails with ptxas's message and the lines it names. Returns
+    ptxas's report (what -v prints)."""
     ptxas = shutil.which("ptxas") or next(
         (path for path in ("/usr/local/bin/ptxas", "/usr/local/cuda/bin/ptxas")
          if os.path.exists(path)), None)
@@ -609,8 +663,8 @@ def _ptxas(tmp_path, text, sm):
         pytest.skip("ptxas is not installed (it comes with the CUDA toolkit)")
     source = tmp_path / "kernel.ptx"
     source.write_text(text)
-    run = subprocess.run([ptxas, f"-arch=sm_{sm}", str(source), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([ptxas, f"-arch=sm_{sm}", *flags, str(source), "-o",
+                          str(tmp_path / "k.cubin")], capture_output=True, text=True, timeout=120)
     if run.returncode != 0:
         lines = text.splitlines()
         shown = []
@@ -618,12 +672,23 @@ def _ptxas(tmp_path, text, sm):
             shown += [f"{n:5d}: {lines[n - 1]}" for n in range(max(1, number - 2),
                                                                 min(len(lines), number + 2) + 1)]
         pytest.fail(f"ptxas -arch=sm_{sm} failed:\n{run.stderr}\n" + "\n".join(shown))
+    return run.stdout + run.stderr
 
 
 @pytest.mark.parametrize("sm", SMS)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(MMA_CASES))
 def test_ptxas_assembles(tmp_path, name, sm):
-    _ptxas(tmp_path, render_ptx(CASES[name](np.random.default_rng(0)).kernel, sm), sm)
+    make = CASES.get(name) or MMA_CASES[name]
+    _ptxas(tmp_path, render_ptx(make(np.random.default_rng(0)).kernel, sm), sm)
+
+
+@pytest.mark.parametrize("sm", (80, 90))
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+def test_mma_tiled_assembles_without_spills(tmp_path, dtype, sm):
+    """The tensor-core matmul keeps its 64 accumulators and prefetched tiles in registers."""
+    for residual in (False, True):
+        report = _ptxas(tmp_path, render_ptx(matmul.mma_tiled(dtype, residual), sm), sm, "-v")
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 # -- execution -----------------------------------------------------------------------------------
@@ -715,10 +780,10 @@ def check(name, got, want, tolerance, seed):
                            f"{bad[0]}: got {got[bad[0]]!r}, want {want[bad[0]]!r}")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(MMA_CASES))
 def test_runs_like_numpy(gpu, name):
     seed = secrets.randbits(32)
-    case = CASES[name](np.random.default_rng(seed))
+    case = (CASES.get(name) or MMA_CASES[name])(np.random.default_rng(seed))
     outputs = run_case(gpu, case)
     for output, want in case.expected.items():
         check(output, outputs[output], want, case.tolerance.get(output), seed)

@@ -674,6 +674,18 @@ def test_bool_buffer_is_refused():
         binding_layout(k.build())
 
 
+def test_matrix_operations_are_refused_by_name():
+    from poot.errors import ModelRefused
+    from tests.test_codegen_ptx import MMA_CASES
+    for name, capability in (("mma_f16", "mma_f16"), ("mma_bf16", "mma_bf16")):
+        kernel = MMA_CASES[name](np.random.default_rng(0)).kernel
+        with pytest.raises(ModelRefused, match=rf"kernel {name} needs fragment_load, {capability}, "
+                                               r"which the SPIR-V renderer does not render"):
+            render_spirv(kernel, 32)
+        with pytest.raises(ModelRefused, match=capability):
+            spirv_capabilities(kernel)
+
+
 def test_shuffle_mask_must_fit_the_subgroup():
     k = KernelBuilder("wide_shuffle", (64, 1, 1))
     x = k.buffer("x", F32, "rw")

@@ -82,7 +82,8 @@ def test_batched_decode_replays_equal_single_steps(tmp_path, device):
 
 @pytest.mark.parametrize("dtype", ["F16", "Q4_K"])
 def test_long_prefill_matches_reference(tmp_path, device, dtype):
-    """A 70-token step: the matrix kernels run over groups of tokens."""
+    """A 70-token step: the matmuls run over groups of tokens (matvec), or on matrix
+    instructions (mma_tiled) where the device has them."""
     model = poot.load(tiny_model(tmp_path, dtype=dtype))
     prompt = np.random.default_rng().integers(3, 300, 70).tolist()
     table = list(range(16))
@@ -137,3 +138,26 @@ def test_split_attention_batched_decode(tmp_path, device):
                       tables, np.arange(3, dtype=np.int32), SamplingRows.greedy(3))
     together, want = runner.logits(batch), reference.logits(batch)
     assert np.linalg.norm(together - want) / np.linalg.norm(want) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "Q8_0", "Q4_K"])
+def test_prefill_on_matrix_instructions_matches_reference(tmp_path, device, dtype):
+    """A 130-token prefill step on a device with matrix instructions: its matmuls run mma_tiled
+    (operands rounded to f16, bf16 for BF16 weights), the 8 sampled rows' lm_head the matvec.
+    The bounds are twice what that rounding plus the f16 KV cache give in numpy."""
+    if not {"fragment_load", "mma_f16", "mma_bf16"} <= device.caps:
+        pytest.skip(f"{device.name} has no matrix instructions (fragment_load, mma_f16/bf16)")
+    model = poot.load(tiny_model(tmp_path, dtype=dtype))
+    n = 130
+    prompt = np.random.default_rng().integers(3, 300, n).tolist()
+    table = list(range(16))
+    batch = StepBatch(np.array(prompt, np.int32), np.arange(n, dtype=np.int32),
+                      np.zeros(n, np.int32), np.array([table], np.int32),
+                      np.arange(n - 8, n, dtype=np.int32), SamplingRows.greedy(8))
+    want = model.runner(None, num_blocks=16).logits(batch)
+    runner = model.runner(device, num_blocks=16, max_tokens=256)
+    runner.time_kernels()                      # launches one by one, each kernel named
+    got = runner.logits(batch)
+    name = f"mma_tiled_{dtype.lower()}"
+    assert {name, f"{name}_residual"} <= set(runner.kernel_times)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < (8e-3 if dtype == "BF16" else 2e-3)

@@ -26,10 +26,15 @@ def runner_kernels(subgroup_size):
     return out
 
 
+def mma_kernels():
+    """The matrix kernels, which only PTX renders (SPIR-V refuses them: test_codegen_spirv.py)."""
+    return [matmul.mma_tiled(d, residual=r) for d in DEVICE_DTYPES for r in (False, True)]
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("sm", [80, 90])
 def test_every_runner_kernel_assembles_with_ptxas(tmp_path, sm):
-    for kernel in runner_kernels(32):
+    for kernel in runner_kernels(32) + mma_kernels():
         source = tmp_path / f"{kernel.name}.ptx"
         source.write_text(render_ptx(kernel, sm))
         result = subprocess.run(["ptxas", f"-arch=sm_{sm}", str(source), "-o", "/dev/null"],

@@ -108,6 +108,96 @@ def test_tiled_matmul(device, dtype, n_tokens):
     assert rel_err(got, ref.matmul(x, dense) + r) < 1e-5
 
 
+# -- mma_tiled: the tensor-core matmul (PTX devices only) -----------------------------------------
+def emulated_fragment_load(slots, index_of_lane):
+    """lang.fragment_load as documented, on shared memory given as its 16-bit slots: word j of
+    lane l is elements 2(l % 4), +1 of the row that lane 8j + l // 4 names."""
+    return [[(slots[2 * index_of_lane[8 * j + l // 4] + 2 * (l % 4)],
+              slots[2 * index_of_lane[8 * j + l // 4] + 2 * (l % 4) + 1]) for j in range(4)]
+            for l in range(32)]
+
+
+def test_mma_fragment_indices_give_the_documented_operands():
+    """The words mma_tiled names to fragment_load hold, lane by lane, the elements lang.mma
+    documents for `a` (x tile) and `b` (W tile), and the 8 rows of each matrix start in 8
+    different groups of 4 banks."""
+    rw = matmul.ROW_WORDS
+    tile = lambda r, c: r * 1000 + c                                   # noqa: E731 (a label)
+    slots = np.full(2 * 128 * rw, -1)
+    for r in range(128):
+        slots[2 * r * rw:2 * r * rw + matmul.MMA_DEPTH] = [tile(r, c) for c in range(64)]
+    for step in range(matmul.MMA_DEPTH // 16):
+        for first in range(0, 128, 16):
+            index = [matmul.a_fragment_index(lane, first, step) for lane in range(32)]
+            words = emulated_fragment_load(slots, index)
+            for lane in range(32):
+                g, q = lane // 4, lane % 4
+                for j in range(4):
+                    r, c = first + g + 8 * (j % 2), 16 * step + 2 * q + 8 * (j // 2)
+                    assert words[lane][j] == (tile(r, c), tile(r, c + 1))
+            index = [matmul.b_fragment_index(lane, first, step) for lane in range(32)]
+            words = emulated_fragment_load(slots, index)
+            for lane in range(32):
+                g, q = lane // 4, lane % 4
+                for n_tile in range(2):
+                    for j in range(2):
+                        row, c = first + 8 * n_tile + g, 16 * step + 2 * q + 8 * j
+                        assert words[lane][2 * n_tile + j] == (tile(row, c), tile(row, c + 1))
+            for matrix in range(4):
+                rows = index[8 * matrix:8 * matrix + 8]
+                assert len({(i % 32) // 4 for i in rows}) == 8
+    cover = {matmul.accumulator_position(lane, j) for lane in range(32) for j in range(4)}
+    assert cover == {(t, m) for t in range(16) for m in range(8)}
+
+
+@pytest.fixture(scope="module")
+def cuda_device():
+    return open_device("ptx")
+
+
+# (tokens, rows, cols): token and row counts that are not whole tiles; column counts that are
+# not whole 64-column steps for the formats whose blocks allow them.
+MMA_SHAPES = [(1, 96, 256), (17, 1000, 512), (64, 96, 4096), (130, 1000, 1024),
+              (512, 4096, 4096), (512, 1000, 4096 + 256)]
+MMA_SHAPES_FLOAT = [(130, 200, 72), (17, 96, 64)]
+MMA_SHAPES_BLOCK32 = [(130, 200, 96)]
+
+
+def mma_shapes(dtype):
+    if dtype in ("F32", "F16", "BF16"):
+        return MMA_SHAPES + MMA_SHAPES_FLOAT
+    return MMA_SHAPES + (MMA_SHAPES_BLOCK32 if dtype in ("Q8_0", "Q4_0", "Q4_1") else [])
+
+
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+def test_mma_tiled_matmul(cuda_device, dtype):
+    """Operands rounded to f16 (bf16 for BF16 weights) with unit roundoff u, f32 sums: each
+    element within (2u + cols 2^-23) |x_t| |w_m| of the exact product (Cauchy-Schwarz), and the
+    whole within a few u/sqrt(3) (the rms of rounding) in relative Frobenius norm."""
+    u = 2.0 ** (-8 if dtype == "BF16" else -11)
+    rounded = 1 if dtype in ("F16", "BF16") else 2           # x, and W unless already 16-bit
+    for case, (n_tokens, rows, cols) in enumerate(mma_shapes(dtype)):
+        residual = case % 2 == 1
+        w_planes, dense = weight(dtype, rows, cols)
+        x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+        r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
+        k = matmul.mma_tiled(dtype, residual=residual)
+        grid = (-(-rows // matmul.MMA_ROWS), -(-n_tokens // matmul.MMA_TOKENS))
+        args = [*w_planes, x, np.zeros((n_tokens, rows), np.float32), *([r] if residual else []),
+                rows, cols, n_tokens]
+        got = run(cuda_device, k, grid, *args)["y"].astype(np.float64)
+        assert np.all(np.isfinite(got)), f"{dtype} {n_tokens}x{rows}x{cols}: unwritten outputs"
+        product = x.astype(np.float64) @ dense.astype(np.float64).T
+        error = np.abs(got - (product + r if residual else product))
+        bound = (rounded * u + cols * 2.0 ** -23) * np.outer(np.linalg.norm(x, axis=1),
+                                                             np.linalg.norm(dense, axis=1))
+        where = f"{dtype} T={n_tokens} rows={rows} cols={cols} residual={residual}"
+        worst = np.unravel_index(np.argmax(error / bound), error.shape)
+        assert np.all(error <= bound), f"{where}: worst at {worst}, error {error[worst]}"
+        relative = np.linalg.norm(error) / np.linalg.norm(product)
+        assert relative < 3 * rounded * u / np.sqrt(3), f"{where}: relative error {relative}"
+
+
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
 def test_embedding(device, dtype):
     vocab, cols = 300, 256

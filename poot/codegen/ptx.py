@@ -39,6 +39,9 @@ seen on an H200 over 2^20 random arguments):
   sum wraps as in the type); f16 and bf16 reduce in f32 and round once at the end. On bool, max
   is "any lane" and min is "all lanes".
 - For loops: `unroll` adds nothing; ptxas unrolls counted loops as it judges.
+- fragment_load is ldmatrix.sync.aligned.m8n8.x4.shared.b16; mma is
+  mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, whose fragment layouts are
+  the ones lang.py documents. Both need the whole warp.
 """
 import re
 
@@ -49,9 +52,11 @@ from poot.errors import ModelRefused
 from poot.kernels.lang import (BF16, BINARY, BOOL, COMPARE, F16, F32, I32, SPECIAL, UNARY,
                                Assign, Barrier, For, If, Let, Return, Store, VarDecl)
 
-# What every sm_80+ device offers, in lang.py's capability names.
+# What every sm_80+ device offers, in lang.py's capability names: the matrix operations are
+# ldmatrix (sm_75) and mma.sync m16n8k16 with f16 or bf16 operands (sm_80).
 PTX_CAPS = frozenset({"storage16", "storage8", "float16", "int16", "int64", "subgroup",
-                      "subgroup_arith", "subgroup_shuffle", "shared"})
+                      "subgroup_arith", "subgroup_shuffle", "shared", "fragment_load", "mma_f16",
+                      "mma_bf16"})
 
 # The lowest PTX ISA version that names each target; the instructions rendered here need 7.0
 # (sm_80: cvt.rn.bf16.f32, min/max.NaN, min/max.f16, tanh.approx), which every entry covers.
@@ -383,6 +388,10 @@ class _Renderer:
             return self.load(let)
         if op == "unpack_half2":
             return self.unpack_half2(let)
+        if op == "fragment_load":
+            return self.fragment_load(let)
+        if op == "mma":
+            return self.mma(let)
         d = self.named(let.id, t)
         if op == "extract":
             return self.mov(d, self.vectors[let.args[0].id][let.attr("lane")], t)
@@ -433,6 +442,22 @@ class _Renderer:
         self.emit(f"mov.b32 {{{lo}, {hi}}}, {self.val(let.args[0])};")
         self.emit(f"cvt.f32.f16 {lanes[0]}, {lo};")
         self.emit(f"cvt.f32.f16 {lanes[1]}, {hi};")
+
+    def fragment_load(self, let):
+        words = [self.named(let.id, let.dtype, f"_{lane}") for lane in range(4)]
+        self.vectors[let.id] = words
+        address = self.address(let.attr("target"), True, let.args[0])
+        self.emit(f"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{', '.join(words)}}}, "
+                  f"[{address}];")
+
+    def mma(self, let):
+        d = [self.named(let.id, F32, f"_{lane}") for lane in range(4)]
+        self.vectors[let.id] = d
+        args = [self.val(a) for a in let.args]
+        kind = let.attr("operand")
+        self.emit(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+                  f"{{{', '.join(d)}}}, {{{', '.join(args[:4])}}}, {{{', '.join(args[4:6])}}}, "
+                  f"{{{', '.join(args[6:])}}};")
 
     def const(self, d, t, value):
         if t.kind == "b":

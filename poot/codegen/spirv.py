@@ -14,13 +14,15 @@ arithmetic capability is needed for them. Anything else on an 8/16-bit type (ari
 constants, shared arrays, bitcasts) declares Int8 / Int16 / Float16. bf16 is a 16-bit unsigned
 integer to SPIR-V; its conversions are bit work at 32 bits (round to nearest even on the way
 down). Signed rem is a - (a/b)*b: Vulkan leaves OpSRem undefined for negative operands (NVIDIA's
-driver does give other results). This module knows no driver.
+driver does give other results). The matrix operations (lang.MATRIX: fragment_load, mma) are
+not rendered: a kernel using them is refused by its capability. This module knows no driver.
 """
 import struct
 from dataclasses import dataclass
 
-from poot.kernels.lang import (BOOL, F32, I32, U16, U32, U64, Assign, Barrier, For, If, Let,
-                               Return, Store, VarDecl)
+from poot.errors import ModelRefused
+from poot.kernels.lang import (BOOL, F32, I32, MMA_CAPS, U16, U32, U64, Assign, Barrier, For, If,
+                               Let, Return, Store, VarDecl)
 
 MAGIC, VERSION_1_3 = 0x07230203, 0x00010300
 
@@ -193,8 +195,16 @@ def _spv(dtype):
     return U16 if dtype.kind == "bf" else dtype
 
 
+# lang.py capabilities that SPIR-V (as rendered here) has no rendering of.
+UNRENDERED_CAPS = frozenset({"fragment_load", *MMA_CAPS.values()})
+
+
 class _Renderer:
     def __init__(self, kernel, subgroup_size):
+        unrendered = kernel.caps & UNRENDERED_CAPS
+        if unrendered:
+            raise ModelRefused(f"kernel {kernel.name} needs {', '.join(sorted(unrendered))}, "
+                               f"which the SPIR-V renderer does not render")
         self.kernel, self.subgroup_size = kernel, subgroup_size
         self.lang_caps = kernel.caps
         buffer_bits = {p.dtype.bits for p in kernel.params if p.kind == "buffer"}

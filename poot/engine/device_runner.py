@@ -24,6 +24,7 @@ from .batch import StepBatch, StepOutput
 from .sampling import sample
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
+MMA_MIN_TOKENS = 64             # steps this long run their matmuls on matrix instructions
 SHARES_INPUT = ("reshape", "rope")
 SPLIT_TOKENS = 512              # keys per workgroup when attention is split along the context
 
@@ -208,7 +209,9 @@ class DeviceRunner(StepRunner):
     def _kernels_of(self, op, sg, cfg):
         if op.kind == "matmul":
             w = op.inputs[-1]
-            return [matmul.matvec(w.dtype, sg, n, **op.attrs) for n in TOKEN_GROUPS]
+            mma = self._mma(w, op.attrs)
+            return [matmul.matvec(w.dtype, sg, n, **op.attrs) for n in TOKEN_GROUPS] + \
+                ([mma] if mma else [])
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -229,6 +232,12 @@ class DeviceRunner(StepRunner):
         if op.kind == "all_reduce":
             return [ops.all_reduce(op.attrs["world"], op.attrs["residual"])]
         return []
+
+    def _mma(self, w, attrs):
+        """The tensor-core matmul of weight w (long steps), or None where the device lacks the
+        matrix instructions it needs."""
+        kernel = matmul.mma_tiled(w.dtype, **attrs)
+        return kernel if kernel.caps <= self.device.caps else None
 
     def _elements(self, shape):
         sizes = {"T": self.max_tokens, "R": self.max_seqs}
@@ -408,9 +417,14 @@ class DeviceRunner(StepRunner):
                 residual = [B(ins[1])] if op.attrs["residual"] else []
                 args = (*self._weight_planes(w), B(x), B(out), *residual, w.shape[0],
                         w.shape[1], n)
-                group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-                self._launch(matmul.matvec(w.dtype, sg, group, **op.attrs),
-                             (-(-w.shape[0] // (wg // sg)), -(-n // group)), *args)
+                mma = self._mma(w, op.attrs) if n >= MMA_MIN_TOKENS else None
+                if mma:
+                    self._launch(mma, (-(-w.shape[0] // matmul.MMA_ROWS),
+                                       -(-n // matmul.MMA_TOKENS)), *args)
+                else:
+                    group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
+                    self._launch(matmul.matvec(w.dtype, sg, group, **op.attrs),
+                                 (-(-w.shape[0] // (wg // sg)), -(-n // group)), *args)
             elif op.kind == "add":
                 n = int(np.prod(self._shape(out, T, R)))
                 nb = int(np.prod(self._shape(ins[1], T, R)))

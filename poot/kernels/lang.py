@@ -41,6 +41,10 @@ UNARY = {"neg", "not", "abs", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "si
 FLOAT_ONLY = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "tanh", "floor"}
 SPECIAL = {"thread_id", "block_id", "num_blocks", "lane_id", "subgroup_id"}
 SUBGROUP = {"subgroup_add", "subgroup_max", "subgroup_min", "shuffle_xor", "shuffle"}
+# Matrix operations of a subgroup of 32 lanes (their layouts: KernelBuilder.fragment_load and
+# mma), and the capability each operand type of mma declares.
+MATRIX = {"fragment_load", "mma"}
+MMA_CAPS = {"f16": "mma_f16", "bf16": "mma_bf16"}
 
 
 @dataclass(frozen=True)
@@ -434,6 +438,44 @@ class KernelBuilder:
     def shuffle(self, x, lane):
         self.caps.add("subgroup_shuffle")
         return self.let("shuffle", x.dtype, (x, self.coerce(lane, I32)))
+
+    # -- matrices --------------------------------------------------------------------------------
+    def fragment_load(self, array, index):
+        """Four 8 x 8 matrices of 16-bit elements from a shared u32 array (two elements a word,
+        the lower column in the low half), as four u32 words per lane.
+
+        Every lane of a subgroup of 32 takes part. Lane l names, by `index` (in words, a multiple
+        of 4), the start of row l % 8 of matrix l // 8: 8 consecutive elements. Word j of lane l
+        gets elements 2(l % 4) and 2(l % 4) + 1 of row l // 4 of matrix j: the lane's share of
+        an mma operand."""
+        if not isinstance(array, SharedArray) or array.param.dtype != U32:
+            raise TypeError("fragment_load reads a shared u32 array")
+        self.caps.add("fragment_load")
+        vec = self.let("fragment_load", U32, (self.coerce(index, I32),), target=array.param.name)
+        return tuple(self.let("extract", U32, (vec,), lane=i) for i in range(4))
+
+    def mma(self, dtype, a, b, c):
+        """D = A B + C for A 16 x 16 and B 16 x 8 of `dtype` (F16 or BF16), C and D 16 x 8 of
+        f32, spread over the 32 lanes of a subgroup, every one of which takes part.
+
+        With g = lane // 4 and q = lane % 4, a lane holds (a u32 word two elements, the lower
+        column of A, the lower row of B, in the low half):
+          a: 4 words, word j = A[g + 8 (j % 2)][2q + 8 (j // 2) + (0, 1)]
+          b: 2 words, word j = B[2q + 8j + (0, 1)][g]
+          c: 4 f32,   value j = C[g + 8 (j // 2)][2q + j % 2]; D (the result) alike.
+        fragment_load gives `a` from A stored by rows (its matrices: rows 0-7 then 8-15 of
+        columns 0-7, then the same of columns 8-15) and `b` from B stored by columns (B's
+        column n as a row of 16 elements; matrices: k 0-7, then k 8-15)."""
+        if dtype not in (F16, BF16):
+            raise TypeError(f"mma of {dtype}: f16 or bf16")
+        a, b = [self.coerce(v, U32) for v in a], [self.coerce(v, U32) for v in b]
+        c = [self.coerce(v, F32) for v in c]
+        if (len(a), len(b), len(c)) != (4, 2, 4) or any(v.dtype != U32 for v in a + b) \
+                or any(v.dtype != F32 for v in c):
+            raise TypeError("mma takes 4 u32 words of A, 2 of B and 4 f32 values of C")
+        self.caps.add(MMA_CAPS[dtype.name])
+        d = self.let("mma", F32, (*a, *b, *c), operand=dtype.name)
+        return tuple(self.let("extract", F32, (d,), lane=i) for i in range(4))
 
     # -- control ---------------------------------------------------------------------------------
     @contextmanager

@@ -6,11 +6,13 @@ step's few tokens (bandwidth-bound: each weight byte is read once per step). Tok
 many tokens (prefill, large batches): a workgroup computes a 64-token x 64-row tile, decoding
 each weight block once into shared memory for all 64 tokens. It is checked on every target but
 the runner does not route to it yet: its first version measured slower than the grouped matvec
-on the H200 (docs/benchmarks.md), and this one is not yet timed there.
+on the H200 (docs/benchmarks.md), and this one is not yet timed there. `mma_tiled` is the
+prefill kernel of devices with matrix instructions (lang.py's fragment_load and mma): 128 x 128
+tiles on the tensor cores, operands rounded to f16 (bf16 for BF16 weights).
 """
 from functools import cache
 
-from .lang import F32, I32, U32, KernelBuilder
+from .lang import BF16, F16, F32, I32, U16, U32, KernelBuilder
 from .quant import reader
 
 WORKGROUP = 256
@@ -137,4 +139,183 @@ def tiled(dtype, residual=False):
             with k.if_((t < n_tokens) & (m < rows)):
                 at = t * rows + m
                 y[at] = acc[i][j].get() + res[at] if residual else acc[i][j].get()
+    return k.build()
+
+
+# mma_tiled: a workgroup of 8 subgroups computes MMA_TOKENS x MMA_ROWS of y, MMA_DEPTH columns
+# a step; subgroup w owns tokens 64 (w % 2).. and rows 32 (w // 2)... Shared tiles hold a row
+# (a token of x, a row of W) as MMA_DEPTH 16-bit values in u32 words, padded by 16 bytes so the
+# 8 rows one fragment_load reads start 36 words apart: in 8 different groups of 4 banks.
+MMA_TOKENS, MMA_ROWS, MMA_DEPTH = 128, 128, 64
+MMA_WORKGROUP = 256
+ROW_WORDS = MMA_DEPTH // 2 + 4
+WARP_TOKENS, WARP_ROWS = 64, 32
+
+
+def mma_operand(dtype):
+    """The 16-bit type W (and x) are rounded to for the tensor cores: bf16 for BF16 weights
+    (f16 could not hold their range), f16 for the others (F32 and block-quant weights rounded)."""
+    reader(dtype)
+    return BF16 if dtype == "BF16" else F16
+
+
+def a_fragment_index(lane, token, step):
+    """The word of the x tile this lane names to fragment_load for mma's `a`: the 16 x 16 block
+    of tokens token.. and columns 16 step.. (matrices: tokens 0-7 of columns 0-7, tokens 8-15,
+    then the same of columns 8-15). An int for an int lane, a Value for a Value."""
+    return (token + (lane & 15)) * ROW_WORDS + step * 8 + (lane >> 4) * 4
+
+
+def b_fragment_index(lane, row, step):
+    """The word of the W tile this lane names for `b` of two mma n-tiles, rows row.. and
+    row + 8.., columns 16 step..: matrices (rows 0-7, columns 0-7), (0-7, 8-15) make the first
+    n-tile's `b`, then the same of rows 8-15 the second's."""
+    return (row + (lane & 7) + (lane >> 4) * 8) * ROW_WORDS + step * 8 + ((lane >> 3) & 1) * 4
+
+
+def accumulator_position(lane, j):
+    """(token, row) within a 16 x 8 mma tile of accumulator value j of `lane`."""
+    return (lane >> 2) + 8 * (j >> 1), 2 * (lane & 3) + (j & 1)
+
+
+def _pack(k, operand, lo, hi):
+    """One u32 word of two f32 values rounded to the operand type, lo in the low half."""
+    if operand == F16:
+        return k.pack_half2(lo, hi)
+    bits = lambda v: v.to(BF16).bitcast(U16).to(U32)  # noqa: E731
+    return bits(lo) | (bits(hi) << 16)
+
+
+@cache
+def mma_tiled(dtype, residual=False):
+    """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / 128)).
+
+    Same buffers and scalars as matvec (cols a multiple of 8, and of the reader's block), so
+    the runner swaps it in for long steps. Each step of MMA_DEPTH columns: x [128 tokens x 64]
+    is rounded to the operand type (mma_operand: f16, bf16 for BF16 weights) and W [128 rows x
+    64] is copied (F16, BF16) or decoded and rounded to f16 (F32, block quants) into shared
+    memory; then each subgroup runs 4 k-steps of 4 x 4 mma (m16n8k16) over its 64 tokens x 32
+    rows, accumulating in f32 registers. The next step's x and F16/BF16 W are loaded into
+    registers before this step's mma, so their latency hides behind the tensor cores. Edges:
+    tokens past n_tokens read x's first values and rows past `rows` read row rows - 1 (neither
+    is stored), columns past cols read as zeros.
+    """
+    r = reader(dtype)
+    operand = mma_operand(dtype)
+    raw = dtype in ("F16", "BF16")                 # words already hold operand pairs
+    name = f"mma_tiled_{dtype.lower()}" + "_residual" * residual
+    k = KernelBuilder(name, (MMA_WORKGROUP,))
+    buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
+    x = k.buffer("x", F32)
+    y = k.buffer("y", F32, "w")
+    res = k.buffer("residual", F32) if residual else None
+    rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
+    xs = k.shared("xs", U32, MMA_TOKENS * ROW_WORDS)
+    ws = k.shared("ws", U32, MMA_ROWS * ROW_WORDS)
+    tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
+    m0, t0 = k.block_id(0) * MMA_ROWS, k.block_id(1) * MMA_TOKENS
+
+    # x: 16 float4 a token row, 8 per thread; W (F16, BF16): 8 uint4 a row, 4 per thread.
+    x_parts = MMA_TOKENS * MMA_DEPTH // 4 // MMA_WORKGROUP
+    w_parts = MMA_ROWS * MMA_DEPTH // 8 // MMA_WORKGROUP
+
+    # The selects that zero columns past cols come at the stores, so that nothing waits for a
+    # prefetch's loads until the next step.
+    def x_part(p, c0):
+        """(shared word, x element, inside) of part p: 4 values of a token's row."""
+        i = tid + p * MMA_WORKGROUP
+        t, c = t0 + (i >> 4), c0 + (i & 15) * 4
+        return (i >> 4) * ROW_WORDS + (i & 15) * 2, t * cols + c, (t < n_tokens) & (c < cols)
+
+    def w_part(p, c0):
+        """(shared word, W word, inside) of part p: 4 words (8 values) of a row."""
+        i = tid + p * MMA_WORKGROUP
+        m, c = k.min(m0 + (i >> 3), rows - 1), c0 + (i & 7) * 8
+        return (i >> 3) * ROW_WORDS + (i & 7) * 4, m * r.row_words("values", cols) + (c >> 1), \
+            c < cols
+
+    def fetch_x(c0):
+        values = []
+        for p in range(x_parts):
+            _, at, inside = x_part(p, c0)
+            values += x.load(k.select(inside, at, 0), 4)
+        return values
+
+    def fetch_w_words(c0):
+        words = []
+        for p in range(w_parts):
+            _, at, inside = w_part(p, c0)
+            words += buf["values"].load(k.select(inside, at, 0), 4)
+        return words
+
+    def store_x(values, c0):
+        for p in range(x_parts):
+            to, _, inside = x_part(p, c0)
+            v = [k.select(inside, value, 0.0) for value in values[4 * p:4 * p + 4]]
+            xs.store(to, _pack(k, operand, v[0], v[1]), _pack(k, operand, v[2], v[3]))
+
+    def store_w_words(words, c0):
+        for p in range(w_parts):
+            to, _, inside = w_part(p, c0)
+            ws.store(to, *[k.select(inside, w, 0) for w in words[4 * p:4 * p + 4]])
+
+    def decode_w(c0):
+        """Block quants: each thread decodes whole units of a W row into the shared tile."""
+        unit = r.block_elems
+        units = MMA_DEPTH // unit
+        n_units = cols / unit
+        with k.for_(tid, MMA_ROWS * units, MMA_WORKGROUP) as j:
+            row, u = j / units, j % units
+            m = k.min(m0 + row, rows - 1)
+            block = c0 / unit + u
+            inside = block < n_units
+            values = r.decode(k, buf, m, k.min(block, n_units - 1), cols)
+            words = [_pack(k, operand, k.select(inside, values[e], 0.0),
+                           k.select(inside, values[e + 1], 0.0)) for e in range(0, unit, 2)]
+            for e in range(0, unit // 2, 4):
+                ws.store(row * ROW_WORDS + u * (unit // 2) + e, *words[e:e + 4])
+
+    wt, wn = (warp & 1) * WARP_TOKENS, (warp >> 1) * WARP_ROWS
+    tiles_t, tiles_n = WARP_TOKENS // 16, WARP_ROWS // 8
+    acc = [[[k.var(F32, 0.0) for _ in range(4)] for _ in range(tiles_n)] for _ in range(tiles_t)]
+
+    def compute():
+        for ks in range(MMA_DEPTH // 16):
+            a = [k.fragment_load(xs, a_fragment_index(lane, wt + 16 * i, ks))
+                 for i in range(tiles_t)]
+            b = []
+            for pair in range(tiles_n // 2):
+                words = k.fragment_load(ws, b_fragment_index(lane, wn + 16 * pair, ks))
+                b += [words[:2], words[2:]]
+            for i in range(tiles_t):
+                for j in range(tiles_n):
+                    d = k.mma(operand, a[i], b[j], [v.get() for v in acc[i][j]])
+                    for v, value in zip(acc[i][j], d):
+                        v.set(value)
+
+    x_next = [k.var(F32, v) for v in fetch_x(k.const(0, I32))]
+    w_next = [k.var(U32, w) for w in fetch_w_words(k.const(0, I32))] if raw else []
+    with k.for_(0, cols, MMA_DEPTH) as c0:
+        k.barrier()                                 # the last step's mma are done with the tiles
+        store_x([v.get() for v in x_next], c0)
+        if raw:
+            store_w_words([w.get() for w in w_next], c0)
+        else:
+            decode_w(c0)
+        k.barrier()
+        for v, value in zip(x_next, fetch_x(c0 + MMA_DEPTH)):
+            v.set(value)
+        if raw:
+            for w, word in zip(w_next, fetch_w_words(c0 + MMA_DEPTH)):
+                w.set(word)
+        compute()
+
+    for i in range(tiles_t):
+        for j in range(tiles_n):
+            for e, v in enumerate(acc[i][j]):
+                dt, dm = accumulator_position(lane, e)
+                t, m = t0 + wt + 16 * i + dt, m0 + wn + 8 * j + dm
+                with k.if_((t < n_tokens) & (m < rows)):
+                    at = t * rows + m
+                    y[at] = v.get() + res[at] if residual else v.get()
     return k.build()

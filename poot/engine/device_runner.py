@@ -26,7 +26,10 @@ from .sampling import sample
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 MMA_MIN_TOKENS = 64             # steps this long run their matmuls on matrix instructions
 SHARES_INPUT = ("reshape", "rope")
-SPLIT_TOKENS = 512              # keys per workgroup when attention is split along the context
+SPLIT_TOKENS = 512              # keys per workgroup when attention is split along the context,
+MAX_SPLITS = 32                 # ... and more when the context would need more splits than this
+SPLIT_MIN_CONTEXT = 4096        # shorter contexts keep one workgroup per (token, head): measured
+                                # on the H200, two launches cost more than the split saves there
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class StepRunner:
 
 class DeviceRunner(StepRunner):
     def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16,
-                 part=None, split_tokens=SPLIT_TOKENS):
+                 part=None, split_tokens=None):
         self.model, self.device, self.part = model, device, part
         self.backend = device.backend
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -115,8 +118,12 @@ class DeviceRunner(StepRunner):
         self.vocab_size = model.config.vocab_size
         self.max_context = model.context_length
         self.table_width = -(-min(self.max_context, num_blocks * block_size) // block_size)
+        context = self.table_width * block_size
+        if split_tokens is None:        # split only long contexts, in at most MAX_SPLITS pieces
+            split_tokens = (max(SPLIT_TOKENS, -(-context // MAX_SPLITS))
+                            if context >= SPLIT_MIN_CONTEXT else context)
         self.split_tokens = split_tokens
-        self.attention_splits = -(-self.table_width * block_size // split_tokens)
+        self.attention_splits = -(-context // split_tokens)
         self.graph = model.step_graph(num_blocks, block_size, part)
         self.has_logits = "logits" in self.graph.outputs
         self.peers = [self]         # the runners of a tensor group, in rank order (group.py)

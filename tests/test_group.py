@@ -54,10 +54,12 @@ def test_group_greedy_equals_one_device(tmp_path, group, kind, case):
 
 @pytest.mark.parametrize("kind", ["tensor", "pipeline"])
 def test_group_batched_decode_equals_one_device(tmp_path, group, kind):
-    """32 sequences decoding together: one graph over both devices (pipeline: in micro-batches)."""
+    """128 sequences decoding together: one graph over both devices (pipeline: in micro-batches
+    of at least the tensor-core kernel's 64 tokens)."""
     model = poot.load(tiny_model(tmp_path, dtype="F16", shape="tiny-odd"))
-    n, per_seq = 32, 4
-    one, two = runners(model, group, kind, n * per_seq, max_tokens=64, max_seqs=n)
+    n, per_seq = 128, 4
+    one, two = runners(model, group, kind, n * per_seq, max_tokens=n, max_seqs=n)
+    assert kind == "tensor" or n // two.runners[0].decode_piece() >= 2
     rng = np.random.default_rng()
     tables = rng.permutation(n * per_seq).astype(np.int32).reshape(n, per_seq)
     for runner in (one, two):                       # the same 5-token prompt in every row

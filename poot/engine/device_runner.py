@@ -240,6 +240,15 @@ class DeviceRunner(StepRunner):
             return [ops.all_reduce(op.attrs["world"], op.attrs["residual"])]
         return []
 
+    def decode_piece(self):
+        """The fewest tokens a pipeline micro-batch holds (engine/group.py): the matrix-vector
+        kernel's pass (8 tokens), or the tensor-core kernel's threshold where the device runs
+        it, so cutting a step never moves its matmuls to a slower kernel."""
+        w = next((op.inputs[-1] for op in self.steps if op.kind == "matmul"), None)
+        if w is not None and self._mma(w, {"residual": False}):
+            return MMA_MIN_TOKENS
+        return TOKEN_GROUPS[-1]
+
     def _mma(self, w, attrs):
         """The tensor-core matmul of weight w (long steps), or None where the device lacks the
         matrix instructions it needs."""

@@ -13,7 +13,8 @@ runner's allocation list. A GroupRunner steps them together:
 - pipeline: stage s+1 waits on stage s's event, pulls its activations with a peer copy, and
   runs its layers. A decode step is cut into micro-batches (token ranges, run as views from
   their first row), issued micro-batch by micro-batch, so stage 0 works on the second while
-  stage 1 works on the first. The last stage computes the logits.
+  stage 1 works on the first; a micro-batch is never so short that its matmuls would lose the
+  tensor-core kernel the whole step gets. The last stage computes the logits.
 
 A decode step over the group is one CUDA graph (PtxGroup.capture) replayed as one launch; the
 host never waits between layers or devices.
@@ -100,8 +101,9 @@ class GroupRunner(StepRunner):
             self.group.barrier()
 
     def _issue_pipeline(self, T, R):
-        """Micro-batches (decode steps only: there rows are tokens) through the stages."""
-        pieces = min(self.micro_batches, T // 8) if T == R else 1
+        """Micro-batches (decode steps only: there rows are tokens) through the stages, each
+        long enough to keep the matmul kernel a step of its size would get (decode_piece)."""
+        pieces = min(self.micro_batches, T // self.runners[0].decode_piece()) if T == R else 1
         spans = placement.even(T, pieces) if pieces > 1 else [(0, T)]
         width = self.model.config.d_model * 4
         last = len(self.runners) - 1

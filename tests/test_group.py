@@ -81,6 +81,21 @@ def test_group_batched_decode_equals_one_device(tmp_path, group, kind):
 
 
 @pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_two_phase_reduction_equals_one_device(tmp_path, group):
+    """The reduce-scatter + all-gather form (used from three devices on, for long messages),
+    forced on two devices for every message: prefill and decode as on one device."""
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_0", shape="tiny-odd"))
+    one, two = runners(model, group, "tensor", 32)
+    for runner in two.runners:
+        runner.two_phase_floats = 0
+    table = list(np.random.default_rng().permutation(32))
+    want_ids, want = greedy(one, [5, 80, 9, 41], 16, table)
+    got_ids, got = greedy(two, [5, 80, 9, 41], 16, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
 def test_default_model_over_two_devices(group, kind):
     model = poot.load(default_model())
     one, two = runners(model, group, kind, 64)

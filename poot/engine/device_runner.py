@@ -20,12 +20,16 @@ from ..errors import ModelRefused
 from ..formats.quants import slice_raw
 from ..kernels import matmul, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
+from . import placement
 from .batch import StepBatch, StepOutput
 from .sampling import sample
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 MMA_MIN_TOKENS = 64             # steps this long run their matmuls on matrix instructions
 SHARES_INPUT = ("reshape", "rope")
+# a tensor group reduces messages this long in two phases (reduce-scatter, then all-gather):
+# each peer's partial is read once rather than by every rank, which pays from three devices on
+TWO_PHASE_FLOATS = 1 << 18
 SPLIT_TOKENS = 512              # keys per workgroup when attention is split along the context,
 MAX_SPLITS = 32                 # ... and more when the context would need more splits than this
 SPLIT_MIN_CONTEXT = 4096        # shorter contexts keep one workgroup per (token, head): measured
@@ -127,6 +131,7 @@ class DeviceRunner(StepRunner):
         self.graph = model.step_graph(num_blocks, block_size, part)
         self.has_logits = "logits" in self.graph.outputs
         self.peers = [self]         # the runners of a tensor group, in rank order (group.py)
+        self.two_phase_floats = TWO_PHASE_FLOATS
         self._offsets = (0, 0)      # (token, row) of a pipeline micro-batch (group.py)
         self.steps = self._lower()
         self._check_supported()
@@ -481,13 +486,7 @@ class DeviceRunner(StepRunner):
                 self._launch(ops.gather_rows(), (R,), B(x, offset=False), B(index), B(out),
                              x.shape[-1])
             elif op.kind == "all_reduce":
-                yield op
-                n = int(np.prod(self._shape(out, T, R)))
-                partial = ins[0]
-                parts = [peer._buffer(partial) for peer in self.peers]
-                self._launch(ops.all_reduce(op.attrs["world"], op.attrs["residual"]),
-                             (-(-n // (4 * wg)),), *parts, *[B(r) for r in ins[1:]], B(out),
-                             0, n)
+                yield from self._all_reduce(op, T, R)
             elif op.kind == "reshape":
                 continue
             else:
@@ -498,6 +497,29 @@ class DeviceRunner(StepRunner):
             argmax = self.graph.inputs["sample_tokens"]     # R rows, as the argmax buffer
             self._launch(ops.argmax(sg), (R,), B(logits), self._buffer_named("argmax", argmax),
                          self.vocab_size)
+
+    def _all_reduce(self, op, T, R):
+        """The sum of the group's partials, plus the residual, into this rank's output; a
+        generator that yields where the group must pass a barrier. One phase: every rank sums
+        the whole message from every rank's partials. Two phases (messages of two_phase_floats
+        or more): each rank sums its own slice, then, after a barrier, copies the other slices
+        from the ranks that summed them, reading each peer's partial once instead of whole."""
+        n = int(np.prod(self._shape(op.output, T, R)))
+        kernel = ops.all_reduce(op.attrs["world"], op.attrs["residual"])
+        parts = [peer._buffer(op.inputs[0]) for peer in self.peers]
+        rest = [self._buffer(t) for t in op.inputs[1:]] + [self._buffer(op.output)]
+        yield op
+        if n < self.two_phase_floats:
+            self._launch(kernel, (-(-n // (4 * ops.WG)),), *parts, *rest, 0, n)
+            return
+        slices = [(a * 4, b * 4) for a, b in placement.even(n // 4, len(self.peers))]
+        start, stop = slices[self.peers.index(self)]
+        self._launch(kernel, (-(-(stop - start) // (4 * ops.WG)),), *parts, *rest, start, stop)
+        yield op
+        for peer, (a, b) in zip(self.peers, slices):
+            if peer is not self:
+                self.device.copy(self.device.view(rest[-1], a * 4),
+                                 self.device.view(peer._buffer(op.output), a * 4), (b - a) * 4)
 
     def _buffer_named(self, name, like):
         """A step buffer that is not a graph tensor, offset as the tensor `like` would be."""

@@ -9,7 +9,9 @@ runner's allocation list. A GroupRunner steps them together:
   device's stream waiting on it), then each rank sums the partials straight out of the others'
   memory. The partials sit in two buffers used in turn, so one barrier per reduction is enough:
   a rank refills a buffer only after the next barrier, which every rank passes only after its
-  reduction from that buffer. Rank 0 computes the logits.
+  reduction from that buffer. From three devices on, long messages reduce in two phases
+  (each rank sums its slice; after a second barrier it copies the others' slices). Rank 0
+  computes the logits.
 - pipeline: stage s+1 waits on stage s's event, pulls its activations with a peer copy, and
   runs its layers. A decode step is cut into micro-batches (token ranges, run as views from
   their first row), issued micro-batch by micro-batch, so stage 0 works on the second while
@@ -60,6 +62,8 @@ class GroupRunner(StepRunner):
         if kind == "tensor":
             for runner in self.runners:
                 runner.peers = self.runners
+                if len(self.runners) < 3:       # two phases read no less from one peer
+                    runner.two_phase_floats = math.inf
         self.head = next(r for r in self.runners if r.has_logits)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_tokens, self.max_seqs = max_tokens, max_seqs

@@ -147,10 +147,10 @@ def tiled(dtype, residual=False):
 
 
 # mma_tiled: a workgroup of 8 subgroups computes `tokens` (MMA_TOKENS, or 64 for short steps) x
-# MMA_ROWS of y, MMA_DEPTH columns a step; subgroup w owns half the tokens, from
-# tokens / 2 (w % 2), and rows 32 (w // 2)... Shared tiles hold a row (a
-# token of x, a row of W) as MMA_DEPTH 16-bit values in u32 words, padded by 16 bytes so the 8
-# rows one fragment_load reads start 36 words apart: in 8 different groups of 4 banks.
+# MMA_ROWS of y, MMA_DEPTH columns a step; subgroup w owns tokens tokens/2 (w % 2).. and rows
+# 32 (w // 2)... Shared tiles hold a row (a token of x, a row of W) as MMA_DEPTH 16-bit values
+# in u32 words, padded by 16 bytes so the 8 rows one fragment_load reads start 36 words apart:
+# in 8 different groups of 4 banks.
 MMA_TOKENS, MMA_ROWS, MMA_DEPTH = 128, 128, 64
 MMA_TOKEN_TILES = (64, MMA_TOKENS)
 MMA_WORKGROUP = 256
@@ -207,7 +207,8 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False):
     the runner swaps it in for long steps. Each step of MMA_DEPTH columns: x [tokens x 64]
     is rounded to the operand type (mma_operand: f16, bf16 for BF16 weights) and W [128 rows x
     64] is copied (F16, BF16) or decoded and rounded to f16 (F32, block quants) into shared
-    memory; then each subgroup runs 4 k-steps of mma (m16n8k16) over its tokens / 2 x 32 rows, accumulating in f32 registers. The next step's x and F16/BF16 W are loaded into
+    memory; then each subgroup runs 4 k-steps of mma (m16n8k16) over its tokens / 2 x 32
+    rows, accumulating in f32 registers. The next step's x and F16/BF16 W are loaded into
     registers before this step's mma, so their latency hides behind the tensor cores. Edges:
     tokens past n_tokens read x's first values and rows past `rows` read row rows - 1 (neither
     is stored), columns past cols read as zeros.

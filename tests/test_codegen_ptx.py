@@ -7,7 +7,7 @@ memory, nested if/else/for, vars, subgroup operations, barriers and early return
 - `ptxas -arch=sm_XX` assembles every kernel for sm_80/86/89/90 (skipped, saying why, without
   ptxas); an error fails with ptxas's message and the PTX lines it names. The matrix operations
   have cases of their own (MMA_CASES: the other renderers refuse them), and the tensor-core
-  matmul (matmul.mma_tiled) must assemble without spilling registers.
+  matmul (matmul.mma_tiled, every variant) must assemble without spilling registers.
 - With libcuda and a device, every kernel runs on fresh random inputs, its outputs poisoned with
   0xFF bytes first, and is compared with numpy: exact for integers and correctly rounded float
   operations, per-op bounds for the approximate math functions (see TOLERANCES).
@@ -27,10 +27,11 @@ import pytest
 
 from poot.codegen.ptx import PTX_CAPS, PTX_VERSION, kernel_params, render_ptx
 from poot.errors import ModelRefused
-from poot.kernels import lang, matmul
+from poot.kernels import lang
 from poot.kernels.lang import (BF16, BOOL, F16, F32, I8, I16, I32, I64, U8, U16, U32, U64,
                                Kernel, KernelBuilder)
 from poot.kernels.quant import DEVICE_DTYPES
+from tests.test_kernel_sources import mma_kernels
 
 SMS = (80, 86, 89, 90)
 NUMERIC = (F32, F16, BF16, I8, U8, I16, U16, I32, U32, I64, U64)
@@ -685,10 +686,12 @@ def test_ptxas_assembles(tmp_path, name, sm):
 @pytest.mark.parametrize("sm", (80, 90))
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
 def test_mma_tiled_assembles_without_spills(tmp_path, dtype, sm):
-    """The tensor-core matmul keeps its 64 accumulators and prefetched tiles in registers."""
-    for residual in (False, True):
-        report = _ptxas(tmp_path, render_ptx(matmul.mma_tiled(dtype, residual), sm), sm, "-v")
-        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    """The tensor-core matmul keeps its accumulators and prefetched tiles in registers, in
+    every variant the runner launches (test_kernel_sources.mma_kernels)."""
+    for kernel in mma_kernels([dtype]):
+        report = _ptxas(tmp_path, render_ptx(kernel, sm), sm, "-v")
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, \
+            f"{kernel.name}: {report}"
 
 
 # -- execution -----------------------------------------------------------------------------------

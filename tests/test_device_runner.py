@@ -5,9 +5,11 @@ import pytest
 
 import poot
 from poot.backends.select import open_device
-from poot.engine.device_runner import DeviceRunner
+from poot.codegen.ptx import PTX_CAPS
+from poot.engine.device_runner import MMA_MIN_TOKENS, MULTIPROCESSORS, Allocation, DeviceRunner
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.errors import BackendUnavailable
+from poot.kernels import matmul
 from poot.kernels.quant import DEVICE_DTYPES
 from tests.models import default_model, tiny_model
 
@@ -81,15 +83,17 @@ def test_batched_decode_replays_equal_single_steps(tmp_path, device):
 
 
 @pytest.mark.parametrize("dtype", ["F16", "Q4_K"])
-def test_long_prefill_matches_reference(tmp_path, device, dtype):
-    """A 70-token step: the matmuls run over groups of tokens (matvec), or on matrix
-    instructions (mma_tiled) where the device has them."""
+@pytest.mark.parametrize("n", [20, 70])
+def test_long_prefill_matches_reference(tmp_path, device, dtype, n):
+    """A 20- and a 70-token step: the matmuls run over groups of tokens (matvec), or on matrix
+    instructions (mma_tiled, its columns split where its tiles would not fill the device) where
+    the device has them."""
     model = poot.load(tiny_model(tmp_path, dtype=dtype))
-    prompt = np.random.default_rng().integers(3, 300, 70).tolist()
+    prompt = np.random.default_rng().integers(3, 300, n).tolist()
     table = list(range(16))
-    batch = StepBatch(np.array(prompt, np.int32), np.arange(70, dtype=np.int32),
-                      np.zeros(70, np.int32), np.array([table], np.int32),
-                      np.arange(62, 70, dtype=np.int32), SamplingRows.greedy(8))
+    batch = StepBatch(np.array(prompt, np.int32), np.arange(n, dtype=np.int32),
+                      np.zeros(n, np.int32), np.array([table], np.int32),
+                      np.arange(n - 8, n, dtype=np.int32), SamplingRows.greedy(8))
     want = model.runner(None, num_blocks=16).logits(batch)
     got = model.runner(device, num_blocks=16, max_tokens=128).logits(batch)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
@@ -158,6 +162,88 @@ def test_prefill_on_matrix_instructions_matches_reference(tmp_path, device, dtyp
     runner = model.runner(device, num_blocks=16, max_tokens=256)
     runner.time_kernels()                      # launches one by one, each kernel named
     got = runner.logits(batch)
-    name = f"mma_tiled_{dtype.lower()}"
-    assert {name, f"{name}_residual"} <= set(runner.kernel_times)
+    ran, name = set(runner.kernel_times), f"mma_tiled_{dtype.lower()}"
+    assert name in ran or f"{name}_split" in ran
+    assert f"{name}_residual" in ran or "split_sum_residual" in ran
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < (8e-3 if dtype == "BF16" else 2e-3)
+
+
+def test_batched_decode_on_matrix_instructions_matches_reference(tmp_path, device):
+    """20 sequences decoding together (a captured bucket of 32): the step's matmuls run on the
+    tensor cores with 64-token tiles, split along the columns, the slices in mma_partials."""
+    if not {"fragment_load", "mma_f16", "mma_bf16"} <= device.caps:
+        pytest.skip(f"{device.name} has no matrix instructions (fragment_load, mma_f16/bf16)")
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_K"))
+    runner = model.runner(device, num_blocks=64, max_seqs=32)
+    reference = model.runner(None, num_blocks=64)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 300, n).tolist() for n in rng.integers(1, 15, 20)]
+    tables = rng.permutation(64)[:20, None].astype(np.int32)
+    for p, t in zip(prompts, tables):
+        runner.logits(step(p, 0, t))
+        reference.logits(step(p, 0, t))
+    batch = StepBatch(np.array([p[-1] for p in prompts], np.int32),
+                      np.array([len(p) for p in prompts], np.int32), np.arange(20, dtype=np.int32),
+                      tables, np.arange(20, dtype=np.int32), SamplingRows.greedy(20))
+    together, want = runner.logits(batch), reference.logits(batch)
+    assert np.linalg.norm(together - want) / np.linalg.norm(want) < 2e-3
+
+
+class LaunchLog:
+    """A CUDA device as far as a runner's plan and launches go: PTX's caps (without the matrix
+    instructions where asked), and launch() records each kernel, grid and argument list."""
+    backend, name, subgroup_size = "ptx", "a launch log", 32
+
+    def __init__(self, matrix=True, multiprocessors=None):
+        self.caps = PTX_CAPS if matrix else PTX_CAPS - {"mma_f16", "mma_bf16"}
+        if multiprocessors:
+            self.multiprocessors = multiprocessors
+        self.launched = []
+
+    def launch(self, program, kernel, grid, args):
+        assert program is kernel and len(args) == len(kernel.params), kernel.name
+        self.launched.append((kernel, grid, args))
+
+
+@pytest.mark.parametrize("multiprocessors", [132, None, 1])
+def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_path,
+                                                                          multiprocessors):
+    """On the host, every step length 1..max_tokens: each launch is of a kernel the runner
+    builds, with its parameters' count of arguments; matmuls of MMA_MIN_TOKENS or more run
+    mma_tiled, split where the tiles give fewer workgroups than multiprocessors (always in this
+    small model, never with one multiprocessor); split ones write within mma_partials, which is
+    as large as the largest needs."""
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_K"))        # rows and cols 256, 512
+    log = LaunchLog(multiprocessors=multiprocessors)
+    runner = DeviceRunner(model, log, num_blocks=16, max_tokens=200, max_seqs=16)
+    runner.programs = {k.name: k for k in runner._kernels()}
+    runner.buffers = {a.name: a for a in runner.allocations()}
+    partials = runner.buffers.get("mma_partials")
+    largest, matrix = 0, set()
+    for T in range(1, 201):
+        log.launched.clear()
+        for _ in runner.launches(T, min(T, 16)):
+            pass
+        for kernel, grid, args in log.launched:
+            if not kernel.name.startswith(("mma_tiled", "matvec")):
+                continue
+            split = kernel.name.endswith("_split")
+            n = args[-2] if split else args[-1]
+            assert kernel.name.startswith("mma_tiled") == (n >= MMA_MIN_TOKENS), kernel.name
+            if kernel.name.startswith("mma_tiled"):
+                matrix.add(split)
+            if split:
+                rows, cols, _, split_cols = args[-4:]
+                want = matmul.mma_launch(rows, cols, n, multiprocessors or MULTIPROCESSORS)
+                assert grid == want.grid(rows, n) and split_cols == want.split_cols
+                assert partials in args
+                largest = max(largest, want.partial_floats(rows, n))
+    assert matrix == ({False} if multiprocessors == 1 else {True})
+    assert partials == (Allocation("mma_partials", largest * 4, "arenas") if largest else None)
+
+
+def test_no_partials_without_matrix_instructions(tmp_path):
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_K"))
+    runner = DeviceRunner(model, LaunchLog(matrix=False), num_blocks=16, max_tokens=200)
+    assert "mma_partials" not in {a.name for a in runner.allocations()}
+    assert not any(k.name.startswith("mma_tiled") for k in runner._kernels())

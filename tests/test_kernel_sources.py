@@ -17,6 +17,7 @@ def runner_kernels(subgroup_size):
     out = [matmul.matvec(d, subgroup_size, n, residual=r) for d in DEVICE_DTYPES
            for n in TOKEN_GROUPS for r in (False, True)]
     out += [matmul.tiled(d, residual=r) for d in DEVICE_DTYPES for r in (False, True)]
+    out += [matmul.split_sum(r) for r in (False, True)]
     out += [ops.embedding(d) for d in DEVICE_DTYPES]
     out += [ops.rms_norm(subgroup_size), ops.elementwise("add"), ops.elementwise("swiglu"),
             ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
@@ -26,9 +27,12 @@ def runner_kernels(subgroup_size):
     return out
 
 
-def mma_kernels():
-    """The matrix kernels, which only PTX renders (SPIR-V refuses them: test_codegen_spirv.py)."""
-    return [matmul.mma_tiled(d, residual=r) for d in DEVICE_DTYPES for r in (False, True)]
+def mma_kernels(dtypes=DEVICE_DTYPES):
+    """The matrix kernels, which only PTX renders (SPIR-V refuses them: test_codegen_spirv.py):
+    mma_tiled in each token tile, whole (with and without the residual) or split."""
+    return [matmul.mma_tiled(d, residual, tokens, split) for d in dtypes
+            for tokens in matmul.MMA_TOKEN_TILES
+            for split, residual in ((False, False), (False, True), (True, False))]
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")

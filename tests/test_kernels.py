@@ -169,33 +169,126 @@ def mma_shapes(dtype):
     return MMA_SHAPES + (MMA_SHAPES_BLOCK32 if dtype in ("Q8_0", "Q4_0", "Q4_1") else [])
 
 
-@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-def test_mma_tiled_matmul(cuda_device, dtype):
-    """Operands rounded to f16 (bf16 for BF16 weights) with unit roundoff u, f32 sums: each
-    element within (2u + cols 2^-23) |x_t| |w_m| of the exact product (Cauchy-Schwarz), and the
-    whole within a few u/sqrt(3) (the rms of rounding) in relative Frobenius norm."""
+def check_mma(got, x, dense, r, dtype, where):
+    """Operands rounded to f16 (bf16 for BF16 weights) with unit roundoff u, f32 sums (in any
+    order): each element within (2u + cols 2^-23) |x_t| |w_m| of the exact product
+    (Cauchy-Schwarz), and the whole within a few u/sqrt(3) (the rms of rounding) in relative
+    Frobenius norm. r: the residual added, or None."""
     u = 2.0 ** (-8 if dtype == "BF16" else -11)
     rounded = 1 if dtype in ("F16", "BF16") else 2           # x, and W unless already 16-bit
+    got = got.astype(np.float64)
+    assert np.all(np.isfinite(got)), f"{where}: unwritten outputs"
+    product = x.astype(np.float64) @ dense.astype(np.float64).T
+    error = np.abs(got - (product if r is None else product + r))
+    bound = (rounded * u + x.shape[1] * 2.0 ** -23) * np.outer(np.linalg.norm(x, axis=1),
+                                                               np.linalg.norm(dense, axis=1))
+    worst = np.unravel_index(np.argmax(error / bound), error.shape)
+    assert np.all(error <= bound), f"{where}: worst at {worst}, error {error[worst]}"
+    relative = np.linalg.norm(error) / np.linalg.norm(product)
+    assert relative < 3 * rounded * u / np.sqrt(3), f"{where}: relative error {relative}"
+
+
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+def test_mma_tiled_matmul(cuda_device, dtype):
+    """Each shape in the token tile the runner would pick for it, unsplit."""
     for case, (n_tokens, rows, cols) in enumerate(mma_shapes(dtype)):
         residual = case % 2 == 1
         w_planes, dense = weight(dtype, rows, cols)
         x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
         r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
-        k = matmul.mma_tiled(dtype, residual=residual)
-        grid = (-(-rows // matmul.MMA_ROWS), -(-n_tokens // matmul.MMA_TOKENS))
+        tokens = matmul.mma_launch(rows, cols, n_tokens, 1).tokens
+        k = matmul.mma_tiled(dtype, residual=residual, tokens=tokens)
+        grid = (-(-rows // matmul.MMA_ROWS), -(-n_tokens // tokens))
         args = [*w_planes, x, np.zeros((n_tokens, rows), np.float32), *([r] if residual else []),
                 rows, cols, n_tokens]
-        got = run(cuda_device, k, grid, *args)["y"].astype(np.float64)
-        assert np.all(np.isfinite(got)), f"{dtype} {n_tokens}x{rows}x{cols}: unwritten outputs"
-        product = x.astype(np.float64) @ dense.astype(np.float64).T
-        error = np.abs(got - (product + r if residual else product))
-        bound = (rounded * u + cols * 2.0 ** -23) * np.outer(np.linalg.norm(x, axis=1),
-                                                             np.linalg.norm(dense, axis=1))
-        where = f"{dtype} T={n_tokens} rows={rows} cols={cols} residual={residual}"
-        worst = np.unravel_index(np.argmax(error / bound), error.shape)
-        assert np.all(error <= bound), f"{where}: worst at {worst}, error {error[worst]}"
-        relative = np.linalg.norm(error) / np.linalg.norm(product)
-        assert relative < 3 * rounded * u / np.sqrt(3), f"{where}: relative error {relative}"
+        got = run(cuda_device, k, grid, *args)["y"]
+        where = f"{k.name} T={n_tokens} rows={rows} cols={cols}"
+        check_mma(got, x, dense, r if residual else None, dtype, where)
+
+
+def split_cols_of(dtype):
+    """Column counts for split cases: one that ends mid-step where the format's blocks allow."""
+    return {"F32": 1032, "F16": 1032, "BF16": 1032, "Q8_0": 1056, "Q4_0": 1056,
+            "Q4_1": 1056}.get(dtype, 1280)
+
+
+def split_mma(device, dtype, launch, w_planes, x, r, rows, cols):
+    """y of a split launch: mma_tiled's partials, then split_sum (adding r unless None)."""
+    n_tokens = len(x)
+    tile = matmul.mma_tiled(dtype, tokens=launch.tokens, split=True)
+    partials = run(device, tile, launch.grid(rows, n_tokens), *w_planes, x,
+                   np.zeros((launch.splits, n_tokens, rows), np.float32), rows, cols, n_tokens,
+                   launch.split_cols)["partials"]
+    add = matmul.split_sum(r is not None)
+    return run(device, add, (-(-n_tokens * rows // matmul.WORKGROUP),), partials,
+               np.zeros((n_tokens, rows), np.float32), *([] if r is None else [r]),
+               n_tokens * rows, launch.splits)["y"]
+
+
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("n_tokens", [16, 33, 64, 100])
+def test_split_mma_tiled_matmul(cuda_device, dtype, n_tokens):
+    """Split along the columns: slices of one step, of several, one whose last slice is short
+    or ends mid-step, and the runner's own choice for an H200; residual on and off. A second
+    run of the same inputs gives the same bits (the slices add in a fixed order)."""
+    rows, cols = 200, split_cols_of(dtype)
+    w_planes, dense = weight(dtype, rows, cols)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+    r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
+    tokens = matmul.mma_launch(rows, cols, n_tokens, 1).tokens
+    chosen = matmul.mma_launch(rows, cols, n_tokens, 132)
+    assert chosen.splits > 1
+    launches = [matmul.MmaLaunch(tokens, -(-cols // step), step) for step in (64, 128, 320)]
+    for case, launch in enumerate(launches + [chosen]):
+        residual = r if case % 2 == 0 else None
+        got = split_mma(cuda_device, dtype, launch, w_planes, x, residual, rows, cols)
+        check_mma(got, x, dense, residual, dtype, f"{dtype} T={n_tokens} {launch}")
+    again = split_mma(cuda_device, dtype, chosen, w_planes, x, None, rows, cols)
+    assert np.array_equal(got, again)
+
+
+@pytest.mark.parametrize("rows", [1, 96, 512, 2048, 4096, 14336, 128256])
+@pytest.mark.parametrize("cols", [64, 72, 128, 1000, 2048, 4096, 14336])
+def test_mma_launch_slices_tile_the_columns(rows, cols):
+    """On the host, for every step length: the token tile, and slices of whole 64-column steps
+    (so of whole quant blocks: a block is 8 to 64 values) that tile the columns exactly, none
+    empty; a split only where the tiles alone give fewer workgroups than multiprocessors, and
+    then half to one times SPLIT_BLOCKS_PER_SM a multiprocessor (the slices whole steps) unless
+    the slices reach their minimum."""
+    for sms in (1, 108, 132):
+        for n_tokens in range(1, 300):
+            launch = matmul.mma_launch(rows, cols, n_tokens, sms)
+            assert launch.tokens == (64 if n_tokens <= 64 else 128)
+            gx, gy, gz = launch.grid(rows, n_tokens)
+            assert (gx, gy, gz) == (-(-rows // 128), -(-n_tokens // launch.tokens), launch.splits)
+            assert launch.split_cols % matmul.MMA_DEPTH == 0
+            covered = []
+            for piece in range(launch.splits):
+                begin, end = matmul.split_columns(piece, launch.split_cols, cols)
+                assert begin < end, f"slice {piece} of {launch} is empty"
+                covered += range(begin, end)
+            assert covered == list(range(cols))
+            if gx * gy >= sms:
+                assert launch.splits == 1
+            elif launch.splits > 1:
+                assert launch.split_cols >= matmul.MIN_SPLIT_STEPS * matmul.MMA_DEPTH
+                assert gx * gy * gz <= matmul.SPLIT_BLOCKS_PER_SM * sms + gx * gy
+                if launch.split_cols > matmul.MIN_SPLIT_STEPS * matmul.MMA_DEPTH:
+                    assert 2 * gx * gy * gz >= matmul.SPLIT_BLOCKS_PER_SM * sms
+            assert launch.partial_floats(rows, n_tokens) == \
+                (launch.splits * n_tokens * rows if launch.splits > 1 else 0)
+
+
+@pytest.mark.parametrize("rows,cols", [(256, 512), (2048, 8192), (4096, 14336), (512, 64)])
+@pytest.mark.parametrize("least,most", [(16, 16), (16, 63), (16, 256), (1, 1000), (100, 700)])
+def test_mma_launches_stand_for_every_length(rows, cols, least, most):
+    """The launches the runner compiles and sizes partials for are those of every length."""
+    every = {n: matmul.mma_launch(rows, cols, n, 132) for n in range(least, most + 1)}
+    standing = matmul.mma_launches(rows, cols, least, most, 132)
+    assert set(standing) <= set(every)
+    assert set(standing.values()) == set(every.values())
+    assert max(launch.partial_floats(rows, n) for n, launch in standing.items()) == \
+        max(launch.partial_floats(rows, n) for n, launch in every.items())
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)

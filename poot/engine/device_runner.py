@@ -25,7 +25,11 @@ from .batch import StepBatch, StepOutput
 from .sampling import sample
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
-MMA_MIN_TOKENS = 64             # steps this long run their matmuls on matrix instructions
+# Steps this long run their matmuls on matrix instructions (split along the columns where the
+# tiles alone would not fill the device): from 16 tokens the grouped matvec reads the weights
+# twice or more, the split mma_tiled once.
+MMA_MIN_TOKENS = 16
+MULTIPROCESSORS = 132           # an H100's or H200's, for a device that does not say its own
 SHARES_INPUT = ("reshape", "rope")
 # a tensor group reduces messages this long in two phases (reduce-scatter, then all-gather):
 # each peer's partial is read once rather than by every rank, which pays from three devices on
@@ -221,9 +225,9 @@ class DeviceRunner(StepRunner):
     def _kernels_of(self, op, sg, cfg):
         if op.kind == "matmul":
             w = op.inputs[-1]
-            mma = self._mma(w, op.attrs)
             return [matmul.matvec(w.dtype, sg, n, **op.attrs) for n in TOKEN_GROUPS] + \
-                ([mma] if mma else [])
+                [kernel for launch in self._mma_launches(op).values()
+                 for kernel in self._mma_kernels(w, op.attrs["residual"], launch)]
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -250,15 +254,36 @@ class DeviceRunner(StepRunner):
         kernel's pass (8 tokens), or the tensor-core kernel's threshold where the device runs
         it, so cutting a step never moves its matmuls to a slower kernel."""
         w = next((op.inputs[-1] for op in self.steps if op.kind == "matmul"), None)
-        if w is not None and self._mma(w, {"residual": False}):
+        if w is not None and matmul.mma_tiled(w.dtype).caps <= self.device.caps:
             return MMA_MIN_TOKENS
         return TOKEN_GROUPS[-1]
 
-    def _mma(self, w, attrs):
-        """The tensor-core matmul of weight w (long steps), or None where the device lacks the
-        matrix instructions it needs."""
-        kernel = matmul.mma_tiled(w.dtype, **attrs)
-        return kernel if kernel.caps <= self.device.caps else None
+    def _mma_launch(self, w, n):
+        """How the matmul of weight w over n tokens runs on the tensor cores (matmul.MmaLaunch),
+        or None: a short step, or a device without the matrix instructions."""
+        if n < MMA_MIN_TOKENS or not matmul.mma_tiled(w.dtype).caps <= self.device.caps:
+            return None
+        return matmul.mma_launch(*w.shape, n, self._multiprocessors())
+
+    def _mma_launches(self, op):
+        """{n: MmaLaunch} standing for every length of a matmul step that runs on the tensor
+        cores (matmul.mma_launches; {} without them): what _kernels builds and the partials
+        buffer holds."""
+        w, most = op.inputs[-1], self._elements(op.inputs[0].shape[:1])
+        if self._mma_launch(w, most) is None:
+            return {}
+        return matmul.mma_launches(*w.shape, MMA_MIN_TOKENS, most, self._multiprocessors())
+
+    def _multiprocessors(self):
+        return getattr(self.device, "multiprocessors", None) or MULTIPROCESSORS
+
+    @staticmethod
+    def _mma_kernels(w, residual, launch):
+        """The kernels of an MmaLaunch, in launch order."""
+        if launch.splits == 1:
+            return [matmul.mma_tiled(w.dtype, residual, launch.tokens)]
+        return [matmul.mma_tiled(w.dtype, tokens=launch.tokens, split=True),
+                matmul.split_sum(residual)]
 
     def _elements(self, shape):
         sizes = {"T": self.max_tokens, "R": self.max_seqs}
@@ -331,7 +356,16 @@ class DeviceRunner(StepRunner):
             words = (self._split_rows() * heads * self.attention_splits
                      * (self.model.config.head_dim + 2))
             out.append(Allocation("attention_partials", words * 4, "arenas"))
+        partials = self._mma_partials()
+        if partials:                        # the slices of a split mma_tiled, [splits, T, rows]
+            out.append(Allocation("mma_partials", partials * 4, "arenas"))
         return out
+
+    def _mma_partials(self):
+        """The floats of the largest partial sums a split matmul of any step writes."""
+        return max((launch.partial_floats(op.inputs[-1].shape[0], n) for op in self.steps
+                    if op.kind == "matmul" for n, launch in self._mma_launches(op).items()),
+                   default=0)
 
     def _split_rows(self):
         return min(self.max_tokens, self.max_seqs)
@@ -438,10 +472,17 @@ class DeviceRunner(StepRunner):
                 residual = [B(ins[1])] if op.attrs["residual"] else []
                 args = (*self._weight_planes(w), B(x), B(out), *residual, w.shape[0],
                         w.shape[1], n)
-                mma = self._mma(w, op.attrs) if n >= MMA_MIN_TOKENS else None
-                if mma:
-                    self._launch(mma, (-(-w.shape[0] // matmul.MMA_ROWS),
-                                       -(-n // matmul.MMA_TOKENS)), *args)
+                launch = self._mma_launch(w, n)
+                if launch and launch.splits > 1:
+                    tile, add = self._mma_kernels(w, op.attrs["residual"], launch)
+                    partials = self.buffers["mma_partials"]
+                    self._launch(tile, launch.grid(w.shape[0], n), *self._weight_planes(w), B(x),
+                                 partials, *args[-3:], launch.split_cols)
+                    self._launch(add, (-(-n * w.shape[0] // matmul.WORKGROUP),), partials,
+                                 B(out), *residual, n * w.shape[0], launch.splits)
+                elif launch:
+                    tile, = self._mma_kernels(w, op.attrs["residual"], launch)
+                    self._launch(tile, launch.grid(w.shape[0], n), *args)
                 else:
                     group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
                     self._launch(matmul.matvec(w.dtype, sg, group, **op.attrs),

@@ -7,9 +7,13 @@ many tokens (prefill, large batches): a workgroup computes a 64-token x 64-row t
 each weight block once into shared memory for all 64 tokens. It is checked on every target but
 the runner does not route to it yet: its first version measured slower than the grouped matvec
 on the H200 (docs/benchmarks.md), and this one is not yet timed there. `mma_tiled` is the
-prefill kernel of devices with matrix instructions (lang.py's fragment_load and mma): 128 x 128
-tiles on the tensor cores, operands rounded to f16 (bf16 for BF16 weights).
+kernel of devices with matrix instructions (lang.py's fragment_load and mma) for every step of
+MMA_MIN_TOKENS (device_runner.py) or more: 128 x 128 tiles on the tensor cores, operands rounded
+to f16 (bf16 for BF16 weights). Where its tiles would not fill the device (decode-sized steps,
+small matrices) it is split along the columns (mma_launch): each slice writes a partial tile
+and `split_sum` adds them, in a fixed order.
 """
+from dataclasses import dataclass
 from functools import cache
 
 from .lang import BF16, F16, F32, I32, U16, U32, KernelBuilder
@@ -142,14 +146,22 @@ def tiled(dtype, residual=False):
     return k.build()
 
 
-# mma_tiled: a workgroup of 8 subgroups computes MMA_TOKENS x MMA_ROWS of y, MMA_DEPTH columns
-# a step; subgroup w owns tokens 64 (w % 2).. and rows 32 (w // 2)... Shared tiles hold a row
-# (a token of x, a row of W) as MMA_DEPTH 16-bit values in u32 words, padded by 16 bytes so the
-# 8 rows one fragment_load reads start 36 words apart: in 8 different groups of 4 banks.
+# mma_tiled: a workgroup of 8 subgroups computes `tokens` (MMA_TOKENS, or 64 for short steps) x
+# MMA_ROWS of y, MMA_DEPTH columns a step; subgroup w owns tokens tokens/2 (w % 2).. and rows
+# 32 (w // 2)... Shared tiles hold a row (a token of x, a row of W) as MMA_DEPTH 16-bit values
+# in u32 words, padded by 16 bytes so the 8 rows one fragment_load reads start 36 words apart:
+# in 8 different groups of 4 banks.
 MMA_TOKENS, MMA_ROWS, MMA_DEPTH = 128, 128, 64
+MMA_TOKEN_TILES = (64, MMA_TOKENS)
 MMA_WORKGROUP = 256
 ROW_WORDS = MMA_DEPTH // 2 + 4
-WARP_TOKENS, WARP_ROWS = 64, 32
+WARP_ROWS = 32
+# A matmul whose tiles give fewer workgroups than the device has multiprocessors (decode-sized
+# steps, small matrices) is split along its columns: about SPLIT_BLOCKS_PER_SM workgroups a
+# multiprocessor, each slice at least MIN_SPLIT_STEPS steps long, since every slice writes a
+# whole partial tile.
+SPLIT_BLOCKS_PER_SM = 2
+MIN_SPLIT_STEPS = 2
 
 
 def mma_operand(dtype):
@@ -187,52 +199,69 @@ def _pack(k, operand, lo, hi):
 
 
 @cache
-def mma_tiled(dtype, residual=False):
-    """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / 128)).
+def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False):
+    """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / tokens))
+    (mma_launch picks tokens and the split).
 
     Same buffers and scalars as matvec (cols a multiple of 8, and of the reader's block), so
-    the runner swaps it in for long steps. Each step of MMA_DEPTH columns: x [128 tokens x 64]
+    the runner swaps it in for long steps. Each step of MMA_DEPTH columns: x [tokens x 64]
     is rounded to the operand type (mma_operand: f16, bf16 for BF16 weights) and W [128 rows x
     64] is copied (F16, BF16) or decoded and rounded to f16 (F32, block quants) into shared
-    memory; then each subgroup runs 4 k-steps of 4 x 4 mma (m16n8k16) over its 64 tokens x 32
+    memory; then each subgroup runs 4 k-steps of mma (m16n8k16) over its tokens / 2 x 32
     rows, accumulating in f32 registers. The next step's x and F16/BF16 W are loaded into
     registers before this step's mma, so their latency hides behind the tensor cores. Edges:
     tokens past n_tokens read x's first values and rows past `rows` read row rows - 1 (neither
     is stored), columns past cols read as zeros.
+
+    `split`: grid z is a slice of the columns, split_columns(z, split_cols, cols) (a further
+    scalar split_cols, a multiple of MMA_DEPTH), and the buffer y is `partials`
+    [slices, n_tokens, rows]: each workgroup stores its slice's partial tile there, and
+    split_sum adds the slices (and the residual) into y.
     """
+    if split and residual:
+        raise ValueError("a split mma_tiled leaves the residual to split_sum")
+    if tokens not in MMA_TOKEN_TILES:
+        raise ValueError(f"mma_tiled: a token tile is one of {MMA_TOKEN_TILES}, not {tokens}")
     r = reader(dtype)
     operand = mma_operand(dtype)
     raw = dtype in ("F16", "BF16")                 # words already hold operand pairs
-    name = f"mma_tiled_{dtype.lower()}" + "_residual" * residual
+    name = f"mma_tiled_{dtype.lower()}" + f"_t{tokens}" * (tokens != MMA_TOKENS) + \
+        "_split" * split + "_residual" * residual
     k = KernelBuilder(name, (MMA_WORKGROUP,))
     buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
     x = k.buffer("x", F32)
-    y = k.buffer("y", F32, "w")
+    y = k.buffer("partials" if split else "y", F32, "w")
     res = k.buffer("residual", F32) if residual else None
     rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
-    xs = k.shared("xs", U32, MMA_TOKENS * ROW_WORDS)
+    xs = k.shared("xs", U32, tokens * ROW_WORDS)
     ws = k.shared("ws", U32, MMA_ROWS * ROW_WORDS)
     tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
-    m0, t0 = k.block_id(0) * MMA_ROWS, k.block_id(1) * MMA_TOKENS
+    m0, t0 = k.block_id(0) * MMA_ROWS, k.block_id(1) * tokens
+    if split:
+        piece = k.block_id(2)
+        begin, end = split_columns(piece, k.scalar("split_cols", I32), cols, k.min)
+    else:
+        begin, end = k.const(0, I32), cols
 
     # x: 16 float4 a token row, 8 per thread; W (F16, BF16): 8 uint4 a row, 4 per thread.
-    x_parts = MMA_TOKENS * MMA_DEPTH // 4 // MMA_WORKGROUP
+    x_parts = tokens * MMA_DEPTH // 4 // MMA_WORKGROUP
     w_parts = MMA_ROWS * MMA_DEPTH // 8 // MMA_WORKGROUP
 
-    # The selects that zero columns past cols come at the stores, so that nothing waits for a
-    # prefetch's loads until the next step.
+    # The selects that zero columns past the end come at the stores, so that nothing waits for a
+    # prefetch's loads until the next step. (A slice's end is a whole step but for the last, so
+    # `end` masks the prefetch past a slice and the same columns past cols as `cols` would.)
     def x_part(p, c0):
         """(shared word, x element, inside) of part p: 4 values of a token's row."""
         i = tid + p * MMA_WORKGROUP
         t, c = t0 + (i >> 4), c0 + (i & 15) * 4
-        return (i >> 4) * ROW_WORDS + (i & 15) * 2, t * cols + c, (t < n_tokens) & (c < cols)
+        return (i >> 4) * ROW_WORDS + (i & 15) * 2, t * cols + c, (t < n_tokens) & (c < end)
 
     def w_part(p, c0):
         """(shared word, W word, inside) of part p: 4 words (8 values) of a row."""
         i = tid + p * MMA_WORKGROUP
         m, c = k.min(m0 + (i >> 3), rows - 1), c0 + (i & 7) * 8
         return (i >> 3) * ROW_WORDS + (i & 7) * 4, m * r.row_words("values", cols) + (c >> 1), \
-            c < cols
+            c < end
 
     def fetch_x(c0):
         values = []
@@ -275,8 +304,9 @@ def mma_tiled(dtype, residual=False):
             for e in range(0, unit // 2, 4):
                 ws.store(row * ROW_WORDS + u * (unit // 2) + e, *words[e:e + 4])
 
-    wt, wn = (warp & 1) * WARP_TOKENS, (warp >> 1) * WARP_ROWS
-    tiles_t, tiles_n = WARP_TOKENS // 16, WARP_ROWS // 8
+    warp_tokens = tokens // 2
+    wt, wn = (warp & 1) * warp_tokens, (warp >> 1) * WARP_ROWS
+    tiles_t, tiles_n = warp_tokens // 16, WARP_ROWS // 8
     acc = [[[k.var(F32, 0.0) for _ in range(4)] for _ in range(tiles_n)] for _ in range(tiles_t)]
 
     def compute():
@@ -293,9 +323,9 @@ def mma_tiled(dtype, residual=False):
                     for v, value in zip(acc[i][j], d):
                         v.set(value)
 
-    x_next = [k.var(F32, v) for v in fetch_x(k.const(0, I32))]
-    w_next = [k.var(U32, w) for w in fetch_w_words(k.const(0, I32))] if raw else []
-    with k.for_(0, cols, MMA_DEPTH) as c0:
+    x_next = [k.var(F32, v) for v in fetch_x(begin)]
+    w_next = [k.var(U32, w) for w in fetch_w_words(begin)] if raw else []
+    with k.for_(begin, end, MMA_DEPTH) as c0:
         k.barrier()                                 # the last step's mma are done with the tiles
         store_x([v.get() for v in x_next], c0)
         if raw:
@@ -317,5 +347,77 @@ def mma_tiled(dtype, residual=False):
                 t, m = t0 + wt + 16 * i + dt, m0 + wn + 8 * j + dm
                 with k.if_((t < n_tokens) & (m < rows)):
                     at = t * rows + m
-                    y[at] = v.get() + res[at] if residual else v.get()
+                    if split:
+                        y[piece * n_tokens * rows + at] = v.get()
+                    else:
+                        y[at] = v.get() + res[at] if residual else v.get()
     return k.build()
+
+
+def split_columns(piece, split_cols, cols, minimum=min):
+    """[begin, end) of the columns slice `piece` of a split mma_tiled sums: ints, or Values
+    with minimum=k.min."""
+    begin = piece * split_cols
+    return begin, minimum(begin + split_cols, cols)
+
+
+@cache
+def split_sum(residual=False):
+    """y[i] = partials[0, i] + ... + partials[splits - 1, i] (+ residual[i]) for i < n: a split
+    mma_tiled's slices added in slice order, so a step gives the same bits every run.
+    grid (ceil(n / WORKGROUP))."""
+    k = KernelBuilder("split_sum" + "_residual" * residual, (WORKGROUP,))
+    partials, y = k.buffer("partials", F32), k.buffer("y", F32, "w")
+    res = k.buffer("residual", F32) if residual else None
+    n, splits = k.scalar("n", I32), k.scalar("splits", I32)
+    i = k.block_id() * WORKGROUP + k.thread_id()
+    with k.if_(i < n):
+        total = k.var(F32, partials[i])
+        with k.for_(1, splits) as piece:
+            total.set(total.get() + partials[piece * n + i])
+        y[i] = total.get() + res[i] if residual else total.get()
+    return k.build()
+
+
+@dataclass(frozen=True)
+class MmaLaunch:
+    """How a matmul of some step length runs on mma_tiled: its token tile, and its columns in
+    `splits` slices of split_cols (one slice: not split)."""
+    tokens: int
+    splits: int
+    split_cols: int
+
+    def grid(self, rows, n_tokens):
+        return (-(-rows // MMA_ROWS), -(-n_tokens // self.tokens), self.splits)
+
+    def partial_floats(self, rows, n_tokens):
+        """The size of the partials buffer a split launch writes (0 unsplit)."""
+        return self.splits * n_tokens * rows if self.splits > 1 else 0
+
+
+def mma_launch(rows, cols, n_tokens, multiprocessors):
+    """The MmaLaunch of a [rows, cols] matmul over n_tokens on a device of `multiprocessors`:
+    64-token tiles up to 64 tokens; split along the columns when the tiles alone give fewer
+    workgroups than multiprocessors, into slices of whole MMA_DEPTH steps (so of whole quant
+    blocks), every slice non-empty."""
+    tokens = MMA_TOKEN_TILES[0] if n_tokens <= MMA_TOKEN_TILES[0] else MMA_TOKENS
+    blocks = -(-rows // MMA_ROWS) * -(-n_tokens // tokens)
+    steps = -(-cols // MMA_DEPTH)
+    if blocks >= multiprocessors:
+        return MmaLaunch(tokens, 1, steps * MMA_DEPTH)
+    want = -(-SPLIT_BLOCKS_PER_SM * multiprocessors // blocks)
+    per = max(MIN_SPLIT_STEPS, -(-steps // want))
+    return MmaLaunch(tokens, -(-steps // per), per * MMA_DEPTH)
+
+
+def mma_launches(rows, cols, least, most, multiprocessors):
+    """{n_tokens: MmaLaunch} standing for every step length least..most: a launch depends on
+    the length only through its token tile and count of token tiles, so the longest length of
+    each such run stands for it (the one that needs the most partials)."""
+    out, low = {}, 1
+    for end in (MMA_TOKEN_TILES[0], *range(MMA_TOKENS, most + MMA_TOKENS, MMA_TOKENS)):
+        if end >= least and low <= most:
+            n = min(end, most)
+            out[n] = mma_launch(rows, cols, n, multiprocessors)
+        low = end + 1
+    return out

@@ -69,8 +69,11 @@ class StepRunner:
         for its bucket, the next power of two of its size; the batch is padded to the bucket by
         repeating its last token, which rewrites the same cache slot with the same values.
         `record=False` issues every launch one by one instead (per-kernel device timing).
+        A step whose longest sequence spans more than one attention split runs (and records)
+        attention split along the context; shorter ones keep the one-pass kernel.
         """
         T, R = len(batch.tokens), len(batch.sample_tokens)
+        long = self._set_long(int(batch.positions.max(initial=0)) + 1)
         if self.kernel_times is not None:
             self._upload(batch)
             self.device.start_timing()
@@ -88,9 +91,10 @@ class StepRunner:
                 np.concatenate([batch.sample_tokens, T - 1 + np.zeros(pad, np.int32)]),
                 batch.sampling)
             self._upload(padded)
-            graph = self.graphs.get(bucket)
+            graph = self.graphs.get((bucket, long))
             if graph is None:
-                graph = self.graphs[bucket] = self._capture(lambda: self._issue(bucket, bucket))
+                graph = self.graphs[bucket, long] = self._capture(
+                    lambda: self._issue(bucket, bucket))
             self._replay(graph)
         else:
             self._upload(batch)
@@ -136,6 +140,7 @@ class DeviceRunner(StepRunner):
         self.has_logits = "logits" in self.graph.outputs
         self.peers = [self]         # the runners of a tensor group, in rank order (group.py)
         self.two_phase_floats = TWO_PHASE_FLOATS
+        self.long = False           # this step splits its attention (run() decides)
         self._offsets = (0, 0)      # (token, row) of a pipeline micro-batch (group.py)
         self.steps = self._lower()
         self._check_supported()
@@ -376,8 +381,9 @@ class DeviceRunner(StepRunner):
         decode-sized (at most max_seqs tokens; a larger step's T * heads workgroups fill the
         device already). The splits cover that longest context, whatever the step's lengths,
         so a captured decode graph serves every length: splits past a token's length write
-        neutral partials."""
-        return self.attention_splits > 1 and T <= self._split_rows()
+        neutral partials. Only steps whose longest sequence spans more than one split take it
+        (run() records the two kinds of decode step apart)."""
+        return self.long and T <= self._split_rows()
 
     def _planes_of(self, t):
         r = reader(t.dtype)
@@ -577,6 +583,11 @@ class DeviceRunner(StepRunner):
         if not hasattr(self.device, "start_timing"):
             raise ValueError(f"{self.backend}: the device has no per-kernel timing")
         self.kernel_times = {}
+
+    def _set_long(self, length):
+        """Whether a step whose longest sequence holds `length` tokens splits its attention."""
+        self.long = self.attention_splits > 1 and length > self.split_tokens
+        return self.long
 
     # what StepRunner.run asks of the device
     def _can_capture(self):

@@ -129,6 +129,9 @@ class GroupRunner(StepRunner):
             for runner in self.runners:
                 runner._offsets = (0, 0)
 
+    def _set_long(self, length):
+        return all([runner._set_long(length) for runner in self.runners])
+
     def _can_capture(self):
         return True
 

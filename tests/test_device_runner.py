@@ -91,3 +91,28 @@ def test_long_prefill_matches_reference(tmp_path, device, dtype):
     want = model.runner(None, num_blocks=16).logits(batch)
     got = model.runner(device, num_blocks=16, max_tokens=128).logits(batch)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_variants_match_reference(tmp_path, device, arch):
+    """q/k/v biases (qwen2) and q/k norms (qwen3) around the fused q/k/v matmul and rope."""
+    model = poot.load(tiny_model(tmp_path, dtype="F16", arch=arch))
+    table = list(np.random.default_rng().permutation(32))
+    want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
+    got_ids, got = greedy(model.runner(device, num_blocks=32), [5, 80, 9, 41], 12, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_a_llama_layer_is_six_launches(tmp_path, device):
+    """attn_norm folded into one q/k/v matmul, rope with store_kv, attention, the output
+    projection with its residual, ffn_norm folded into gate/up with SwiGLU, down with its
+    residual; the stacked q/k/v weight replaces the three."""
+    model = poot.load(tiny_model(tmp_path, dtype="Q8_0"))
+    runner = model.runner(device, num_blocks=32)
+    launches = [s.kind for s in runner.steps if s.kind != "reshape"]
+    layer = ["matmul", "rope_store_kv", "attention", "matmul", "matmul", "matmul"]
+    assert launches == ["embedding", *layer * model.config.n_layers, "gather", "matmul"]
+    weights = [a.name for a in runner.allocations() if a.kind == "weights"]
+    assert "blk.0.attn_q.weight+blk.0.attn_k.weight+blk.0.attn_v.weight:quants" in weights
+    assert not any(name.startswith("blk.0.attn_k.weight:") for name in weights)

@@ -3,7 +3,8 @@
 Every device buffer comes from one list of (name, bytes, kind) that `allocations()` reports
 before anything is allocated: weights in their device layout (kernels/quant.py), the paged KV
 cache, the step's inputs, the arena slots that carry activations between kernels (assigned once
-by liveness for the largest step), and the logits. Constructing a runner reads only the device's
+by liveness for the largest step), and the logits; q, k and v weights that one kernel reads
+together are one stacked weight there (see `_lower`). Constructing a runner reads only the device's
 capabilities, so the memory plan (engine/plan.py) sizes candidates from this same list;
 `allocate()` then allocates it and `upload()` fills it. A step uploads the batch's small
 arrays, issues the launches in graph order, and reads back the logits of the sampled rows;
@@ -17,22 +18,54 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ModelRefused
+from ..ir.graph import Tensor
 from ..kernels import matmul, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from .batch import StepBatch, StepOutput
 from .sampling import sample
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
-SHARES_INPUT = ("reshape", "rope")
+SHARES_INPUT = ("reshape", "rope", "rope_store_kv")   # run in place
 
 
 @dataclass(frozen=True)
 class Step:
-    """One launch of the lowered graph: an op (or a matmul with fused work) and its tensors."""
+    """One launch of the lowered graph: an op, or ops fused into one kernel, and its tensors."""
     kind: str
     inputs: tuple
     output: object
     attrs: dict = field(default_factory=dict)
+
+    @property
+    def outputs(self):
+        return (self.output,)
+
+
+@dataclass(frozen=True)
+class Matvec:
+    """One matmul launch (kernels/matmul.py) with the work fused into it: the RMSNorm of its
+    input (`norm`, the norm's weight), a residual add, several weights stacked row-wise into one
+    (`weight` then names a stacked weight, and each part has its own output), or gate and up
+    projections with the SwiGLU of the two (`weight` is gate's, `up` is up's)."""
+    x: object
+    weight: object
+    outputs: tuple
+    norm: object = None
+    eps: float = 0.0
+    residual: object = None
+    up: object = None
+    kind = "matmul"
+
+    @property
+    def inputs(self):
+        return tuple(t for t in (self.x, self.norm, self.residual, self.weight, self.up)
+                     if t is not None)
+
+    @property
+    def variant(self):
+        """The matvec kernel's keyword arguments."""
+        return dict(residual=self.residual is not None, norm=self.norm is not None,
+                    outputs=len(self.outputs), swiglu=self.up is not None)
 
 
 @dataclass(frozen=True)
@@ -52,7 +85,7 @@ class DeviceRunner:
         self.max_context = model.context_length
         self.table_width = -(-min(self.max_context, num_blocks * block_size) // block_size)
         self.graph = model.step_graph(num_blocks, block_size)
-        self.steps = self._lower()
+        self.steps, self.stacked = self._lower()
         self._check_supported()
         self._uses, self._slot_of, self._slot_sizes = self._assign_slots()
         self.buffers, self.graphs = {}, {}
@@ -60,37 +93,118 @@ class DeviceRunner:
 
     # -- the plan ------------------------------------------------------------------------------
     def _lower(self):
-        """The graph's ops as launch steps, with one fusion: an add whose input is a matmul
-        used only there (a residual add) becomes the matmul's epilogue. (A SwiGLU formed as the
-        down projection reads it was measured slower: every row recomputes it.)"""
+        """The graph's ops as launch steps, fusing ops into one kernel where what passes
+        between them is used only there:
+        - an rms_norm read only by matmuls is folded into each of them;
+        - a swiglu of two matmuls of one input becomes one matmul over both weights;
+        - an add whose input is a matmul used only there (a residual add) becomes the matmul's
+          epilogue;
+        - the other matmuls of one input whose weights share a dtype (q, k, v) become one
+          over their weights stacked row-wise (returned by name: (stacked weight, parts)),
+          each part's rows written to its own output, so q, k and v stay separate values;
+        - the ropes of q and k and the store_kv of k become one kernel, where q goes on only
+          to the attention that reads that cache.
+        A fused step takes the place of its first op. (A SwiGLU formed as the down projection
+        reads it was measured slower: every row recomputes it.)"""
         ops_ = self.graph.ops
         uses = Counter(t.name for op in ops_ for t in op.inputs)
         uses.update(t.name for t in self.graph.outputs.values())
         producer = {op.output.name: op for op in ops_}
-        add_of, fused = {}, set()
+        order = {id(op): i for i, op in enumerate(ops_)}
+        users = {}
         for op in ops_:
-            if op.kind != "add":
-                continue
-            for mine, other in ((0, 1), (1, 0)):
-                maker = producer.get(op.inputs[mine].name)
-                if maker is not None and maker.kind == "matmul" and \
-                        uses[op.inputs[mine].name] == 1 and op.inputs[other].kind == "value":
-                    add_of[id(maker)] = (op, op.inputs[other])
-                    fused.add(id(op))
-                    break
+            for t in op.inputs:
+                users.setdefault(t.name, []).append(op)
+
+        def made_once(t, kind):
+            """The op of `kind` that makes t, where t is used once, else None."""
+            op = producer.get(t.name)
+            return op if op is not None and op.kind == kind and uses[t.name] == 1 else None
+
+        place = {}      # id(op) -> the step lowered in its place, or None where it is fused away
+        norm_of = {}
+        for op in ops_:
+            readers = users.get(op.output.name, [])
+            if op.kind == "rms_norm" and readers and uses[op.output.name] == len(readers) and \
+                    all(r.kind == "matmul" and r.inputs[0].name == op.output.name
+                        for r in readers):
+                norm_of[op.output.name] = op
+                place[id(op)] = None
+
+        def matvec(x, weight, outputs, **fused):
+            norm = norm_of.get(x.name)
+            if norm is not None:
+                fused.update(norm=norm.inputs[1], eps=norm.attrs["eps"])
+                x = norm.inputs[0]
+            return Matvec(x, weight, tuple(outputs), **fused)
+
+        for op in ops_:
+            if op.kind == "swiglu":
+                gate, up = (made_once(t, "matmul") for t in op.inputs)
+                if gate and up and gate.inputs[0].name == up.inputs[0].name and \
+                        gate.inputs[1].dtype == up.inputs[1].dtype and \
+                        gate.inputs[1].shape == up.inputs[1].shape:
+                    first, second = sorted((gate, up), key=lambda m: order[id(m)])
+                    place[id(first)] = matvec(gate.inputs[0], gate.inputs[1], [op.output],
+                                              up=up.inputs[1])
+                    place[id(second)] = place[id(op)] = None
+            elif op.kind == "add":
+                for mine, other in ((0, 1), (1, 0)):
+                    maker = made_once(op.inputs[mine], "matmul")
+                    if maker is not None and id(maker) not in place and \
+                            op.inputs[other].kind == "value":
+                        place[id(maker)] = matvec(maker.inputs[0], maker.inputs[1], [op.output],
+                                                  residual=op.inputs[other])
+                        place[id(op)] = None
+                        break
+            elif op.kind == "store_kv":
+                self._fuse_rope_store_kv(op, users, order, made_once, place)
+
+        groups = {}
+        for op in ops_:
+            if op.kind == "matmul" and id(op) not in place:
+                w = op.inputs[1]
+                alone = uses[w.name] > 1            # its planes serve another op too
+                key = (op.inputs[0].name, w.dtype, w.shape[1], id(op) if alone else None)
+                groups.setdefault(key, []).append(op)
+        stacked = {}
+        for members in groups.values():
+            parts = tuple(m.inputs[1] for m in members)
+            weight = parts[0]
+            if len(parts) > 1:
+                weight = Tensor("+".join(p.name for p in parts),
+                                (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                                parts[0].dtype, "weight")
+                stacked[weight.name] = (weight, parts)
+            place[id(members[0])] = matvec(members[0].inputs[0], weight,
+                                           [m.output for m in members])
+            for m in members[1:]:
+                place[id(m)] = None
+
         steps = []
         for op in ops_:
-            if id(op) in fused:
-                continue
-            if op.kind == "matmul" and id(op) in add_of:
-                add, residual = add_of[id(op)]
-                steps.append(Step("matmul", (op.inputs[0], residual, op.inputs[1]), add.output,
-                                  {"residual": True}))
-            elif op.kind == "matmul":
-                steps.append(Step("matmul", op.inputs, op.output, {"residual": False}))
-            else:
+            if id(op) not in place:
                 steps.append(Step(op.kind, op.inputs, op.output, op.attrs))
-        return steps
+            elif place[id(op)] is not None:
+                steps.append(place[id(op)])
+        return steps, stacked
+
+    @staticmethod
+    def _fuse_rope_store_kv(store, users, order, made_once, place):
+        """rope(q), rope(k), store_kv(k, v) -> one rope_store_kv step in store_kv's place,
+        when the roped q is read only by the attention over the cache store_kv writes."""
+        k_rope = made_once(store.inputs[0], "rope")
+        attention = next((u for u in users.get(store.output.name, ())
+                          if u.kind == "attention" and order[id(u)] > order[id(store)]), None)
+        q_rope = made_once(attention.inputs[0], "rope") if attention is not None else None
+        if k_rope is None or q_rope is None or \
+                [t.name for t in k_rope.inputs[1:]] != [t.name for t in q_rope.inputs[1:]] or \
+                k_rope.attrs != q_rope.attrs or len(users.get(q_rope.inputs[0].name, ())) != 1:
+            return
+        q, k = q_rope.inputs[0], k_rope.inputs[0]
+        place[id(store)] = Step("rope_store_kv", (q, k, *store.inputs[1:], q_rope.inputs[2]),
+                                q_rope.output, q_rope.attrs)
+        place[id(k_rope)] = place[id(q_rope)] = None
 
     def _check_supported(self):
         for t in self.graph.weights.values():
@@ -115,8 +229,7 @@ class DeviceRunner:
 
     def _kernels_of(self, op, sg, cfg):
         if op.kind == "matmul":
-            w = op.inputs[-1]
-            return [matmul.matvec(w.dtype, sg, n, **op.attrs) for n in TOKEN_GROUPS]
+            return [matmul.matvec(op.weight.dtype, sg, n, **op.variant) for n in TOKEN_GROUPS]
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -129,6 +242,8 @@ class DeviceRunner:
             return [ops.rope(op.attrs["style"])]
         if op.kind == "store_kv":
             return [ops.store_kv()]
+        if op.kind == "rope_store_kv":
+            return [ops.rope_store_kv(op.attrs["style"])]
         if op.kind == "attention":
             return [ops.attention(sg, cfg.head_dim)]
         if op.kind == "gather":
@@ -141,8 +256,8 @@ class DeviceRunner:
 
     def _assign_slots(self):
         """Arena slots by liveness: a value takes a free slot of its size at its op and frees
-        it after its last use; a reshape, and rope (which runs in place), share their input's
-        slot."""
+        it after its last use; a reshape, and rope and rope_store_kv (which rotate q in place),
+        share their input's slot."""
         ops_ = self.steps
         last_use, alias = {}, {}
         for i, op in enumerate(ops_):
@@ -156,16 +271,16 @@ class DeviceRunner:
             last_use[t.name] = len(ops_)
         free, slot_of, sizes = {}, {}, []
         for i, op in enumerate(ops_):
-            out = op.output
-            if out.kind == "value" and op.kind not in SHARES_INPUT:
-                size = self._elements(out.shape) * 4
-                pool = free.setdefault(size, [])
-                slot = pool.pop() if pool else len(sizes)
-                if slot == len(sizes):
-                    sizes.append(size)
-                slot_of[out.name] = slot
-            elif op.kind in SHARES_INPUT:
-                slot_of[out.name] = slot_of[alias[out.name]]
+            for out in op.outputs:
+                if out.kind == "value" and op.kind not in SHARES_INPUT:
+                    size = self._elements(out.shape) * 4
+                    pool = free.setdefault(size, [])
+                    slot = pool.pop() if pool else len(sizes)
+                    if slot == len(sizes):
+                        sizes.append(size)
+                    slot_of[out.name] = slot
+                elif op.kind in SHARES_INPUT:
+                    slot_of[out.name] = slot_of[alias[out.name]]
             for t in set(op.inputs):
                 root = alias.get(t.name, t.name)
                 if t.kind == "value" and last_use.get(root) == i and root in slot_of:
@@ -179,7 +294,7 @@ class DeviceRunner:
     def allocations(self):
         """Every device buffer the runner will hold, in allocation order."""
         out = []
-        for t in self.graph.weights.values():
+        for t in self._device_weights():
             if len(t.shape) == 2:
                 for plane, words in self._planes_of(t).items():
                     out.append(Allocation(f"{t.name}:{plane}", words * 4, "weights"))
@@ -202,6 +317,17 @@ class DeviceRunner:
         r = reader(t.dtype)
         return {p: t.shape[0] * r.row_words(p, t.shape[1]) for p in r.plane_names}
 
+    def _device_weights(self):
+        """The graph's weights as the device holds them: a stacked weight in place of its
+        parts (at the first part), the rest as they are."""
+        stacked = {parts[0].name: w for w, parts in self.stacked.values()}
+        inside = {p.name for _, parts in self.stacked.values() for p in parts}
+        for t in self.graph.weights.values():
+            if t.name in stacked:
+                yield stacked[t.name]
+            elif t.name not in inside:
+                yield t
+
     # -- allocation and upload -----------------------------------------------------------------
     def allocate(self):
         """Allocates every buffer of allocations(), and nothing else: what the device holds
@@ -212,11 +338,9 @@ class DeviceRunner:
     def upload(self):
         """Writes weights and constants into their buffers and builds every kernel's program."""
         dev = self.device
-        for t in self.graph.weights.values():
-            info = self.model.file.tensors[self.model._file_names[t.name]]
+        for t in self._device_weights():
             if len(t.shape) == 2:
-                raw = self.model.file.raw(info.name)
-                for plane, words in planes(t.dtype, raw, t.shape).items():
+                for plane, words in self._file_planes(t).items():
                     dev.write(self.buffers[f"{t.name}:{plane}"], words)
             else:
                 dev.write(self.buffers[t.name], self.model.weight_array(t.name).astype(np.float32))
@@ -224,6 +348,16 @@ class DeviceRunner:
             dev.write(self.buffers[name], array)
         self.programs = {k.name: dev.program(k) for k in self._kernels()}
         dev.synchronize()
+
+    def _file_planes(self, t):
+        """The device planes of a weight from the file's bytes; a stacked weight's are its
+        parts' planes, row after row."""
+        _, parts = self.stacked.get(t.name, (t, (t,)))
+        each = [planes(p.dtype, self.model.file.raw(self.model._file_names[p.name]), p.shape)
+                for p in parts]
+        if len(each) == 1:
+            return each[0]
+        return {plane: np.concatenate([e[plane] for e in each]) for plane in each[0]}
 
     # -- a step --------------------------------------------------------------------------------
     def _buffer(self, tensor):
@@ -255,7 +389,7 @@ class DeviceRunner:
         B = self._buffer
         wg = ops.WG
         for op in self.steps:
-            ins, out = op.inputs, op.output
+            ins, out = op.inputs, op.outputs[0]
             if op.kind == "embedding":
                 table = ins[0]
                 self._launch(ops.embedding(table.dtype), (T,),
@@ -266,14 +400,20 @@ class DeviceRunner:
                 self._launch(ops.rms_norm(sg), (rows,), B(ins[0]), B(ins[1]), B(out),
                              shape[-1], op.attrs["eps"])
             elif op.kind == "matmul":
-                w, x = ins[-1], ins[0]
-                n = self._shape(x, T, R)[0]
-                residual = [B(ins[1])] if op.attrs["residual"] else []
-                args = (*self._weight_planes(w), B(x), B(out), *residual, w.shape[0],
-                        w.shape[1], n)
+                w = op.weight
+                n = self._shape(op.x, T, R)[0]
+                rows, cols = w.shape
+                planes_ = self._weight_planes(w) + (self._weight_planes(op.up) if op.up else [])
+                norm = [] if op.norm is None else [B(op.norm)]
+                residual = [] if op.residual is None else [B(op.residual)]
+                parts = self.stacked.get(w.name, (w, (w,)))[1]
+                splits = [int(s) for s in np.cumsum([p.shape[0] for p in parts])[:-1]]
+                eps = [] if op.norm is None else [op.eps]
+                args = (*planes_, B(op.x), *norm, *map(B, op.outputs), *residual, rows, cols, n,
+                        *splits, *eps)
                 group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-                self._launch(matmul.matvec(w.dtype, sg, group, **op.attrs),
-                             (-(-w.shape[0] // (wg // sg)), -(-n // group)), *args)
+                self._launch(matmul.matvec(w.dtype, sg, group, **op.variant),
+                             (-(-rows // (wg // sg)), -(-n // group)), *args)
             elif op.kind == "add":
                 n = int(np.prod(self._shape(out, T, R)))
                 nb = int(np.prod(self._shape(ins[1], T, R)))
@@ -294,6 +434,17 @@ class DeviceRunner:
                 words = cfg.n_kv_heads * cfg.head_dim // 2
                 self._launch(ops.store_kv(), (-(-T * words // wg),), B(k), B(v), B(kc), B(vc),
                              B(positions), B(seq_rows), B(tables_t), T, words, self.table_width,
+                             self.block_size)
+            elif op.kind == "rope_store_kv":
+                q, k, v, kc, vc, positions, seq_rows, tables_t, inv_freq = ins
+                if self._uses[q.name] != 1 or B(q) is not B(out):
+                    raise RuntimeError("rope_store_kv rotates q in place: q is used only by it")
+                _, heads, hd = q.shape
+                kv_heads = k.shape[1]
+                self._launch(ops.rope_store_kv(op.attrs["style"]),
+                             (-(-T * (heads + kv_heads) * hd // 2 // wg),), B(q), B(k), B(v),
+                             B(kc), B(vc), B(positions), B(seq_rows), B(tables_t), B(inv_freq),
+                             T, heads, kv_heads, hd, inv_freq.shape[0], self.table_width,
                              self.block_size)
             elif op.kind == "attention":
                 q, kc, vc, positions, seq_rows, tables_t = ins

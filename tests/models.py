@@ -5,12 +5,14 @@ from poot.loader import default_model_path
 from poot.models.random_weights import write_random_llama
 
 
-def tiny_model(folder, dtype="F16", arch="llama", seed=0):
-    """A 2-layer random Llama GGUF with a real byte-level tokenizer and ChatML template."""
-    path = folder / f"tiny-{arch}-{dtype.lower()}-{seed}.gguf"
+def tiny_model(folder, dtype="F16", arch="llama", seed=0, mixed=()):
+    """A 2-layer random Llama GGUF with a real byte-level tokenizer and ChatML template;
+    `mixed`: matrices in other dtypes (see write_random_llama)."""
+    kinds = "".join(f"-{name}-{d.lower()}" for name, d in mixed)
+    path = folder / f"tiny-{arch}-{dtype.lower()}{kinds}-{seed}.gguf"
     if not path.exists():
         write_random_llama(path, "tiny" if dtype in ("F32", "F16", "BF16") else "tiny-k",
-                           dtype=dtype, seed=seed, arch=arch)
+                           dtype=dtype, seed=seed, arch=arch, mixed=mixed)
     return path
 
 

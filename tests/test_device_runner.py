@@ -116,3 +116,21 @@ def test_a_llama_layer_is_six_launches(tmp_path, device):
     weights = [a.name for a in runner.allocations() if a.kind == "weights"]
     assert "blk.0.attn_q.weight+blk.0.attn_k.weight+blk.0.attn_v.weight:quants" in weights
     assert not any(name.startswith("blk.0.attn_k.weight:") for name in weights)
+
+
+def test_mixed_dtypes_fuse_what_shares_a_dtype(tmp_path, device):
+    """A Q4_K_M-like mix: q and k stack (v in Q6_K stays apart, its own matmul with the norm
+    folded in); gate and up differ, so each is a matmul and SwiGLU its own kernel."""
+    mixed = (("attn_v", "Q6_K"), ("ffn_up", "Q8_0"))
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_K", mixed=mixed))
+    runner = model.runner(device, num_blocks=32)
+    layer = ["matmul", "matmul", "rope_store_kv", "attention", "matmul", "matmul", "matmul",
+             "swiglu", "matmul"]
+    assert [s.kind for s in runner.steps if s.kind != "reshape"] == \
+        ["embedding", *layer * model.config.n_layers, "gather", "matmul"]
+    assert [len(s.outputs) for s in runner.steps if s.kind == "matmul"][:2] == [2, 1]
+    table = list(np.random.default_rng().permutation(32))
+    want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
+    got_ids, got = greedy(runner, [5, 80, 9, 41], 12, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3

@@ -23,6 +23,7 @@ from poot.kernels import matmul, ops
 from poot.kernels.lang import F16, F32, I64, U32, Kernel, KernelBuilder
 from poot.kernels.quant import DEVICE_DTYPES
 from tests.test_codegen_ptx import CASES, MMA_CASES
+from tests.test_kernel_sources import MATVEC_VARIANTS
 
 TARGETS = (("gfx90a", 64), ("gfx1030", 32), ("gfx908", 64))
 TOKEN_GROUPS = (1, 2, 4, 8)
@@ -38,11 +39,12 @@ def installed_comgr():
 
 def runner_kernels(wavefront):
     """Every kernel engine/device_runner.py launches, for a subgroup of `wavefront` lanes."""
-    kernels = [matmul.matvec(dtype, wavefront, group) for dtype in DEVICE_DTYPES
-               for group in TOKEN_GROUPS]
+    kernels = [matmul.matvec(dtype, wavefront, group, **variant) for dtype in DEVICE_DTYPES
+               for group in TOKEN_GROUPS for variant in MATVEC_VARIANTS]
     kernels += [ops.embedding(dtype) for dtype in DEVICE_DTYPES]
     kernels += [ops.rms_norm(wavefront), ops.elementwise("add"), ops.elementwise("swiglu"),
                 ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
+                ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
                 ops.attention(wavefront, 64), ops.attention(wavefront, 128),
                 ops.attention_split(wavefront, 64), ops.attention_split(wavefront, 128),
                 ops.attention_combine(64), ops.attention_combine(128), ops.argmax(wavefront)]

@@ -204,6 +204,10 @@ class LaunchLog:
         assert program is kernel and len(args) == len(kernel.params), kernel.name
         self.launched.append((kernel, grid, args))
 
+    def view(self, buffer, offset):
+        """A part of a stacked weight's planes (the tensor-core lowering reads q, k, v apart)."""
+        return buffer
+
 
 @pytest.mark.parametrize("multiprocessors", [132, None, 1])
 def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_path,
@@ -247,3 +251,46 @@ def test_no_partials_without_matrix_instructions(tmp_path):
     runner = DeviceRunner(model, LaunchLog(matrix=False), num_blocks=16, max_tokens=200)
     assert "mma_partials" not in {a.name for a in runner.allocations()}
     assert not any(k.name.startswith("mma_tiled") for k in runner._kernels())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_variants_match_reference(tmp_path, device, arch):
+    """q/k/v biases (qwen2) and q/k norms (qwen3) around the fused q/k/v matmul and rope."""
+    model = poot.load(tiny_model(tmp_path, dtype="F16", arch=arch))
+    table = list(np.random.default_rng().permutation(32))
+    want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
+    got_ids, got = greedy(model.runner(device, num_blocks=32), [5, 80, 9, 41], 12, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_a_llama_layer_is_six_launches(tmp_path, device):
+    """attn_norm folded into one q/k/v matmul, rope with store_kv, attention, the output
+    projection with its residual, ffn_norm folded into gate/up with SwiGLU, down with its
+    residual; the stacked q/k/v weight replaces the three."""
+    model = poot.load(tiny_model(tmp_path, dtype="Q8_0"))
+    runner = model.runner(device, num_blocks=32)
+    launches = [s.kind for s in runner.steps if s.kind != "reshape"]
+    layer = ["matmul", "rope_store_kv", "attention", "matmul", "matmul", "matmul"]
+    assert launches == ["embedding", *layer * model.config.n_layers, "gather", "matmul"]
+    weights = [a.name for a in runner.allocations() if a.kind == "weights"]
+    assert "blk.0.attn_q.weight+blk.0.attn_k.weight+blk.0.attn_v.weight:quants" in weights
+    assert not any(name.startswith("blk.0.attn_k.weight:") for name in weights)
+
+
+def test_mixed_dtypes_fuse_what_shares_a_dtype(tmp_path, device):
+    """A Q4_K_M-like mix: q and k stack (v in Q6_K stays apart, its own matmul with the norm
+    folded in); gate and up differ, so each is a matmul and SwiGLU its own kernel."""
+    mixed = (("attn_v", "Q6_K"), ("ffn_up", "Q8_0"))
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_K", mixed=mixed))
+    runner = model.runner(device, num_blocks=32)
+    layer = ["matmul", "matmul", "rope_store_kv", "attention", "matmul", "matmul", "matmul",
+             "swiglu", "matmul"]
+    assert [s.kind for s in runner.steps if s.kind != "reshape"] == \
+        ["embedding", *layer * model.config.n_layers, "gather", "matmul"]
+    assert [len(s.outputs) for s in runner.steps if s.kind == "matmul"][:2] == [2, 1]
+    table = list(np.random.default_rng().permutation(32))
+    want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
+    got_ids, got = greedy(runner, [5, 80, 9, 41], 12, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3

@@ -13,14 +13,21 @@ from poot.kernels import matmul, ops
 from poot.kernels.quant import DEVICE_DTYPES
 
 
+# the matvec's fused variants the runner lowers to (engine/device_runner.py: Matvec)
+MATVEC_VARIANTS = ({}, {"residual": True}, {"norm": True}, {"norm": True, "outputs": 3},
+                   {"norm": True, "outputs": 2}, {"outputs": 3}, {"norm": True, "swiglu": True},
+                   {"swiglu": True})
+
+
 def runner_kernels(subgroup_size):
-    out = [matmul.matvec(d, subgroup_size, n, residual=r) for d in DEVICE_DTYPES
-           for n in TOKEN_GROUPS for r in (False, True)]
+    out = [matmul.matvec(d, subgroup_size, n, **v) for d in DEVICE_DTYPES
+           for n in TOKEN_GROUPS for v in MATVEC_VARIANTS]
     out += [matmul.tiled(d, residual=r) for d in DEVICE_DTYPES for r in (False, True)]
     out += [matmul.split_sum(r) for r in (False, True)]
     out += [ops.embedding(d) for d in DEVICE_DTYPES]
     out += [ops.rms_norm(subgroup_size), ops.elementwise("add"), ops.elementwise("swiglu"),
             ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
+            ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
             ops.attention(subgroup_size, 64), ops.attention(subgroup_size, 128),
             ops.attention_split(subgroup_size, 64), ops.attention_split(subgroup_size, 128),
             ops.attention_combine(64), ops.attention_combine(128), ops.argmax(subgroup_size)]

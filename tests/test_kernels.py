@@ -96,6 +96,49 @@ def test_matvec(device, dtype, n_tokens):
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("norm,outputs,n_tokens", [(True, 1, 1), (True, 3, 11), (False, 3, 5)])
+def test_matvec_with_rms_norm_and_split_outputs(device, dtype, n_tokens, norm, outputs):
+    """The norm folded into the product (as attn_norm into q, k, v), and stacked matrices
+    (q, k, v concatenated) written to one buffer each."""
+    sizes = (136, 40, 40)[:outputs] if outputs > 1 else (200,)
+    rows, cols, eps = sum(sizes), 512, 1e-5
+    w_planes, dense = weight(dtype, rows, cols)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
+    g = rng.standard_normal(cols).astype(np.float32)
+    group = next((g_ for g_ in (1, 2, 4, 8) if g_ >= n_tokens), 8)
+    k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, outputs=outputs)
+    per_wg = matmul.WORKGROUP // device.subgroup_size
+    ys = [np.zeros((n_tokens, n), np.float32) for n in sizes]
+    splits = list(np.cumsum(sizes)[:-1])
+    got = run(device, k, (-(-rows // per_wg), -(-n_tokens // group)), *w_planes, x,
+              *([g] if norm else []), *ys, rows, cols, n_tokens, *splits,
+              *([eps] if norm else []))
+    want = ref.matmul(ref.rms_norm(x, g, eps) if norm else x, dense)
+    names = ["y"] if outputs == 1 else [f"y{i}" for i in range(outputs)]
+    for name, part in zip(names, np.split(want, splits, axis=1)):
+        assert rel_err(got[name], part) < 1e-5, name
+
+
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("norm,n_tokens", [(True, 1), (False, 11)])
+def test_matvec_swiglu(device, dtype, n_tokens, norm):
+    """silu(gate . x) * (up . x) in one pass over x: the feed-forward's first half."""
+    rows, cols, eps = 200, 512, 1e-6
+    gate_planes, gate = weight(dtype, rows, cols)
+    up_planes, up = weight(dtype, rows, cols)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
+    g = rng.standard_normal(cols).astype(np.float32)
+    group = next((g_ for g_ in (1, 2, 4, 8) if g_ >= n_tokens), 8)
+    k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, swiglu=True)
+    per_wg = matmul.WORKGROUP // device.subgroup_size
+    got = run(device, k, (-(-rows // per_wg), -(-n_tokens // group)), *gate_planes, *up_planes,
+              x, *([g] if norm else []), np.zeros((n_tokens, rows), np.float32), rows, cols,
+              n_tokens, *([eps] if norm else []))["y"]
+    h = ref.rms_norm(x, g, eps) if norm else x
+    assert rel_err(got, ref.swiglu(ref.matmul(h, gate), ref.matmul(h, up))) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("n_tokens", [5, 64, 130])
 def test_tiled_matmul(device, dtype, n_tokens):
     rows, cols = 200, 512
@@ -373,6 +416,29 @@ def test_store_kv(device):
         got = out[name].view(np.float16).astype(np.float32)
         written = ~np.isnan(want)
         assert np.array_equal(got[written], want[written].astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("style", ["normal", "neox"])
+@pytest.mark.parametrize("pairs", [32, 24])                # full and partial rotary
+def test_rope_store_kv(device, style, pairs):
+    H, n_kv, D, bs, nb = 6, 2, 64, 16, 64
+    tables, positions, seq_rows, k, v = paged_case(n_kv, D, [37, 5, 16], bs, nb)
+    T = len(positions)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(pairs) / pairs)).astype(np.float32)
+    cache = np.zeros((nb, bs, n_kv, D // 2), np.uint32)
+    out = run(device, ops.rope_store_kv(style), (-(-T * (H + n_kv) * D // 2 // ops.WG),),
+              q.copy(), k, v, cache, cache, positions, seq_rows, tables, inv_freq, T, H, n_kv,
+              D, pairs, tables.shape[1], bs)
+    assert rel_err(out["q"], ref.rope(q, positions, inv_freq, style)) < 1e-5
+    want_k, want_v = (np.full((nb, bs, n_kv, D), np.nan, np.float32) for _ in range(2))
+    ref.store_kv(ref.rope(k, positions, inv_freq, style), v, want_k, want_v, positions,
+                 seq_rows, tables)
+    written = ~np.isnan(want_k)
+    got_k = out["k_cache"].view(np.float16).astype(np.float32)
+    got_v = out["v_cache"].view(np.float16).astype(np.float32)
+    assert rel_err(got_k[written], want_k[written]) < 1e-3            # f16: 2^-11 per value
+    assert np.array_equal(got_v[written], want_v[written].astype(np.float16).astype(np.float32))
 
 
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 9, 3), (128, 8, 8)])

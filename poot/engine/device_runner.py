@@ -3,7 +3,8 @@
 Every device buffer comes from one list of (name, bytes, kind) that `allocations()` reports
 before anything is allocated: weights in their device layout (kernels/quant.py), the paged KV
 cache, the step's inputs, the arena slots that carry activations between kernels (assigned once
-by liveness for the largest step), and the logits. Constructing a runner reads only the device's
+by liveness for the largest step), and the logits; q, k and v weights that one kernel reads
+together are one stacked weight there (see `_lower`). Constructing a runner reads only the device's
 capabilities, so the memory plan (engine/plan.py) sizes candidates from this same list;
 `allocate()` then allocates it and `upload()` fills it. A step uploads the batch's small
 arrays, issues the launches in graph order, and reads back the logits of the sampled rows;
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..errors import ModelRefused
 from ..formats.quants import slice_raw
+from ..ir.graph import Tensor
 from ..kernels import matmul, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from . import placement
@@ -30,7 +32,7 @@ TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over 
 # twice or more, the split mma_tiled once.
 MMA_MIN_TOKENS = 16
 MULTIPROCESSORS = 132           # an H100's or H200's, for a device that does not say its own
-SHARES_INPUT = ("reshape", "rope")
+SHARES_INPUT = ("reshape", "rope", "rope_store_kv")   # run in place
 # a tensor group reduces messages this long in two phases (reduce-scatter, then all-gather):
 # each peer's partial is read once rather than by every rank, which pays from three devices on
 TWO_PHASE_FLOATS = 1 << 18
@@ -42,11 +44,42 @@ SPLIT_MIN_CONTEXT = 4096        # shorter contexts keep one workgroup per (token
 
 @dataclass(frozen=True)
 class Step:
-    """One launch of the lowered graph: an op (or a matmul with fused work) and its tensors."""
+    """One launch of the lowered graph: an op, or ops fused into one kernel, and its tensors."""
     kind: str
     inputs: tuple
     output: object
     attrs: dict = field(default_factory=dict)
+
+    @property
+    def outputs(self):
+        return (self.output,)
+
+
+@dataclass(frozen=True)
+class Matvec:
+    """One matmul launch (kernels/matmul.py) with the work fused into it: the RMSNorm of its
+    input (`norm`, the norm's weight), a residual add, several weights stacked row-wise into one
+    (`weight` then names a stacked weight, and each part has its own output), or gate and up
+    projections with the SwiGLU of the two (`weight` is gate's, `up` is up's)."""
+    x: object
+    weight: object
+    outputs: tuple
+    norm: object = None
+    eps: float = 0.0
+    residual: object = None
+    up: object = None
+    kind = "matmul"
+
+    @property
+    def inputs(self):
+        return tuple(t for t in (self.x, self.norm, self.residual, self.weight, self.up)
+                     if t is not None)
+
+    @property
+    def variant(self):
+        """The matvec kernel's keyword arguments."""
+        return dict(residual=self.residual is not None, norm=self.norm is not None,
+                    outputs=len(self.outputs), swiglu=self.up is not None)
 
 
 @dataclass(frozen=True)
@@ -142,68 +175,166 @@ class DeviceRunner(StepRunner):
         self.two_phase_floats = TWO_PHASE_FLOATS
         self.long = False           # this step splits its attention (run() decides)
         self._offsets = (0, 0)      # (token, row) of a pipeline micro-batch (group.py)
-        self.steps = self._lower()
+        self._reduce_buffer = self._reduce_buffers()
+        self.steps, self.stacked = self._lower(fuse=True)
+        self._part_of = {}          # part of a stacked weight -> (stacked weight, first row)
+        for whole, parts in self.stacked.values():
+            for p, row in zip(parts, np.cumsum([0] + [p.shape[0] for p in parts[:-1]])):
+                self._part_of[p.name] = (whole, int(row))
+        # steps of MMA_MIN_TOKENS or more, on a device with matrix instructions, run the
+        # matmuls one by one on the tensor cores (nothing folded into them): their own lowering
+        self.steps_long = self._lower(fuse=False)[0] if self._has_mma() else None
         self._check_supported()
-        self._uses, self._slot_of, self._slot_sizes = self._assign_slots()
+        self._lowerings = {False: self._assign_slots(self.steps)}
+        if self.steps_long is not None:
+            self._lowerings[True] = self._assign_slots(self.steps_long)
+        sizes = [lowering[2] for lowering in self._lowerings.values()]
+        self._slot_sizes = [max(each[i] if i < len(each) else 0 for each in sizes)
+                            for i in range(max(map(len, sizes)))]      # the lowerings share slots
+        self._use(False)
         self.buffers, self.graphs = {}, {}
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
 
     # -- the plan ------------------------------------------------------------------------------
-    def _lower(self):
-        """The graph's ops as launch steps, with one fusion: an add whose input is a matmul
-        used only there (a residual add) becomes the matmul's epilogue. (A SwiGLU formed as the
-        down projection reads it was measured slower: every row recomputes it.)"""
+    def _reduce_buffers(self):
+        """The partial sums a tensor group reads from each other's memory live in two buffers
+        of their own, used in turn (group.py's barriers make that safe), not in the arenas."""
+        out = {}
+        for op in self.graph.ops:
+            if op.kind == "all_reduce":
+                out[op.inputs[0].name] = f"reduce.{len(out) % 2}"
+        return out
+
+    def _lower(self, fuse=True):
+        """The graph's ops as launch steps, fusing ops into one kernel where what passes
+        between them is used only there:
+        - an rms_norm read only by matmuls is folded into each of them;
+        - a swiglu of two matmuls of one input becomes one matmul over both weights;
+        - an add whose input is a matmul used only there (a residual add) becomes the matmul's
+          epilogue;
+        - the other matmuls of one input whose weights share a dtype (q, k, v) become one
+          over their weights stacked row-wise (returned by name: (stacked weight, parts)),
+          each part's rows written to its own output, so q, k and v stay separate values;
+        - the ropes of q and k and the store_kv of k become one kernel, where q goes on only
+          to the attention that reads that cache;
+        - an add of an all_reduce's sum (a tensor group's) becomes the reduction's epilogue.
+        With fuse=False only the residual adds and the reductions' adds are fused (the steps the
+        tensor cores run: their matmul takes one weight and a residual, nothing more).
+        A fused step takes the place of its first op. (A SwiGLU formed as the down projection
+        reads it was measured slower: every row recomputes it.)"""
         ops_ = self.graph.ops
         uses = Counter(t.name for op in ops_ for t in op.inputs)
         uses.update(t.name for t in self.graph.outputs.values())
         producer = {op.output.name: op for op in ops_}
-        add_of, fused = {}, set()
+        order = {id(op): i for i, op in enumerate(ops_)}
+        users = {}
         for op in ops_:
-            if op.kind != "add":
+            for t in op.inputs:
+                users.setdefault(t.name, []).append(op)
+
+        def made_once(t, kind):
+            """The op of `kind` that makes t, where t is used once, else None."""
+            op = producer.get(t.name)
+            return op if op is not None and op.kind == kind and uses[t.name] == 1 else None
+
+        place = {}      # id(op) -> the step lowered in its place, or None where it is fused away
+        for op in ops_:
+            if op.kind == "add":
+                for mine, other in ((0, 1), (1, 0)):
+                    reduce = made_once(op.inputs[mine], "all_reduce")
+                    if reduce is not None and op.inputs[other].kind == "value":
+                        place[id(reduce)] = Step("all_reduce", (reduce.inputs[0], op.inputs[other]),
+                                                 op.output, dict(reduce.attrs, residual=True))
+                        place[id(op)] = None
+                        break
+            elif op.kind == "all_reduce":
+                place.setdefault(id(op), Step("all_reduce", op.inputs, op.output,
+                                              dict(op.attrs, residual=False)))
+        norm_of = {}
+        for op in ops_ if fuse else ():
+            readers = users.get(op.output.name, [])
+            if op.kind == "rms_norm" and readers and uses[op.output.name] == len(readers) and \
+                    all(r.kind == "matmul" and r.inputs[0].name == op.output.name
+                        for r in readers):
+                norm_of[op.output.name] = op
+                place[id(op)] = None
+
+        def matvec(x, weight, outputs, **fused):
+            norm = norm_of.get(x.name)
+            if norm is not None:
+                fused.update(norm=norm.inputs[1], eps=norm.attrs["eps"])
+                x = norm.inputs[0]
+            return Matvec(x, weight, tuple(outputs), **fused)
+
+        for op in ops_:
+            if id(op) in place:
                 continue
-            for mine, other in ((0, 1), (1, 0)):
-                maker = producer.get(op.inputs[mine].name)
-                if maker is not None and maker.kind == "matmul" and \
-                        uses[op.inputs[mine].name] == 1 and op.inputs[other].kind == "value":
-                    add_of[id(maker)] = (op, op.inputs[other])
-                    fused.add(id(op))
-                    break
-        reduce_of = {}      # an all_reduce whose sum goes only into an add: the add fused into it
+            if op.kind == "swiglu" and fuse:
+                gate, up = (made_once(t, "matmul") for t in op.inputs)
+                if gate and up and gate.inputs[0].name == up.inputs[0].name and \
+                        gate.inputs[1].dtype == up.inputs[1].dtype and \
+                        gate.inputs[1].shape == up.inputs[1].shape:
+                    first, second = sorted((gate, up), key=lambda m: order[id(m)])
+                    place[id(first)] = matvec(gate.inputs[0], gate.inputs[1], [op.output],
+                                              up=up.inputs[1])
+                    place[id(second)] = place[id(op)] = None
+            elif op.kind == "add":
+                for mine, other in ((0, 1), (1, 0)):
+                    maker = made_once(op.inputs[mine], "matmul")
+                    if maker is not None and id(maker) not in place and \
+                            op.inputs[other].kind == "value":
+                        place[id(maker)] = matvec(maker.inputs[0], maker.inputs[1], [op.output],
+                                                  residual=op.inputs[other])
+                        place[id(op)] = None
+                        break
+            elif op.kind == "store_kv" and fuse:
+                self._fuse_rope_store_kv(op, users, order, made_once, place)
+
+        groups = {}
         for op in ops_:
-            if op.kind != "add":
-                continue
-            for mine, other in ((0, 1), (1, 0)):
-                maker = producer.get(op.inputs[mine].name)
-                if maker is not None and maker.kind == "all_reduce" and \
-                        uses[op.inputs[mine].name] == 1 and op.inputs[other].kind == "value":
-                    reduce_of[id(maker)] = (op, op.inputs[other])
-                    fused.add(id(op))
-                    break
-        # the partial sums a group reads from each other's memory live in two buffers of their
-        # own, used in turn (group.py's barriers make that safe), not in the arenas
-        self._reduce_buffer = {}
-        for op in ops_:
-            if op.kind == "all_reduce":
-                self._reduce_buffer[op.inputs[0].name] = f"reduce.{len(self._reduce_buffer) % 2}"
+            if op.kind == "matmul" and id(op) not in place:
+                w = op.inputs[1]
+                alone = uses[w.name] > 1 or not fuse    # its planes serve another op too
+                key = (op.inputs[0].name, w.dtype, w.shape[1], id(op) if alone else None)
+                groups.setdefault(key, []).append(op)
+        stacked = {}
+        for members in groups.values():
+            parts = tuple(m.inputs[1] for m in members)
+            weight = parts[0]
+            if len(parts) > 1:
+                weight = Tensor("+".join(p.name for p in parts),
+                                (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                                parts[0].dtype, "weight")
+                stacked[weight.name] = (weight, parts)
+            place[id(members[0])] = matvec(members[0].inputs[0], weight,
+                                           [m.output for m in members])
+            for m in members[1:]:
+                place[id(m)] = None
+
         steps = []
         for op in ops_:
-            if id(op) in fused:
-                continue
-            if op.kind == "all_reduce":
-                add, residual = reduce_of.get(id(op), (op, None))
-                steps.append(Step("all_reduce", (op.inputs[0],) + ((residual,) if residual else ()),
-                                  add.output, {"world": op.attrs["world"],
-                                               "residual": residual is not None}))
-                continue
-            if op.kind == "matmul" and id(op) in add_of:
-                add, residual = add_of[id(op)]
-                steps.append(Step("matmul", (op.inputs[0], residual, op.inputs[1]), add.output,
-                                  {"residual": True}))
-            elif op.kind == "matmul":
-                steps.append(Step("matmul", op.inputs, op.output, {"residual": False}))
-            else:
+            if id(op) not in place:
                 steps.append(Step(op.kind, op.inputs, op.output, op.attrs))
-        return steps
+            elif place[id(op)] is not None:
+                steps.append(place[id(op)])
+        return steps, stacked
+
+    @staticmethod
+    def _fuse_rope_store_kv(store, users, order, made_once, place):
+        """rope(q), rope(k), store_kv(k, v) -> one rope_store_kv step in store_kv's place,
+        when the roped q is read only by the attention over the cache store_kv writes."""
+        k_rope = made_once(store.inputs[0], "rope")
+        attention = next((u for u in users.get(store.output.name, ())
+                          if u.kind == "attention" and order[id(u)] > order[id(store)]), None)
+        q_rope = made_once(attention.inputs[0], "rope") if attention is not None else None
+        if k_rope is None or q_rope is None or \
+                [t.name for t in k_rope.inputs[1:]] != [t.name for t in q_rope.inputs[1:]] or \
+                k_rope.attrs != q_rope.attrs or len(users.get(q_rope.inputs[0].name, ())) != 1:
+            return
+        q, k = q_rope.inputs[0], k_rope.inputs[0]
+        place[id(store)] = Step("rope_store_kv", (q, k, *store.inputs[1:], q_rope.inputs[2]),
+                                q_rope.output, q_rope.attrs)
+        place[id(k_rope)] = place[id(q_rope)] = None
 
     def _check_supported(self):
         for t in self.graph.weights.values():
@@ -220,19 +351,22 @@ class DeviceRunner(StepRunner):
     def _kernels(self):
         sg, cfg = self.device.subgroup_size, self.model.config
         seen = {}
-        for step in self.steps:
-            for kernel in self._kernels_of(step, sg, cfg):
-                seen.setdefault(kernel.name, kernel)
+        for long, steps in ((False, self.steps), (True, self.steps_long or ())):
+            for step in steps:
+                for kernel in self._kernels_of(step, sg, cfg, long):
+                    seen.setdefault(kernel.name, kernel)
         if self.has_logits:
             seen.setdefault("argmax", ops.argmax(sg))
         return list(seen.values())
 
-    def _kernels_of(self, op, sg, cfg):
+    def _kernels_of(self, op, sg, cfg, long=False):
         if op.kind == "matmul":
-            w = op.inputs[-1]
-            return [matmul.matvec(w.dtype, sg, n, **op.attrs) for n in TOKEN_GROUPS] + \
-                [kernel for launch in self._mma_launches(op).values()
-                 for kernel in self._mma_kernels(w, op.attrs["residual"], launch)]
+            matvecs = [matmul.matvec(op.weight.dtype, sg, n, **op.variant) for n in TOKEN_GROUPS]
+            if not long:
+                return matvecs
+            return matvecs + [kernel for launch in self._mma_launches(op).values()
+                              for kernel in self._mma_kernels(op.weight, op.residual is not None,
+                                                              launch)]
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -245,6 +379,8 @@ class DeviceRunner(StepRunner):
             return [ops.rope(op.attrs["style"])]
         if op.kind == "store_kv":
             return [ops.store_kv()]
+        if op.kind == "rope_store_kv":
+            return [ops.rope_store_kv(op.attrs["style"])]
         if op.kind == "attention":
             split = [ops.attention_split(sg, cfg.head_dim), ops.attention_combine(cfg.head_dim)]
             return [ops.attention(sg, cfg.head_dim), *(split if self.attention_splits > 1 else [])]
@@ -258,10 +394,12 @@ class DeviceRunner(StepRunner):
         """The fewest tokens a pipeline micro-batch holds (engine/group.py): the matrix-vector
         kernel's pass (8 tokens), or the tensor-core kernel's threshold where the device runs
         it, so cutting a step never moves its matmuls to a slower kernel."""
-        w = next((op.inputs[-1] for op in self.steps if op.kind == "matmul"), None)
-        if w is not None and matmul.mma_tiled(w.dtype).caps <= self.device.caps:
-            return MMA_MIN_TOKENS
-        return TOKEN_GROUPS[-1]
+        return MMA_MIN_TOKENS if self.steps_long is not None else TOKEN_GROUPS[-1]
+
+    def _has_mma(self):
+        """Whether the device runs the tensor-core matmul of every weight of the graph."""
+        dtypes = {t.dtype for t in self.graph.weights.values() if len(t.shape) == 2}
+        return bool(dtypes) and all(matmul.mma_tiled(d).caps <= self.device.caps for d in dtypes)
 
     def _mma_launch(self, w, n):
         """How the matmul of weight w over n tokens runs on the tensor cores (matmul.MmaLaunch),
@@ -274,7 +412,7 @@ class DeviceRunner(StepRunner):
         """{n: MmaLaunch} standing for every length of a matmul step that runs on the tensor
         cores (matmul.mma_launches; {} without them): what _kernels builds and the partials
         buffer holds."""
-        w, most = op.inputs[-1], self._elements(op.inputs[0].shape[:1])
+        w, most = op.weight, self._elements(op.x.shape[:1])
         if self._mma_launch(w, most) is None:
             return {}
         return matmul.mma_launches(*w.shape, MMA_MIN_TOKENS, most, self._multiprocessors())
@@ -294,11 +432,12 @@ class DeviceRunner(StepRunner):
         sizes = {"T": self.max_tokens, "R": self.max_seqs}
         return math.prod(sizes.get(d, d) for d in shape)
 
-    def _assign_slots(self):
-        """Arena slots by liveness: a value takes a free slot of its size at its op and frees
-        it after its last use; a reshape, and rope (which runs in place), share their input's
+    def _assign_slots(self, steps):
+        """(uses, slot of each value, slot sizes) of a lowering: arena slots by liveness, a
+        value taking a free slot of its size at its op and freeing it after its last use; a
+        reshape, and rope and rope_store_kv (which rotate q in place), share their input's
         slot."""
-        ops_ = self.steps
+        ops_ = steps
         last_use, alias = {}, {}
         for i, op in enumerate(ops_):
             for t in op.inputs:
@@ -311,17 +450,17 @@ class DeviceRunner(StepRunner):
             last_use[t.name] = len(ops_)
         free, slot_of, sizes = {}, {}, []
         for i, op in enumerate(ops_):
-            out = op.output
-            if out.kind == "value" and op.kind not in SHARES_INPUT and \
-                    out.name not in self._reduce_buffer:
-                size = self._elements(out.shape) * 4
-                pool = free.setdefault(size, [])
-                slot = pool.pop() if pool else len(sizes)
-                if slot == len(sizes):
-                    sizes.append(size)
-                slot_of[out.name] = slot
-            elif op.kind in SHARES_INPUT:
-                slot_of[out.name] = slot_of[alias[out.name]]
+            for out in op.outputs:
+                if out.kind == "value" and op.kind not in SHARES_INPUT and \
+                        out.name not in self._reduce_buffer:
+                    size = self._elements(out.shape) * 4
+                    pool = free.setdefault(size, [])
+                    slot = pool.pop() if pool else len(sizes)
+                    if slot == len(sizes):
+                        sizes.append(size)
+                    slot_of[out.name] = slot
+                elif op.kind in SHARES_INPUT:
+                    slot_of[out.name] = slot_of[alias[out.name]]
             for t in set(op.inputs):
                 root = alias.get(t.name, t.name)
                 if t.kind == "value" and last_use.get(root) == i and root in slot_of:
@@ -335,7 +474,7 @@ class DeviceRunner(StepRunner):
     def allocations(self):
         """Every device buffer the runner will hold, in allocation order."""
         out = []
-        for t in self.graph.weights.values():
+        for t in self._device_weights():
             if len(t.shape) == 2:
                 for plane, words in self._planes_of(t).items():
                     out.append(Allocation(f"{t.name}:{plane}", words * 4, "weights"))
@@ -368,9 +507,9 @@ class DeviceRunner(StepRunner):
 
     def _mma_partials(self):
         """The floats of the largest partial sums a split matmul of any step writes."""
-        return max((launch.partial_floats(op.inputs[-1].shape[0], n) for op in self.steps
-                    if op.kind == "matmul" for n, launch in self._mma_launches(op).items()),
-                   default=0)
+        return max((launch.partial_floats(op.weight.shape[0], n)
+                    for op in self.steps_long or () if op.kind == "matmul"
+                    for n, launch in self._mma_launches(op).items()), default=0)
 
     def _split_rows(self):
         return min(self.max_tokens, self.max_seqs)
@@ -389,6 +528,17 @@ class DeviceRunner(StepRunner):
         r = reader(t.dtype)
         return {p: t.shape[0] * r.row_words(p, t.shape[1]) for p in r.plane_names}
 
+    def _device_weights(self):
+        """The graph's weights as the device holds them: a stacked weight in place of its
+        parts (at the first part), the rest as they are."""
+        stacked = {parts[0].name: w for w, parts in self.stacked.values()}
+        inside = {p.name for _, parts in self.stacked.values() for p in parts}
+        for t in self.graph.weights.values():
+            if t.name in stacked:
+                yield stacked[t.name]
+            elif t.name not in inside:
+                yield t
+
     # -- allocation and upload -----------------------------------------------------------------
     def allocate(self):
         """Allocates every buffer of allocations(), and nothing else: what the device holds
@@ -399,13 +549,9 @@ class DeviceRunner(StepRunner):
     def upload(self):
         """Writes weights and constants into their buffers and builds every kernel's program."""
         dev = self.device
-        for t in self.graph.weights.values():
-            info = self.model.file.tensors[self.model._file_names[t.name]]
+        for t in self._device_weights():
             if len(t.shape) == 2:
-                raw = self.model.file.raw(info.name)
-                if t.name in self.graph.slices:     # a tensor group's shard of the tensor
-                    raw = slice_raw(t.dtype, raw, info.shape, *self.graph.slices[t.name])
-                for plane, words in planes(t.dtype, raw, t.shape).items():
+                for plane, words in self._file_planes(t).items():
                     dev.write(self.buffers[f"{t.name}:{plane}"], words)
             else:
                 array = self.graph.slice_of(t.name, self.model.weight_array(t.name))
@@ -414,6 +560,21 @@ class DeviceRunner(StepRunner):
             dev.write(self.buffers[name], array)
         self.programs = {k.name: dev.program(k) for k in self._kernels()}
         dev.synchronize()
+
+    def _file_planes(self, t):
+        """The device planes of a weight from the file's bytes (a tensor group's shard of
+        them: graph.slices); a stacked weight's are its parts' planes, row after row."""
+        _, parts = self.stacked.get(t.name, (t, (t,)))
+        each = []
+        for p in parts:
+            info = self.model.file.tensors[self.model._file_names[p.name]]
+            raw = self.model.file.raw(info.name)
+            if p.name in self.graph.slices:
+                raw = slice_raw(p.dtype, raw, info.shape, *self.graph.slices[p.name])
+            each.append(planes(p.dtype, raw, p.shape))
+        if len(each) == 1:
+            return each[0]
+        return {plane: np.concatenate([e[plane] for e in each]) for plane in each[0]}
 
     # -- a step --------------------------------------------------------------------------------
     def _buffer(self, tensor, offset=True):
@@ -461,8 +622,10 @@ class DeviceRunner(StepRunner):
         sg, cfg = self.device.subgroup_size, self.model.config
         B = self._buffer
         wg = ops.WG
-        for op in self.steps:
-            ins, out = op.inputs, op.output
+        long = self.steps_long is not None and T >= MMA_MIN_TOKENS
+        self._use(long)
+        for op in self.steps_long if long else self.steps:
+            ins, out = op.inputs, op.outputs[0]
             if op.kind == "embedding":
                 table = ins[0]
                 self._launch(ops.embedding(table.dtype), (T,),
@@ -472,27 +635,42 @@ class DeviceRunner(StepRunner):
                 rows = int(np.prod(shape[:-1]))
                 self._launch(ops.rms_norm(sg), (rows,), B(ins[0]), B(ins[1]), B(out),
                              shape[-1], op.attrs["eps"])
-            elif op.kind == "matmul":
-                w, x = ins[-1], ins[0]
+            elif op.kind == "matmul" and long:
+                w, x = op.weight, op.x
                 n = self._shape(x, T, R)[0]
-                residual = [B(ins[1])] if op.attrs["residual"] else []
+                residual = [] if op.residual is None else [B(op.residual)]
                 args = (*self._weight_planes(w), B(x), B(out), *residual, w.shape[0],
                         w.shape[1], n)
                 launch = self._mma_launch(w, n)
                 if launch and launch.splits > 1:
-                    tile, add = self._mma_kernels(w, op.attrs["residual"], launch)
+                    tile, add = self._mma_kernels(w, op.residual is not None, launch)
                     partials = self.buffers["mma_partials"]
                     self._launch(tile, launch.grid(w.shape[0], n), *self._weight_planes(w), B(x),
                                  partials, *args[-3:], launch.split_cols)
                     self._launch(add, (-(-n * w.shape[0] // matmul.WORKGROUP),), partials,
                                  B(out), *residual, n * w.shape[0], launch.splits)
                 elif launch:
-                    tile, = self._mma_kernels(w, op.attrs["residual"], launch)
+                    tile, = self._mma_kernels(w, op.residual is not None, launch)
                     self._launch(tile, launch.grid(w.shape[0], n), *args)
                 else:
                     group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-                    self._launch(matmul.matvec(w.dtype, sg, group, **op.attrs),
+                    self._launch(matmul.matvec(w.dtype, sg, group, **op.variant),
                                  (-(-w.shape[0] // (wg // sg)), -(-n // group)), *args)
+            elif op.kind == "matmul":
+                w = op.weight
+                n = self._shape(op.x, T, R)[0]
+                rows, cols = w.shape
+                planes_ = self._weight_planes(w) + (self._weight_planes(op.up) if op.up else [])
+                norm = [] if op.norm is None else [B(op.norm)]
+                residual = [] if op.residual is None else [B(op.residual)]
+                parts = self.stacked.get(w.name, (w, (w,)))[1]
+                splits = [int(s) for s in np.cumsum([p.shape[0] for p in parts])[:-1]]
+                eps = [] if op.norm is None else [op.eps]
+                args = (*planes_, B(op.x), *norm, *map(B, op.outputs), *residual, rows, cols, n,
+                        *splits, *eps)
+                group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
+                self._launch(matmul.matvec(w.dtype, sg, group, **op.variant),
+                             (-(-rows // (wg // sg)), -(-n // group)), *args)
             elif op.kind == "add":
                 n = int(np.prod(self._shape(out, T, R)))
                 nb = int(np.prod(self._shape(ins[1], T, R)))
@@ -513,6 +691,17 @@ class DeviceRunner(StepRunner):
                 words = kc.shape[2] * cfg.head_dim // 2
                 self._launch(ops.store_kv(), (-(-T * words // wg),), B(k), B(v), B(kc), B(vc),
                              B(positions), B(seq_rows), B(tables_t), T, words, self.table_width,
+                             self.block_size)
+            elif op.kind == "rope_store_kv":
+                q, k, v, kc, vc, positions, seq_rows, tables_t, inv_freq = ins
+                if self._uses[q.name] != 1 or B(q) != B(out):
+                    raise RuntimeError("rope_store_kv rotates q in place: q is used only by it")
+                _, heads, hd = q.shape
+                kv_heads = k.shape[1]
+                self._launch(ops.rope_store_kv(op.attrs["style"]),
+                             (-(-T * (heads + kv_heads) * hd // 2 // wg),), B(q), B(k), B(v),
+                             B(kc), B(vc), B(positions), B(seq_rows), B(tables_t), B(inv_freq),
+                             T, heads, kv_heads, hd, inv_freq.shape[0], self.table_width,
                              self.block_size)
             elif op.kind == "attention":
                 q, kc, vc, positions, seq_rows, tables_t = ins
@@ -575,7 +764,19 @@ class DeviceRunner(StepRunner):
         return self.device.view(self.buffers[name], row * 4) if row else self.buffers[name]
 
     def _weight_planes(self, t):
-        return [self.buffers[f"{t.name}:{p}"] for p in reader(t.dtype).plane_names]
+        """The plane buffers of a device weight; for one part of a stacked weight (the
+        tensor-core lowering reads q, k and v apart), views from the part's first row."""
+        r = reader(t.dtype)
+        if t.name in self._part_of:
+            whole, row = self._part_of[t.name]
+            return [self.device.view(self.buffers[f"{whole.name}:{p}"],
+                                     row * r.row_words(p, t.shape[1]) * 4)
+                    for p in r.plane_names]
+        return [self.buffers[f"{t.name}:{p}"] for p in r.plane_names]
+
+    def _use(self, long):
+        """Makes the buffers of values follow the lowering a step runs (long: steps_long)."""
+        self._uses, self._slot_of, _ = self._lowerings[long]
 
     def time_kernels(self):
         """Device timing from now on (--device-timing): every step launches kernel by kernel,

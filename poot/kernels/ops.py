@@ -176,6 +176,72 @@ def store_kv():
     return k.build()
 
 
+@cache
+def rope_store_kv(style):
+    """A layer's rope of q and k and its store_kv in one launch: q [T, heads, head_dim] rotated
+    in place, k rotated on the way into the cache (k itself is only read: a neox pair spans two
+    threads' words), v stored as it is. One thread per (token, head of q then of k/v, word of two
+    dims); grid (ceil(T * (heads + kv_heads) * head_dim / 2 / WG)). Pairs as in `rope`."""
+    k = KernelBuilder(f"rope_store_kv_{style}", (WG,))
+    q, key, value = k.buffer("q", F32, "rw"), k.buffer("k", F32), k.buffer("v", F32)
+    k_cache, v_cache = k.buffer("k_cache", U32, "w"), k.buffer("v_cache", U32, "w")
+    positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
+        k.buffer("block_tables", I32)
+    inv_freq = k.buffer("inv_freq", F32)
+    n_tokens, n_heads, n_kv, head_dim, n_pairs, table_width, block_size = (
+        k.scalar(s, I32) for s in ("n_tokens", "n_heads", "n_kv_heads", "head_dim", "n_pairs",
+                                   "table_width", "block_size"))
+    half = head_dim / 2
+    heads = n_heads + n_kv
+    g = k.block_id() * WG + k.thread_id()
+    with k.if_(g < n_tokens * heads * half):
+        word, th = g % half, g / half
+        t, h = th / heads, th % heads
+        angle = positions[t].to(F32)
+        with k.if_(h < n_heads) as stmt:
+            with k.if_(word < n_pairs):
+                sin, cos = sin_cos(k, angle * inv_freq[word])
+                base = (t * n_heads + h) * head_dim
+                if style == "normal":
+                    ia, ib = base + word * 2, base + word * 2 + 1
+                else:
+                    ia, ib = base + word, base + word + n_pairs
+                a, b = q[ia], q[ib]
+                q[ia] = a * cos - b * sin
+                q[ib] = a * sin + b * cos
+        with k.else_(stmt):
+            kvh = h - n_heads
+            base = (t * n_kv + kvh) * head_dim
+            d = word * 2
+            if style == "normal":                   # dims d, d + 1 are pair `word`
+                rotated = word < n_pairs
+                sin, cos = sin_cos(k, angle * inv_freq[k.min(word, n_pairs - 1)])
+                a, b = key[base + d], key[base + d + 1]
+                ka = k.select(rotated, a * cos - b * sin, a)
+                kb = k.select(rotated, a * sin + b * cos, b)
+            else:                                   # dim i pairs with i +- n_pairs
+                ka, kb = (_neox_dim(k, key, base, i, n_pairs, angle, inv_freq)
+                          for i in (d, d + 1))
+            pos = positions[t]
+            block = tables[seq_rows[t] * table_width + pos / block_size]
+            slot = (block * block_size + pos % block_size) * n_kv + kvh
+            k_cache[slot * half + word] = k.pack_half2(ka, kb)
+            v_cache[slot * half + word] = k.pack_half2(value[base + d], value[base + d + 1])
+    return k.build()
+
+
+def _neox_dim(k, x, base, i, n_pairs, angle, inv_freq):
+    """Dim i of the head at `base` after a neox rotation: pair i with i + n_pairs below
+    n_pairs, pair i - n_pairs with i - n_pairs up to 2 n_pairs, unrotated beyond."""
+    low, rotated = i < n_pairs, i < n_pairs * 2
+    pair = k.select(low, i, k.select(rotated, i - n_pairs, 0))
+    partner = k.select(low, i + n_pairs, k.select(rotated, i - n_pairs, i))
+    sin, cos = sin_cos(k, angle * inv_freq[pair])
+    mine, other = x[base + i], x[base + partner]
+    turned = k.select(low, mine * cos - other * sin, other * sin + mine * cos)
+    return k.select(rotated, turned, mine)
+
+
 def _attention(subgroup_size, head_dim, split):
     """The body of both attention kernels: one workgroup scans keys [lo, hi) of its (token,
     head) in chunks of WG with a running max and sum (see `attention`), then either normalises

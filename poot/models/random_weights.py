@@ -74,12 +74,17 @@ def byte_level_vocab(vocab_size, n_merges=40):
     return tokens, merges
 
 
-def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama"):
+def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mixed=()):
     """Writes a random-weight model of `shape` (a name in SHAPES or a Shape) to `path`.
 
     Matrices are stored in `dtype` (F32, F16, BF16 or a block quantisation); norms in F32.
+    `mixed` gives some matrices another dtype, as quantisation mixes do (Q4_K_M keeps attn_v
+    in Q6_K): (("attn_v", "Q6_K"), ...) by the name's part after the layer.
     `arch` "qwen2" adds q/k/v biases, "qwen3" q/k norms.
     """
+    def matrix(name):
+        return dict(mixed).get(name.split(".")[-2], dtype)
+
     s = SHAPES[shape] if isinstance(shape, str) else shape
     head_dim = s.d_model // s.n_heads
     tokens, merges = byte_level_vocab(s.vocab_size)
@@ -105,17 +110,22 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama"):
         specs.append((p + "attn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)))
         for name, rows in (("attn_q", s.d_model), ("attn_k", s.n_kv_heads * head_dim),
                            ("attn_v", s.n_kv_heads * head_dim)):
-            specs.append((p + name + ".weight", dtype, RandomArray((rows, s.d_model))))
+            specs.append((p + name + ".weight", matrix(p + name + ".weight"),
+                          RandomArray((rows, s.d_model))))
             if arch == "qwen2":
                 specs.append((p + name + ".bias", "F32", RandomArray((rows,), 0.1)))
         if arch == "qwen3":
             specs.append((p + "attn_q_norm.weight", "F32", RandomArray((head_dim,), 0.1, 1.0)))
             specs.append((p + "attn_k_norm.weight", "F32", RandomArray((head_dim,), 0.1, 1.0)))
-        specs += [(p + "attn_output.weight", dtype, RandomArray((s.d_model, s.d_model))),
+        specs += [(p + "attn_output.weight", matrix(p + "attn_output.weight"),
+                   RandomArray((s.d_model, s.d_model))),
                   (p + "ffn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)),
-                  (p + "ffn_gate.weight", dtype, RandomArray((s.d_ff, s.d_model))),
-                  (p + "ffn_up.weight", dtype, RandomArray((s.d_ff, s.d_model))),
-                  (p + "ffn_down.weight", dtype, RandomArray((s.d_model, s.d_ff)))]
+                  (p + "ffn_gate.weight", matrix(p + "ffn_gate.weight"),
+                   RandomArray((s.d_ff, s.d_model))),
+                  (p + "ffn_up.weight", matrix(p + "ffn_up.weight"),
+                   RandomArray((s.d_ff, s.d_model))),
+                  (p + "ffn_down.weight", matrix(p + "ffn_down.weight"),
+                   RandomArray((s.d_model, s.d_ff)))]
     specs += [("output_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)),
               ("output.weight", dtype, RandomArray((s.vocab_size, s.d_model)))]
     for index, (_, _, values) in enumerate(specs):

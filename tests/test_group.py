@@ -74,7 +74,9 @@ def test_group_batched_decode_equals_one_device(tmp_path, group, kind):
                           tables, np.arange(n, dtype=np.int32), SamplingRows.greedy(n))
         got = two.logits(batch)
         want = one.logits(batch)
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+        # 128 tokens run on the tensor cores with f16 operands: the group adds its partial sums
+        # in another order, which moves some activations across an f16 rounding boundary
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
         tokens = np.argmax(want, axis=1).astype(np.int32)
         assert np.array_equal(two.step(batch).tokens, one.step(batch).tokens)
     assert two.graphs, "decode steps were not replayed from a captured graph"

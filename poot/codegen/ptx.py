@@ -20,7 +20,8 @@ seen on an H200 over 2^20 random arguments):
 - exp(x) = 2^t * (1 + e*ln2), where t + e = x*log2(e) is split exactly with an fma: a plain
   ex2.approx(x*log2e) loses |x*log2e|*2^-24 relative to the rounding of the product (5e-6 at
   x = 80); this keeps exp at the accuracy of ex2.approx itself (measured 2.4 ulp, 2e-7
-  relative, over [-87, 88]). x is first clamped to [-104, 89] (NaN kept): -inf/inf give 0/inf.
+  relative, over [-87, 88]). x is first clamped to [-104, 89] (NaN kept): -inf/inf give 0/inf;
+  where 2^t overflows the result is that inf (the fma alone would give NaN for e < 0).
 - exp2, rsqrt: ex2/rsqrt.approx.f32 (not .ftz: subnormals kept), measured 2.1 and 1.5 ulp.
 - log2: lg2.approx.f32; log = lg2.approx * ln2. Their error is absolute near x = 1 (measured
   2.2e-7) and about 1e-7 relative elsewhere.
@@ -635,7 +636,11 @@ class _Renderer:
         self.emit(f"fma.rn.f32 {e}, {clamped}, {_f32(low)}, {e};")
         self.emit(f"mul.rn.f32 {e}, {e}, {_f32(LN2)};")
         self.emit(f"ex2.approx.f32 {power}, {t};")
-        self.emit(f"fma.rn.f32 {d}, {power}, {e}, {power};")
+        # past ln(FLT_MAX) the power is inf, and inf * e + inf is NaN for e < 0: keep the inf
+        fused, overflow = self.temp("b32"), self.temp("pred")
+        self.emit(f"fma.rn.f32 {fused}, {power}, {e}, {power};")
+        self.emit(f"setp.eq.f32 {overflow}, {power}, 0f7F800000;")
+        self.emit(f"selp.f32 {d}, {power}, {fused}, {overflow};")
 
     def sincos(self, op, d, x):
         high, low = _f32_split(TWO_PI)

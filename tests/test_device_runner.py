@@ -30,6 +30,14 @@ def step(tokens, start, row_tables):
                      np.arange(n, dtype=np.int32), SamplingRows.greedy(n))
 
 
+def prefill_of(n):
+    """One random n-token prompt in one step, its last 8 tokens sampled."""
+    prompt = np.random.default_rng().integers(3, 300, n).astype(np.int32)
+    return StepBatch(prompt, np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
+                     np.array([list(range(16))], np.int32),
+                     np.arange(n - 8, n, dtype=np.int32), SamplingRows.greedy(8))
+
+
 def greedy(runner, prompt, n, table):
     ids, logits = list(prompt), []
     out = runner.logits(step(ids, 0, table))[-1:]
@@ -89,11 +97,7 @@ def test_long_prefill_matches_reference(tmp_path, device, dtype, n):
     instructions (mma_tiled, its columns split where its tiles would not fill the device) where
     the device has them."""
     model = poot.load(tiny_model(tmp_path, dtype=dtype))
-    prompt = np.random.default_rng().integers(3, 300, n).tolist()
-    table = list(range(16))
-    batch = StepBatch(np.array(prompt, np.int32), np.arange(n, dtype=np.int32),
-                      np.zeros(n, np.int32), np.array([table], np.int32),
-                      np.arange(n - 8, n, dtype=np.int32), SamplingRows.greedy(8))
+    batch = prefill_of(n)
     want = model.runner(None, num_blocks=16).logits(batch)
     got = model.runner(device, num_blocks=16, max_tokens=128).logits(batch)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
@@ -153,11 +157,7 @@ def test_prefill_on_matrix_instructions_matches_reference(tmp_path, device, dtyp
         pytest.skip(f"{device.name} has no matrix instructions (fragment_load, mma_f16/bf16)")
     model = poot.load(tiny_model(tmp_path, dtype=dtype))
     n = 130
-    prompt = np.random.default_rng().integers(3, 300, n).tolist()
-    table = list(range(16))
-    batch = StepBatch(np.array(prompt, np.int32), np.arange(n, dtype=np.int32),
-                      np.zeros(n, np.int32), np.array([table], np.int32),
-                      np.arange(n - 8, n, dtype=np.int32), SamplingRows.greedy(8))
+    batch = prefill_of(n)
     want = model.runner(None, num_blocks=16).logits(batch)
     runner = model.runner(device, num_blocks=16, max_tokens=256)
     runner.time_kernels()                      # launches one by one, each kernel named

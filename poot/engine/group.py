@@ -133,7 +133,7 @@ class GroupRunner(StepRunner):
         return all([runner._set_long(length) for runner in self.runners])
 
     def _can_capture(self):
-        return True
+        return hasattr(self.group, "capture")
 
     def _capture(self, issue):
         return self.group.capture(issue)

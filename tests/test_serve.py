@@ -496,10 +496,13 @@ def test_the_program_serves_and_exits_0_on_sigterm(tmp_path):
 
 
 NO_VULKAN = {"POOT_VULKAN_LIB": "/nonexistent", "POOT_WGPU_LIB": "/nonexistent"}
+NO_GPU = dict(NO_VULKAN, POOT_CUDA_LIB="/nonexistent", POOT_HSA_LIB="/nonexistent")
 
 
 @pytest.mark.parametrize("flags, status, words, env", [
-    (["--backend", "ptx"], 3, "ptx", {}),
+    (["--backend", "ptx"], 3, "ptx", NO_GPU),
+    (["--backend", "auto", "--placement", "tensor:0,1"], 5, "only ptx runs device groups",
+     NO_GPU),
     (["--backend", "auto"], 3, "--backend reference", NO_VULKAN),
     (["--backend", "vulkan"], 3, "/nonexistent", NO_VULKAN),
     (["--backend", "wgpu"], 3, "/nonexistent", NO_VULKAN),

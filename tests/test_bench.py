@@ -32,3 +32,22 @@ def test_bench_prints_a_row_per_backend_and_batch(tmp_path):
     assert sorted((r[0], r[3]) for r in rows) == sorted((b, n) for b in backends for n in "12")
     for row in rows:
         assert float(row[4].replace(",", "")) > 0 and float(row[5].replace(",", "")) > 0
+
+
+def test_pooled_random_models_draw_their_rows_from_the_pool(tmp_path):
+    """write_random_llama(pool_rows=N), as scripts/bench writes its 1B and 8B models: each matrix
+    holds at most N distinct rows, the file loads and the reference runs it to finite logits."""
+    import numpy as np
+
+    import poot
+    from poot.engine.batch import SamplingRows, StepBatch
+    from poot.models.random_weights import write_random_llama
+    path = write_random_llama(tmp_path / "pooled.gguf", "tiny-k", dtype="Q4_0", pool_rows=16)
+    model = poot.load(path)
+    for name in ("blk.0.ffn_up.weight", "token_embd.weight", "output.weight"):
+        raw = np.asarray(model.file.raw(name)).reshape(model.file.tensors[name].shape[0], -1)
+        assert 1 < len(np.unique(raw, axis=0)) <= 16, name
+    logits = model.runner(None, num_blocks=4).logits(StepBatch(
+        np.array([5, 80, 9], np.int32), np.arange(3, dtype=np.int32), np.zeros(3, np.int32),
+        np.array([[0, 1, 2, 3]], np.int32), np.array([2], np.int32), SamplingRows.greedy(1)))
+    assert np.all(np.isfinite(logits)) and logits.std() > 0

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.gguf import write_gguf
+from ..formats.gguf import Encoded, write_gguf
+from ..formats.quants import quantize
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
@@ -74,13 +75,18 @@ def byte_level_vocab(vocab_size, n_merges=40):
     return tokens, merges
 
 
-def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mixed=()):
+def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mixed=(),
+                       pool_rows=None):
     """Writes a random-weight model of `shape` (a name in SHAPES or a Shape) to `path`.
 
     Matrices are stored in `dtype` (F32, F16, BF16 or a block quantisation); norms in F32.
     `mixed` gives some matrices another dtype, as quantisation mixes do (Q4_K_M keeps attn_v
     in Q6_K): (("attn_v", "Q6_K"), ...) by the name's part after the layer.
     `arch` "qwen2" adds q/k/v biases, "qwen3" q/k norms.
+    `pool_rows` (for benchmarks): each matrix draws and encodes only that many random rows and
+    fills its rows from them in random order, so an 8B-shaped file is written in the time its
+    bytes take to reach the disk (a quantised one would otherwise take numpy many minutes);
+    every byte is still read by the kernels as in any model.
     """
     def matrix(name):
         return dict(mixed).get(name.split(".")[-2], dtype)
@@ -130,6 +136,9 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
               ("output.weight", dtype, RandomArray((s.vocab_size, s.d_model)))]
     for index, (_, _, values) in enumerate(specs):
         values.seed = (seed, index)
+    if pool_rows:
+        specs = [(name, d, values.pooled(d, pool_rows) if len(values.shape) == 2 else values)
+                 for name, d, values in specs]
     write_gguf(path, meta, specs)
     return path
 
@@ -140,6 +149,17 @@ class RandomArray:
 
     def __init__(self, shape, scale=1.0, offset=0.0):
         self.shape, self.scale, self.offset, self.seed = shape, scale, offset, 0
+
+    def pooled(self, dtype, rows):
+        """The matrix encoded in `dtype` with its rows drawn from `rows` random ones."""
+        n_rows, cols = self.shape
+        if n_rows <= rows:
+            return self
+        pool = RandomArray((rows, cols), self.scale, self.offset)
+        pool.seed = self.seed
+        encoded = quantize(dtype, np.asarray(pool)).reshape(rows, -1)
+        order = np.random.default_rng(self.seed).integers(0, rows, n_rows)
+        return Encoded(self.shape, np.take(encoded, order, axis=0).reshape(-1))
 
     def __array__(self, dtype=None, copy=None):
         values = np.random.default_rng(self.seed).standard_normal(self.shape, dtype=np.float32)

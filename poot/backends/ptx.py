@@ -246,9 +246,9 @@ class PtxGroup:
         d._current()
         d.cu.stream_wait_event(d.stream, self.events[j])
 
-    def barrier(self, ranks=None):
+    def barrier(self):
         """No device goes on until every device has done the work issued to it so far."""
-        ranks = range(len(self.devices)) if ranks is None else ranks
+        ranks = range(len(self.devices))
         for i in ranks:
             self.signal(i)
         for i in ranks:

@@ -210,13 +210,14 @@ def held(device):
     return device.allocated, f"the {device.backend} device's count of its allocations"
 
 
-def verify(device, plan, runner, before):
-    """Checks what the allocation took against the plan: `before` is held(device)[0] read just
+def verify(device, footprint, runner, before):
+    """Checks what the allocation took against the planned `footprint` (the chosen candidate's
+    on this device): `before` is held(device)[0] read just
     before runner.allocate(). The growth must lie between the buffers' own bytes and the
     plan's rounded total, give or take one granule of the allocator; otherwise PlanMismatch
     (exit status 6) stops the server before it serves."""
     after, source = held(device)
-    check = Check(planned=plan.footprint.total, measured=after - before,
+    check = Check(planned=footprint.total, measured=after - before,
                   requested=sum(a.nbytes for a in runner.allocations()),
                   granularity=device.allocation_bytes(1), source=source)
     low, high = check.requested - check.granularity, check.planned + check.granularity
@@ -308,9 +309,5 @@ def group_runner_for(model, group, kind, candidate):
 
 def verify_group(group, plan, runner, before):
     """verify() on each device of the group, against its own footprint."""
-    checks = []
-    for device, f, part, held_before in zip(group.devices, plan.footprints, runner.runners,
-                                            before):
-        one = Plan(f"{device.backend}: {device.name}", None, "", None, ((plan.candidate, f),), 0)
-        checks.append(verify(device, one, part, held_before))
-    return checks
+    return [verify(device, f, part, held_before) for device, f, part, held_before
+            in zip(group.devices, plan.footprints, runner.runners, before)]

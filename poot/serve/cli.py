@@ -234,7 +234,7 @@ def device_runner(model, device, memory, args):
     runner = plan.runner_for(model, device, chosen.candidate)
     before, _ = plan.held(device)
     runner.allocate()
-    check = plan.verify(device, chosen, runner, before)
+    check = plan.verify(device, chosen.footprint, runner, before)
     f = chosen.footprint
     log.info("plan for %s on %s, %s free (%s):\n  %s (%d KV blocks of %d tokens)\n"
              "  weights %s + arenas %s + state %s = %s\n"

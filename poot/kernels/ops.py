@@ -242,14 +242,21 @@ def _neox_dim(k, x, base, i, n_pairs, angle, inv_freq):
     return k.select(rotated, turned, mine)
 
 
+KEYS_PER_ROUND = 4      # keys a subgroup scores per round of the attention loop (loads in flight)
+
+
 def _attention(subgroup_size, head_dim, split):
-    """The body of both attention kernels: one workgroup scans keys [lo, hi) of its (token,
-    head) in chunks of WG with a running max and sum (see `attention`), then either normalises
-    (split=False: lo, hi = 0, L) or writes its partial (split=True: the split of block_id(1))."""
-    if head_dim % 2 or head_dim // 2 > WG:
-        raise ValueError(f"head_dim {head_dim}: even and at most {2 * WG}")
-    half = head_dim // 2
-    n_groups = WG // half
+    """The body of both attention kernels: the subgroups of one workgroup share the keys
+    [lo, hi) of its (token, head), each taking KEYS_PER_ROUND consecutive keys a round, with
+    its own running max and sum (see `attention`); the subgroups' sums are then combined and
+    either normalised (split=False: lo, hi = 0, L) or written as the partial of split
+    block_id(1) (split=True)."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim}: even")
+    half, sg = head_dim // 2, subgroup_size
+    per_lane = -(-half // sg)                       # cache words a lane holds of each key row
+    n_sub = WG // sg
+    rounds = KEYS_PER_ROUND
     name = "attention_split" if split else "attention"
     k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}", (WG,))
     q, out = k.buffer("q", F32), k.buffer("partials" if split else "out", F32, "w")
@@ -260,11 +267,10 @@ def _attention(subgroup_size, head_dim, split):
         "n_heads", "n_kv_heads", "table_width", "block_size"))
     scale = k.scalar("scale", F32)
     split_tokens = k.scalar("split_tokens", I32) if split else None
-    scratch = k.shared("scratch", F32, WG // subgroup_size)
-    probs = k.shared("probs", F32, WG)
-    qs = k.shared("q", F32, head_dim)
-    partial = k.shared("partial", F32, n_groups * head_dim)
-    th, tid = k.block_id(), k.thread_id()
+    maxima = k.shared("maxima", F32, n_sub)
+    sums = k.shared("sums", F32, n_sub)
+    partial = k.shared("partial", F32, n_sub * head_dim)
+    th, tid, lane, sub = k.block_id(), k.thread_id(), k.lane_id(), k.subgroup_id()
     t, h = th / n_heads, th % n_heads
     kvh = h / (n_heads / n_kv)
     length = positions[t] + 1
@@ -274,63 +280,79 @@ def _attention(subgroup_size, head_dim, split):
     else:
         lo, hi = 0, length
     row = seq_rows[t]
-    word, group = tid % half, tid / half
-    with k.for_(tid, head_dim, WG) as i:
-        qs[i] = q[th * head_dim + i]
-    k.barrier()
-
-    def cache_word(cache, j, w):
-        block = tables[row * table_width + j / block_size]
-        return cache[((block * block_size + j % block_size) * n_kv + kvh) * half + w]
+    # lane's words of a key row: lane, lane + sg, ...; past half (a wide subgroup, a small head)
+    # a lane reads word 0 and weighs it nothing
+    words = [lane + sg * i for i in range(per_lane)]
+    valid = [None if half % sg == 0 else w < half for w in words]
+    words = [w if ok is None else k.select(ok, w, 0) for w, ok in zip(words, valid)]
+    qv = []
+    for w, ok in zip(words, valid):
+        pair = [q[th * head_dim + 2 * w + e] * scale for e in (0, 1)]
+        qv.append(pair if ok is None else [k.select(ok, v, 0.0) for v in pair])
 
     running_max, running_sum = k.var(F32, LOWEST), k.var(F32, 0.0)
-    acc = [k.var(F32, 0.0), k.var(F32, 0.0)]       # dims 2*word, 2*word + 1 of this group's sum
-    with k.for_(lo, hi, WG) as start:
-        j = start + tid
-        score = k.var(F32, LOWEST)
-        with k.if_(j < hi):
-            block = tables[row * table_width + j / block_size]
-            base = ((block * block_size + j % block_size) * n_kv + kvh) * half
-            dot = k.var(F32, 0.0)
-            for w in range(half):
-                ka, kb = k.unpack_half2(k_cache[base + w])
-                dot.set(k.fma(ka, qs[2 * w], k.fma(kb, qs[2 * w + 1], dot.get())))
-            score.set(dot.get() * scale)
-        chunk_max = block_reduce(k, score.get(), subgroup_size, scratch, "max")
-        new_max = k.max(running_max.get(), chunk_max)
-        p = k.exp(score.get() - new_max)
-        probs[tid] = p
-        chunk_sum = block_reduce(k, p, subgroup_size, scratch)    # its barriers publish probs
+    acc = [k.var(F32, 0.0) for _ in range(2 * per_lane)]
+    with k.for_(lo + sub * rounds, hi, n_sub * rounds) as j0:
+        keys = [k.min(j0 + u, hi - 1) for u in range(rounds)]
+        bases = [((tables[row * table_width + j / block_size] * block_size + j % block_size)
+                  * n_kv + kvh) * half for j in keys]
+        kw = [[k_cache[base + w] for w in words] for base in bases]
+        vw = [[v_cache[base + w] for w in words] for base in bases]
+        scores = []
+        for u in range(rounds):
+            dot = None
+            for (qa, qb), word in zip(qv, kw[u]):
+                ka, kb = k.unpack_half2(word)
+                dot = k.fma(ka, qa, kb * qb if dot is None else k.fma(kb, qb, dot))
+            score = k.subgroup_add(dot)
+            scores.append(score if u == 0 else k.select(j0 + u < hi, score, LOWEST))
+        new_max = running_max.get()
+        for score in scores:
+            new_max = k.max(new_max, score)
         correction = k.exp(running_max.get() - new_max)
-        running_sum.set(k.fma(running_sum.get(), correction, chunk_sum))
+        probs = [k.exp(score - new_max) for score in scores]
+        total = running_sum.get() * correction
+        for p in probs:
+            total = total + p
+        running_sum.set(total)
         running_max.set(new_max)
-        with k.if_(group < n_groups):
-            sums = [k.var(F32, 0.0), k.var(F32, 0.0)]
-            with k.for_(group, k.min(hi - start, WG), n_groups) as i:
-                pi = probs[i]
-                va, vb = k.unpack_half2(cache_word(v_cache, start + i, word))
-                sums[0].set(k.fma(pi, va, sums[0].get()))
-                sums[1].set(k.fma(pi, vb, sums[1].get()))
-            for a, s_ in zip(acc, sums):
-                a.set(k.fma(a.get(), correction, s_.get()))
-        k.barrier()                                 # probs is rewritten by the next chunk
-    with k.if_(group < n_groups):
-        partial[group * head_dim + 2 * word] = acc[0].get()
-        partial[group * head_dim + 2 * word + 1] = acc[1].get()
+        for i in range(per_lane):
+            for e in (0, 1):
+                value = acc[2 * i + e].get() * correction
+                for u, p in enumerate(probs):
+                    value = k.fma(p, k.unpack_half2(vw[u][i])[e], value)
+                acc[2 * i + e].set(value)
+    with k.if_(lane.eq(0)):
+        maxima[sub] = running_max.get()
+        sums[sub] = running_sum.get()
+    for i, (w, ok) in enumerate(zip(words, valid)):
+        for e in (0, 1):
+            if ok is None:
+                partial[sub * head_dim + 2 * w + e] = acc[2 * i + e].get()
+            else:
+                with k.if_(ok):
+                    partial[sub * head_dim + 2 * w + e] = acc[2 * i + e].get()
     k.barrier()
+    # the subgroups' sums, each weighed by exp(its max - the largest); a subgroup that scanned
+    # nothing (max lowest, sum 0) weighs nothing unless none scanned anything (a split past L)
+    top = k.var(F32, LOWEST)
+    with k.for_(0, n_sub) as s:
+        top.set(k.max(top.get(), maxima[s]))
     if split:
         base = (th * k.num_blocks(1) + k.block_id(1)) * (head_dim + 2)
-        with k.if_(tid.eq(0)):
-            out[base + head_dim] = running_max.get()
-            out[base + head_dim + 1] = running_sum.get()
     with k.for_(tid, head_dim, WG) as d:
-        total = k.var(F32, 0.0)
-        for g in range(n_groups):
-            total.set(total.get() + partial[g * head_dim + d])
+        num, den = k.var(F32, 0.0), k.var(F32, 0.0)
+        with k.for_(0, n_sub) as s:
+            weight = k.exp(maxima[s] - top.get())
+            num.set(k.fma(weight, partial[s * head_dim + d], num.get()))
+            den.set(k.fma(weight, sums[s], den.get()))
         if split:
-            out[base + d] = total.get()
+            out[base + d] = num.get()
+            with k.if_(d.eq(0)):
+                out[base + head_dim] = top.get()
+                out[base + head_dim + 1] = den.get()
         else:
-            out[th * head_dim + d] = total.get() / running_sum.get()
+            out[th * head_dim + d] = num.get() / den.get()
     return k.build()
 
 
@@ -338,10 +360,11 @@ def _attention(subgroup_size, head_dim, split):
 def attention(subgroup_size, head_dim):
     """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
     f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
-    (token, head); keys in chunks of WG with a running max and sum. A thread scores one key of
-    the chunk; for the weighted sum of values the threads split into groups that each take
-    every n_groups-th key, a thread one word (two dims) of the value rows, and the groups' sums
-    are added at the end. grid (T * heads)."""
+    (token, head). Its subgroups take turns at the keys, KEYS_PER_ROUND consecutive keys a
+    round (their K and V words all loaded before any arithmetic, so a lane has that many rows
+    in flight), a lane holding the same few words of q, K and V rows (a subgroup sum gives a
+    key's score); each subgroup keeps its own running max, sum and weighted sum of values, and
+    the subgroups' are combined at the end. grid (T * heads)."""
     return _attention(subgroup_size, head_dim, split=False)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from poot.codegen.ptx import render_ptx
 from poot.codegen.spirv import render_spirv
-from poot.engine.device_runner import TOKEN_GROUPS
+from poot.engine.device_runner import TOKEN_GROUPS, matvec_rows
 from poot.kernels import matmul, ops
 from poot.kernels.quant import DEVICE_DTYPES
 
@@ -20,8 +20,9 @@ MATVEC_VARIANTS = ({}, {"residual": True}, {"norm": True}, {"norm": True, "outpu
 
 
 def runner_kernels(subgroup_size):
-    out = [matmul.matvec(d, subgroup_size, n, **v) for d in DEVICE_DTYPES
-           for n in TOKEN_GROUPS for v in MATVEC_VARIANTS]
+    out = [matmul.matvec(d, subgroup_size, n, rows_per=rows_per, **v) for d in DEVICE_DTYPES
+           for n in TOKEN_GROUPS for rows_per in {1, matvec_rows(d, n)}
+           for v in MATVEC_VARIANTS]
     out += [matmul.tiled(d, residual=r) for d in DEVICE_DTYPES for r in (False, True)]
     out += [matmul.split_sum(r) for r in (False, True)]
     out += [ops.embedding(d) for d in DEVICE_DTYPES]

@@ -82,35 +82,40 @@ def weight(dtype, rows, cols):
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("n_tokens", [1, 3, 8, 11])
-def test_matvec(device, dtype, n_tokens):
+@pytest.mark.parametrize("n_tokens,rows_per", [(1, 1), (1, 3), (3, 1), (8, 2), (11, 1)])
+def test_matvec(device, dtype, n_tokens, rows_per):
+    """rows_per 3: 200 rows leave the last subgroup part of its rows."""
     rows, cols = 200, 512
     w_planes, dense = weight(dtype, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
     group = next((g for g in (1, 2, 4, 8) if g >= n_tokens), 8)
-    k = matmul.matvec(dtype, device.subgroup_size, group)
-    per_wg = matmul.WORKGROUP // device.subgroup_size
-    got = run(device, k, (-(-rows // per_wg), -(-n_tokens // group)), *w_planes, x,
-              np.zeros((n_tokens, rows), np.float32), rows, cols, n_tokens)["y"]
+    k = matmul.matvec(dtype, device.subgroup_size, group, rows_per=rows_per)
+    grid = matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group, rows_per)
+    got = run(device, k, grid, *w_planes, x, np.zeros((n_tokens, rows), np.float32), rows, cols,
+              n_tokens)["y"]
     assert rel_err(got, ref.matmul(x, dense)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("norm,outputs,n_tokens", [(True, 1, 1), (True, 3, 11), (False, 3, 5)])
-def test_matvec_with_rms_norm_and_split_outputs(device, dtype, n_tokens, norm, outputs):
+@pytest.mark.parametrize("norm,outputs,n_tokens,rows_per", [(True, 1, 1, 1), (True, 3, 11, 1),
+                                                           (False, 3, 5, 1), (True, 3, 1, 3)])
+def test_matvec_with_rms_norm_and_split_outputs(device, dtype, n_tokens, norm, outputs,
+                                                rows_per):
     """The norm folded into the product (as attn_norm into q, k, v), and stacked matrices
-    (q, k, v concatenated) written to one buffer each."""
+    (q, k, v concatenated) written to one buffer each; rows_per 3 puts a split inside a
+    subgroup's rows."""
     sizes = (136, 40, 40)[:outputs] if outputs > 1 else (200,)
     rows, cols, eps = sum(sizes), 512, 1e-5
     w_planes, dense = weight(dtype, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
     g = rng.standard_normal(cols).astype(np.float32)
     group = next((g_ for g_ in (1, 2, 4, 8) if g_ >= n_tokens), 8)
-    k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, outputs=outputs)
-    per_wg = matmul.WORKGROUP // device.subgroup_size
+    k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, outputs=outputs,
+                      rows_per=rows_per)
     ys = [np.zeros((n_tokens, n), np.float32) for n in sizes]
     splits = list(np.cumsum(sizes)[:-1])
-    got = run(device, k, (-(-rows // per_wg), -(-n_tokens // group)), *w_planes, x,
+    got = run(device, k, matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group,
+                                            rows_per), *w_planes, x,
               *([g] if norm else []), *ys, rows, cols, n_tokens, *splits,
               *([eps] if norm else []))
     want = ref.matmul(ref.rms_norm(x, g, eps) if norm else x, dense)
@@ -120,8 +125,8 @@ def test_matvec_with_rms_norm_and_split_outputs(device, dtype, n_tokens, norm, o
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("norm,n_tokens", [(True, 1), (False, 11)])
-def test_matvec_swiglu(device, dtype, n_tokens, norm):
+@pytest.mark.parametrize("norm,n_tokens,rows_per", [(True, 1, 1), (False, 11, 1), (True, 1, 2)])
+def test_matvec_swiglu(device, dtype, n_tokens, norm, rows_per):
     """silu(gate . x) * (up . x) in one pass over x: the feed-forward's first half."""
     rows, cols, eps = 200, 512, 1e-6
     gate_planes, gate = weight(dtype, rows, cols)
@@ -129,9 +134,10 @@ def test_matvec_swiglu(device, dtype, n_tokens, norm):
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
     g = rng.standard_normal(cols).astype(np.float32)
     group = next((g_ for g_ in (1, 2, 4, 8) if g_ >= n_tokens), 8)
-    k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, swiglu=True)
-    per_wg = matmul.WORKGROUP // device.subgroup_size
-    got = run(device, k, (-(-rows // per_wg), -(-n_tokens // group)), *gate_planes, *up_planes,
+    k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, swiglu=True,
+                      rows_per=rows_per)
+    got = run(device, k, matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group,
+                                            rows_per), *gate_planes, *up_planes,
               x, *([g] if norm else []), np.zeros((n_tokens, rows), np.float32), rows, cols,
               n_tokens, *([eps] if norm else []))["y"]
     h = ref.rms_norm(x, g, eps) if norm else x

@@ -27,6 +27,19 @@ from .batch import StepBatch, StepOutput
 from .sampling import sample
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
+
+
+def matvec_rows(dtype, group):
+    """Weight rows a matvec subgroup streams at once for one token: each x value it loads then
+    serves them all. Measured on the H200 (docs/benchmarks.md): two for float weights, four
+    for the 32-value block quants (a block's 18-34 bytes would otherwise ask for 128 bytes of
+    x); the K quants keep one, their decoding leaves no registers for more. Several tokens
+    (group > 1) already share each weight row's loads: one row."""
+    if group > 1 or dtype in ("Q4_K", "Q6_K"):
+        return 1
+    return 2 if dtype in ("F32", "F16", "BF16") else 4
+
+
 # Steps this long run their matmuls on matrix instructions (split along the columns where the
 # tiles alone would not fill the device): from 16 tokens the grouped matvec reads the weights
 # twice or more, the split mma_tiled once.
@@ -361,7 +374,9 @@ class DeviceRunner(StepRunner):
 
     def _kernels_of(self, op, sg, cfg, long=False):
         if op.kind == "matmul":
-            matvecs = [matmul.matvec(op.weight.dtype, sg, n, **op.variant) for n in TOKEN_GROUPS]
+            dtype = op.weight.dtype
+            matvecs = [matmul.matvec(dtype, sg, n, rows_per=matvec_rows(dtype, n), **op.variant)
+                       for n in TOKEN_GROUPS]
             if not long:
                 return matvecs
             return matvecs + [kernel for launch in self._mma_launches(op).values()
@@ -653,9 +668,7 @@ class DeviceRunner(StepRunner):
                     tile, = self._mma_kernels(w, op.residual is not None, launch)
                     self._launch(tile, launch.grid(w.shape[0], n), *args)
                 else:
-                    group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-                    self._launch(matmul.matvec(w.dtype, sg, group, **op.variant),
-                                 (-(-w.shape[0] // (wg // sg)), -(-n // group)), *args)
+                    self._launch_matvec(w, n, op.variant, args)
             elif op.kind == "matmul":
                 w = op.weight
                 n = self._shape(op.x, T, R)[0]
@@ -668,9 +681,7 @@ class DeviceRunner(StepRunner):
                 eps = [] if op.norm is None else [op.eps]
                 args = (*planes_, B(op.x), *norm, *map(B, op.outputs), *residual, rows, cols, n,
                         *splits, *eps)
-                group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-                self._launch(matmul.matvec(w.dtype, sg, group, **op.variant),
-                             (-(-rows // (wg // sg)), -(-n // group)), *args)
+                self._launch_matvec(w, n, op.variant, args)
             elif op.kind == "add":
                 n = int(np.prod(self._shape(out, T, R)))
                 nb = int(np.prod(self._shape(ins[1], T, R)))
@@ -733,6 +744,15 @@ class DeviceRunner(StepRunner):
             argmax = self.graph.inputs["sample_tokens"]     # R rows, as the argmax buffer
             self._launch(ops.argmax(sg), (R,), B(logits), self._buffer_named("argmax", argmax),
                          self.vocab_size)
+
+    def _launch_matvec(self, w, n, variant, args):
+        """The matvec of weight w (its variant) over n tokens: the smallest token group that
+        holds them, further launches along grid y for more."""
+        sg = self.device.subgroup_size
+        group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
+        rows_per = matvec_rows(w.dtype, group)
+        self._launch(matmul.matvec(w.dtype, sg, group, rows_per=rows_per, **variant),
+                     matmul.matvec_grid(w.shape[0], n, sg, group, rows_per), *args)
 
     def _all_reduce(self, op, T, R):
         """The sum of the group's partials, plus the residual, into this rank's output; a

@@ -24,22 +24,27 @@ WORKGROUP = 256
 
 @cache
 def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=False, outputs=1,
-           swiglu=False):
-    """y[t, m] for t < n_tokens; grid (ceil(rows / subgroups per workgroup), ceil(T / tokens)).
+           swiglu=False, rows_per=1):
+    """y[t, m] for t < n_tokens; grid matvec_grid(rows, n_tokens, subgroup_size, tokens,
+    rows_per).
 
     Buffers: planes of W (u32), x f32 [T, cols], y f32 [T, rows] (with `residual`: y = W x + r,
     r [T, rows] read at y's index, so r may be y itself); scalars rows, cols, n_tokens.
     cols must be a multiple of the reader's block (32 for block formats, 8 for floats).
 
+    A subgroup streams `rows_per` consecutive rows (of each matrix) at once: each x value it
+    loads (and with `norm`, each gain and square) serves all of them, so the loads of x, which
+    come from cache, do not outnumber the weights' own.
+
     Fused variants, each saving a launch and a round trip of its activation through memory:
     - `norm`: x is RMS-normalised first, y = W (x * g) / sqrt(mean(x^2) + eps), with g f32
       [cols] (buffer `norm`, after x) and scalar eps (last). Each subgroup streams all of x for
-      its row anyway, so it sums the squares of what it loads; no other thread is waited for.
+      its rows anyway, so it sums the squares of what it loads; no other thread is waited for.
     - `outputs` > 1: W is several matrices stacked row-wise (q, k and v) and y is split the
       same way: rows [split_i, split_i+1) go to buffer y_i as [T, split_i+1 - split_i]; scalars
       split_1 .. split_{outputs-1} follow n_tokens.
-    - `swiglu`: two matrices of the same shape, planes gate_* then up_*; a subgroup takes row m
-      of both and y[t, m] = silu(gate . x) * (up . x).
+    - `swiglu`: two matrices of the same shape, planes gate_* then up_*; a subgroup takes rows
+      m.. of both and y[t, m] = silu(gate . x) * (up . x).
     """
     if residual and (outputs > 1 or swiglu):
         raise ValueError("matvec: a residual is added to one plain output only")
@@ -47,9 +52,11 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
         raise ValueError("matvec: swiglu writes one output")
     r = reader(dtype)
     matrices = ("gate", "up") if swiglu else ("w",)
-    # the same weight loads in flight per lane whether it streams one row or two
-    unroll = unroll or (4 if dtype in ("F32", "F16", "BF16") else 2) // len(matrices)
+    # the same weight loads in flight per lane however many rows it streams
+    streams = len(matrices) * rows_per
+    unroll = unroll or max(1, (4 if dtype in ("F32", "F16", "BF16") else 2) // streams)
     name = f"matvec_{dtype.lower()}_t{tokens}_u{unroll}_s{subgroup_size}"
+    name += f"_r{rows_per}" * (rows_per > 1)
     name += "_norm" * norm + f"_split{outputs}" * (outputs > 1) + "_swiglu" * swiglu
     name += "_residual" * residual
     k = KernelBuilder(name, (WORKGROUP,))
@@ -62,23 +69,26 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
     rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
     splits = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
     eps = k.scalar("eps", F32) if norm else None
-    row = k.block_id(0) * (WORKGROUP // subgroup_size) + k.subgroup_id()
+    first = (k.block_id(0) * (WORKGROUP // subgroup_size) + k.subgroup_id()) * rows_per
     t0 = k.block_id(1) * tokens
     lane = k.lane_id()
-    with k.if_(row >= rows):
+    with k.if_(first >= rows):
         k.return_()
-    acc = [[k.var(F32, 0.0) for _ in range(tokens)] for _ in matrices]
+    # rows past the end (the last subgroup's) read the last row again and store nothing
+    my_rows = [first] + [k.min(first + i, rows - 1) for i in range(1, rows_per)]
+    acc = [[[k.var(F32, 0.0) for _ in range(tokens)] for _ in my_rows] for _ in matrices]
     squares = [k.var(F32, 0.0) for _ in range(tokens)] if norm else []
     n_blocks = cols // r.block_elems
     stride = subgroup_size * unroll
 
     def accumulate(blocks):
         """Adds the blocks' products to acc; every block's loads come before any arithmetic,
-        so a lane has `len(blocks)` weight loads in flight."""
-        values = [[r.decode(k, buf, row, block, cols) for block in blocks] for buf in bufs]
+        so a lane has `len(blocks)` weight loads of each row in flight."""
+        values = [[[r.decode(k, buf, row, block, cols) for block in blocks] for row in my_rows]
+                  for buf in bufs]
         for t in range(tokens):
             with k.if_(t0 + t < n_tokens):
-                totals = [a[t].get() for a in acc]
+                totals = [[a[t].get() for a in per_row] for per_row in acc]
                 square = squares[t].get() if norm else None
                 for j, block in enumerate(blocks):
                     xrow = (t0 + t) * cols + block * r.block_elems
@@ -89,9 +99,11 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
                                 square = k.fma(xv, xv, square)
                                 xv = xv * gains[e]
                             for m, matrix in enumerate(values):
-                                totals[m] = k.fma(matrix[j][i + e], xv, totals[m])
-                for a, total in zip(acc, totals):
-                    a[t].set(total)
+                                for q, row_values in enumerate(matrix):
+                                    totals[m][q] = k.fma(row_values[j][i + e], xv, totals[m][q])
+                for per_row, row_totals in zip(acc, totals):
+                    for a, total in zip(per_row, row_totals):
+                        a[t].set(total)
                 if norm:
                     squares[t].set(square)
 
@@ -100,28 +112,38 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
         accumulate([block + u * subgroup_size for u in range(unroll)])
     with k.for_(whole + lane, n_blocks, subgroup_size) as block:
         accumulate([block])
+    bounds = [None, *splits, rows]
     for t in range(tokens):
-        sums = [k.subgroup_add(a[t].get()) for a in acc]
+        scale = None
         if norm:
             scale = k.rsqrt(k.subgroup_add(squares[t].get()) / cols.to(F32) + eps)
-            sums = [s * scale for s in sums]
-        with k.if_((lane.eq(0)) & (t0 + t < n_tokens)):
-            if swiglu:
-                gate, up = sums
-                value = gate / (1.0 + k.exp(-gate)) * up
-            else:
-                value = sums[0]
-            bounds = [None, *splits, rows]
-            for i, y in enumerate(ys):
-                if outputs == 1:
-                    at = (t0 + t) * rows + row
-                    y[at] = value + res[at] if residual else value
-                    continue
-                first, end = bounds[i] or 0, bounds[i + 1]
-                inside = row < end if i == 0 else (row >= first) & (row < end)
-                with k.if_(inside):
-                    y[(t0 + t) * (end - first) + row - first] = value
+        for q in range(rows_per):
+            row = first + q
+            sums = [k.subgroup_add(per_row[q][t].get()) for per_row in acc]
+            if norm:
+                sums = [s * scale for s in sums]
+            with k.if_((lane.eq(0)) & (t0 + t < n_tokens) & (row < rows)):
+                if swiglu:
+                    gate, up = sums
+                    value = gate / (1.0 + k.exp(-gate)) * up
+                else:
+                    value = sums[0]
+                for i, y in enumerate(ys):
+                    if outputs == 1:
+                        at = (t0 + t) * rows + row
+                        y[at] = value + res[at] if residual else value
+                        continue
+                    start, end = bounds[i] or 0, bounds[i + 1]
+                    inside = row < end if i == 0 else (row >= start) & (row < end)
+                    with k.if_(inside):
+                        y[(t0 + t) * (end - start) + row - start] = value
     return k.build()
+
+
+def matvec_grid(rows, n_tokens, subgroup_size, tokens=1, rows_per=1):
+    """The grid of a matvec launch over `rows` rows and n_tokens tokens."""
+    per_group = WORKGROUP // subgroup_size * rows_per
+    return (-(-rows // per_group), -(-n_tokens // tokens))
 
 
 TILE = 64            # tokens and rows of a tiled workgroup's output; 4 x 4 per thread

@@ -5,15 +5,16 @@ from poot.loader import default_model_path
 from poot.models.random_weights import write_random_llama
 
 
-def tiny_model(folder, dtype="F16", arch="llama", seed=0, shape=None, mixed=()):
+def tiny_model(folder, dtype="F16", arch="llama", seed=0, shape=None, mixed=(), tied=False):
     """A 2-layer random Llama GGUF with a real byte-level tokenizer and ChatML template
-    (`shape`: another of random_weights.SHAPES); `mixed`: matrices in other dtypes (see
-    write_random_llama)."""
+    (`shape`: another of random_weights.SHAPES); `mixed`: matrices in other dtypes, `tied`: the
+    embedding table as the output head (see write_random_llama)."""
     shape = shape or ("tiny" if dtype in ("F32", "F16", "BF16") else "tiny-k")
-    kinds = "".join(f"-{name}-{d.lower()}" for name, d in mixed)
+    kinds = "".join(f"-{name}-{d.lower()}" for name, d in mixed) + "-tied" * tied
     path = folder / f"{shape}-{arch}-{dtype.lower()}{kinds}-{seed}.gguf"
     if not path.exists():
-        write_random_llama(path, shape, dtype=dtype, seed=seed, arch=arch, mixed=mixed)
+        write_random_llama(path, shape, dtype=dtype, seed=seed, arch=arch, mixed=mixed,
+                           tied=tied)
     return path
 
 

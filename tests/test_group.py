@@ -3,10 +3,11 @@ model on one: prefill, decode replays and batched decode (pipeline micro-batches
 device logits and greedy tokens, for both placements. Needs two CUDA devices with peer access;
 skips with the reason elsewhere.
 
-Where there is one device (lavapipe in CI), OneDeviceGroup puts both ranks on it: the runners of
-each part, their lockstep, the reduction kernel reading the other rank's partial sums and the
-stage-to-stage copies run for real, eagerly and in issue order on one queue; what only two CUDA
-devices show (events across devices, peer memory, one CUDA graph over both) is the tests above."""
+Where there is one device (lavapipe in CI), OneDeviceGroup puts both ranks (or three) on it: the
+runners of each part, their lockstep, the reduction kernel reading the other rank's partial
+sums, the gathering of the ranks' slices of the logits and the stage-to-stage copies run for
+real, eagerly and in issue order on one queue; what only two CUDA devices show (events across
+devices, peer memory, one CUDA graph over both) is the tests above."""
 import numpy as np
 import pytest
 
@@ -46,15 +47,20 @@ def same_greedy(one, two, n):
 
 
 CASES = [("tiny", "F16", "llama"), ("tiny-odd", "Q4_0", "llama"), ("tiny-odd", "F16", "llama"),
-         ("tiny", "F32", "qwen2"), ("tiny", "BF16", "qwen3"), ("tiny-k", "Q6_K", "llama")]
+         ("tiny", "F32", "qwen2"), ("tiny", "BF16", "qwen3"), ("tiny-k", "Q6_K", "llama"),
+         ("tiny-odd", "Q4_0", "llama", "tied")]     # the embedding table as the output head
+
+
+def load(tmp_path, case):
+    shape, dtype, arch, *tied = case
+    return poot.load(tiny_model(tmp_path, dtype=dtype, arch=arch, shape=shape, tied=bool(tied)))
 
 
 @pytest.mark.parametrize("kind", ["tensor", "pipeline"])
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_group_greedy_equals_one_device(tmp_path, group, kind, case):
-    shape, dtype, arch = case
-    model = poot.load(tiny_model(tmp_path, dtype=dtype, arch=arch, shape=shape))
-    if kind == "tensor" and shape == "tiny-k":
+    model = load(tmp_path, case)
+    if kind == "tensor" and case[0] == "tiny-k":
         # 256-column blocks, heads of 64 columns: the split would cut a block (refused)
         with pytest.raises(PlacementRefused, match="inside a block"):
             GroupRunner(model, group, kind, 32)
@@ -142,14 +148,17 @@ def test_poot_serve_gives_the_same_tokens_under_every_placement(tmp_path, group)
         assert [d["part"]["logits"] for d in h["plan"]["devices"]] in ([False, True],
                                                                         [True, False])
         assert all(d["checked"]["measured"] > 0 for d in h["plan"]["devices"])
+    # tensor: each device computes the logits of its half of the 320 rows of the output head
+    assert [d["part"]["vocab_rows"] for d in health[2]["plan"]["devices"]] == [[0, 160],
+                                                                               [160, 320]]
 
 
 class OneDeviceGroup:
-    """Two ranks on one device, in place of two GPUs (see the module's docstring). A device's
-    launches run in issue order, so barriers and events have nothing to order."""
+    """Two ranks (or more) on one device, in place of two GPUs (see the module's docstring). A
+    device's launches run in issue order, so barriers and events have nothing to order."""
 
-    def __init__(self, device):
-        self.devices = [device, device]
+    def __init__(self, device, ranks=2):
+        self.devices = [device] * ranks
         self.name = device.name
 
     def barrier(self):
@@ -173,14 +182,62 @@ def one_device():
         pytest.skip(str(e))
 
 
+ONE_DEVICE_CASES = CASES[:4] + CASES[-1:]
+
+
 @pytest.mark.parametrize("kind", ["tensor", "pipeline"])
-@pytest.mark.parametrize("case", CASES[:4], ids=["-".join(c) for c in CASES[:4]])
+@pytest.mark.parametrize("case", ONE_DEVICE_CASES, ids=["-".join(c) for c in ONE_DEVICE_CASES])
 def test_parts_on_one_device_equal_the_whole_model(tmp_path, one_device, kind, case):
-    shape, dtype, arch = case
-    model = poot.load(tiny_model(tmp_path, dtype=dtype, arch=arch, shape=shape))
+    model = load(tmp_path, case)
     one = model.runner(one_device.devices[0], num_blocks=32)
     two = GroupRunner(model, one_device, kind, 32, micro_batches=1)
     two.allocate()
     two.upload()
     assert [r.part for r in two.runners] == two.parts and len(two.runners) == 2
     same_greedy(one, two, 12)
+
+
+HEAD_CASES = [(2, CASES[0]), (3, CASES[1]), (2, CASES[-1])]
+
+
+@pytest.mark.parametrize("ranks,case", HEAD_CASES,
+                         ids=[f"{n}-" + "-".join(c) for n, c in HEAD_CASES])
+def test_tensor_ranks_on_one_device_split_the_output_head(tmp_path, one_device, ranks, case):
+    """Each rank holds its rows of the output head (320 rows: 107, 107, 106 over three ranks)
+    and computes their logits; rank 0 gathers them from the others' buffers, reads them back
+    and takes the argmax on the device. A tied head stays whole on rank 0."""
+    model = load(tmp_path, case)
+    cfg = model.config
+    one = model.runner(one_device.devices[0], num_blocks=32)
+    two = GroupRunner(model, OneDeviceGroup(one_device.devices[0], ranks), "tensor", 32)
+    two.allocate()
+    two.upload()
+    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+
+    def nbytes(runner, name):
+        return sum(a.nbytes for a in runner.allocations() if a.name.split(":")[0] == name)
+
+    whole = nbytes(one, head)
+    if cfg.tied_embeddings:
+        assert [nbytes(r, head) for r in two.runners] == [whole] * ranks
+    else:
+        rows = [r.part.vocab[1] - r.part.vocab[0] for r in two.runners]
+        assert sum(rows) == cfg.vocab_size and max(rows) - min(rows) <= 1
+        assert [nbytes(r, head) for r in two.runners] == [whole * n // cfg.vocab_size
+                                                          for n in rows]
+        assert [nbytes(r, "gather.0") for r in two.runners] == [r.max_seqs * n * 4 for r, n
+                                                                in zip(two.runners, rows)]
+    assert [r.has_logits for r in two.runners] == [True] + [False] * (ranks - 1)
+    assert nbytes(two.head, two.head._output_name()) == two.max_seqs * cfg.vocab_size * 4
+    same_greedy(one, two, 12)
+    rng = np.random.default_rng()
+    tables = rng.permutation(32).astype(np.int32).reshape(4, 8)
+    for runner in (one, two):                       # a prompt in each of four rows
+        for s in range(4):
+            runner.logits(StepBatch(np.array([5, 80, 9], np.int32), np.arange(3, dtype=np.int32),
+                                    np.zeros(3, np.int32), tables[s:s + 1],
+                                    np.array([2], np.int32), SamplingRows.greedy(1)))
+    batch = StepBatch(rng.integers(0, cfg.vocab_size, 4).astype(np.int32),
+                      np.full(4, 3, np.int32), np.arange(4, dtype=np.int32), tables,
+                      np.arange(4, dtype=np.int32), SamplingRows.greedy(4))
+    assert np.array_equal(two.step(batch).tokens, one.step(batch).tokens)

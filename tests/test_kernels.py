@@ -383,6 +383,27 @@ def test_gather_rows(device):
     assert np.array_equal(got, x[index])
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_all_gather(device, world):
+    """A device group's slices of the logits (uneven: 1000 columns over `world`) side by side;
+    here every slice is in the one device's memory."""
+    widths = [len(a) for a in np.array_split(np.arange(1000), world)]
+    parts = [rng.standard_normal((3, n)).astype(np.float32) for n in widths]
+    got = run(device, ops.all_gather(world), (-(-1000 // ops.WG), 3), *parts,
+              np.zeros((3, 1000), np.float32), 1000, *np.cumsum(widths)[:-1].tolist())["out"]
+    assert np.array_equal(got, ref.all_gather(parts))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_all_reduce(device, residual):
+    parts = [rng.standard_normal(1000).astype(np.float32) for _ in range(3)]
+    res = [rng.standard_normal(1000).astype(np.float32)] if residual else []
+    got = run(device, ops.all_reduce(3, residual), (-(-1000 // (4 * ops.WG)),), *parts, *res,
+              np.zeros(1000, np.float32), 0, 1000)["out"]
+    want = ((res[0] if residual else 0) + ((parts[0] + parts[1]) + parts[2])).astype(np.float32)
+    assert np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("style", ["normal", "neox"])
 def test_rope(device, style):
     T, H, D, pairs = 6, 4, 64, 24                      # partial rotary: 48 of 64 dims

@@ -1,7 +1,8 @@
-"""The parts of a device group (engine/placement.py), checked in numpy: the graphs of a
-pipeline's stages run one after another, and a tensor group's shards run in lockstep with their
-partial sums added, must give the whole model's logits. No device is needed: this is the
-arithmetic of the split, which the ptx group then runs (tests/test_group.py)."""
+"""The parts of a device group (engine/placement.py), checked in numpy: the graphs of a pipeline's
+stages run one after another, and a tensor group's shards run in lockstep with their partial
+sums added and their slices of the logits gathered, must give the whole model's logits. No
+device is needed: this is the arithmetic of the split, which the ptx group then runs
+(tests/test_group.py)."""
 import numpy as np
 import pytest
 
@@ -34,16 +35,20 @@ def steps(rng, vocab):
 
 
 MODELS = {"llama-f16": ("tiny", "F16", "llama"), "odd-q4_0": ("tiny-odd", "Q4_0", "llama"),
-          "qwen2-f32": ("tiny", "F32", "qwen2"), "qwen3-f16": ("tiny", "F16", "qwen3")}
-# (model, devices): tiny has 2 layers and 2 KV heads; tiny-odd 3 of each (uneven at 2)
-GROUPS = [("llama-f16", 2), ("odd-q4_0", 2), ("odd-q4_0", 3), ("qwen2-f32", 2), ("qwen3-f16", 2)]
+          "qwen2-f32": ("tiny", "F32", "qwen2"), "qwen3-f16": ("tiny", "F16", "qwen3"),
+          "tied-q4_0": ("tiny-odd", "Q4_0", "llama", True)}
+# (model, devices): tiny has 2 layers and 2 KV heads; tiny-odd 3 of each (uneven at 2); the
+# vocabulary of 320 splits unevenly over 3
+GROUPS = [("llama-f16", 2), ("odd-q4_0", 2), ("odd-q4_0", 3), ("qwen2-f32", 2), ("qwen3-f16", 2),
+          ("tied-q4_0", 2), ("tied-q4_0", 3)]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("m")
-    return {key: poot.load(tiny_model(folder, dtype=dtype, arch=arch, shape=shape))
-            for key, (shape, dtype, arch) in MODELS.items()}
+    return {key: poot.load(tiny_model(folder, dtype=dtype, arch=arch, shape=shape,
+                                      tied=bool(tied)))
+            for key, (shape, dtype, arch, *tied) in MODELS.items()}
 
 
 def whole_logits(model):
@@ -59,12 +64,38 @@ def test_tensor_shards_sum_to_the_whole_model(models, key, world):
     parts = placement.tensor_parts(cfg, model.weight_shapes(), world)
     assert sum(b - a for a, b in (p.kv_heads for p in parts)) == cfg.n_kv_heads
     assert sum(b - a for a, b in (p.ff for p in parts)) == cfg.d_ff
+    assert [p.logits for p in parts] == [True] + [False] * (world - 1)
     ranks = [interpreter(model, p) for p in parts]
     want = whole_logits(model)
     for inputs, expected in zip(steps(np.random.default_rng(1), cfg.vocab_size), want):
         outputs = run_group(ranks, [inputs] * world)
         assert "logits" in outputs[0] and all("logits" not in o for o in outputs[1:])
         np.testing.assert_allclose(outputs[0]["logits"], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("key,world", GROUPS)
+def test_tensor_ranks_split_the_output_head(models, key, world):
+    """Each rank holds and computes its rows of the output head, rank 0 gathers them; a tied
+    head (the embedding table, held whole by every rank) stays whole on rank 0."""
+    model = models[key]
+    cfg = model.config
+    parts = placement.tensor_parts(cfg, model.weight_shapes(), world)
+    graphs = [model.step_graph(16, 4, p) for p in parts]
+    gathers = [[op for op in g.ops if op.kind == "all_gather"] for g in graphs]
+    if cfg.tied_embeddings:
+        assert all(p.vocab is None for p in parts)
+        assert [p.last for p in parts] == [True] + [False] * (world - 1)
+        assert not any(gathers)
+        return
+    vocab = [p.vocab for p in parts]
+    assert vocab[0][0] == 0 and vocab[-1][1] == cfg.vocab_size
+    assert [a for a, _ in vocab[1:]] == [b for _, b in vocab[:-1]]
+    assert max(b - a for a, b in vocab) - min(b - a for a, b in vocab) <= 1
+    assert all(p.last for p in parts)
+    for p, g, ops in zip(parts, graphs, gathers):
+        assert g.weights["output.weight"].shape == (p.vocab[1] - p.vocab[0], cfg.d_model)
+        assert len(ops) == 1 and ops[0].output.shape == ("R", cfg.vocab_size)
+        assert p.describe()["vocab_rows"] == list(p.vocab)
 
 
 @pytest.mark.parametrize("key,stages", GROUPS)

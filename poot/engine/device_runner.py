@@ -188,7 +188,7 @@ class DeviceRunner(StepRunner):
         self.two_phase_floats = TWO_PHASE_FLOATS
         self.long = False           # this step splits its attention (run() decides)
         self._offsets = (0, 0)      # (token, row) of a pipeline micro-batch (group.py)
-        self._reduce_buffer = self._reduce_buffers()
+        self._shared = self._shared_buffers()
         self.steps, self.stacked = self._lower(fuse=True)
         self._part_of = {}          # part of a stacked weight -> (stacked weight, first row)
         for whole, parts in self.stacked.values():
@@ -209,13 +209,19 @@ class DeviceRunner(StepRunner):
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
 
     # -- the plan ------------------------------------------------------------------------------
-    def _reduce_buffers(self):
-        """The partial sums a tensor group reads from each other's memory live in two buffers
-        of their own, used in turn (group.py's barriers make that safe), not in the arenas."""
-        out = {}
+    def _shared_buffers(self):
+        """What a tensor group reads from each other's memory lives in buffers of its own, not
+        in the arenas: the partial sums of the all_reduces in two buffers used in turn, each
+        all_gather's slice in one (group.py's barriers make both safe). {value's name: (buffer
+        name, value)}."""
+        out, seen = {}, Counter()
         for op in self.graph.ops:
+            x = op.inputs[0]
             if op.kind == "all_reduce":
-                out[op.inputs[0].name] = f"reduce.{len(out) % 2}"
+                out[x.name] = (f"reduce.{seen[op.kind] % 2}", x)
+            elif op.kind == "all_gather":
+                out[x.name] = (f"gather.{seen[op.kind]}", x)
+            seen[op.kind] += 1
         return out
 
     def _lower(self, fuse=True):
@@ -403,6 +409,8 @@ class DeviceRunner(StepRunner):
             return [ops.gather_rows()]
         if op.kind == "all_reduce":
             return [ops.all_reduce(op.attrs["world"], op.attrs["residual"])]
+        if op.kind == "all_gather":
+            return [ops.all_gather(op.attrs["world"])]
         return []
 
     def decode_piece(self):
@@ -466,8 +474,10 @@ class DeviceRunner(StepRunner):
         free, slot_of, sizes = {}, {}, []
         for i, op in enumerate(ops_):
             for out in op.outputs:
+                if op.kind == "all_gather" and out.name not in last_use:
+                    continue        # read by no op here: the ranks that do not keep the logits
                 if out.kind == "value" and op.kind not in SHARES_INPUT and \
-                        out.name not in self._reduce_buffer:
+                        out.name not in self._shared:
                     size = self._elements(out.shape) * 4
                     pool = free.setdefault(size, [])
                     slot = pool.pop() if pool else len(sizes)
@@ -506,8 +516,10 @@ class DeviceRunner(StepRunner):
             step.append(("argmax", self.max_seqs))
         if "hidden" in self.graph.inputs:   # a pipeline stage's input, copied from the last
             step.append(("hidden", self.max_tokens * self.model.config.d_model))
-        if self._reduce_buffer:
-            step += [(f"reduce.{i}", self.max_tokens * self.model.config.d_model) for i in (0, 1)]
+        shared = {}
+        for name, x in self._shared.values():
+            shared[name] = max(shared.get(name, 0), self._elements(x.shape))
+        step += list(shared.items())
         out += [Allocation(name, words * 4, "arenas") for name, words in step]
         out += [Allocation(f"arena.{i}", size, "arenas") for i, size in enumerate(self._slot_sizes)]
         if self.attention_splits > 1:       # (o [head_dim], m, l) of each token, head and split
@@ -594,8 +606,8 @@ class DeviceRunner(StepRunner):
     # -- a step --------------------------------------------------------------------------------
     def _buffer(self, tensor, offset=True):
         """The buffer of a tensor; in a pipeline micro-batch, a view from its first row."""
-        if tensor.name in self._reduce_buffer:
-            buffer = self.buffers[self._reduce_buffer[tensor.name]]
+        if tensor.name in self._shared:
+            buffer = self.buffers[self._shared[tensor.name][0]]
         elif tensor.kind == "value":
             buffer = self.buffers[f"arena.{self._slot_of[tensor.name]}"]
         else:
@@ -632,8 +644,8 @@ class DeviceRunner(StepRunner):
 
     def launches(self, T, R):
         """Issues the step's launches in graph order, as a generator: it stops before each
-        all_reduce (yielding the step), so a tensor group can put its barrier between the
-        ranks' partial sums and their reduction (group.py)."""
+        all_reduce and all_gather (yielding the step), so a tensor group can put its barrier
+        between the ranks' partial sums or slices and their reduction or gathering (group.py)."""
         sg, cfg = self.device.subgroup_size, self.model.config
         B = self._buffer
         wg = ops.WG
@@ -734,6 +746,8 @@ class DeviceRunner(StepRunner):
                              x.shape[-1])
             elif op.kind == "all_reduce":
                 yield from self._all_reduce(op, T, R)
+            elif op.kind == "all_gather":
+                yield from self._all_gather(op, T, R)
             elif op.kind == "reshape":
                 continue
             else:
@@ -776,6 +790,24 @@ class DeviceRunner(StepRunner):
             if peer is not self:
                 self.device.copy(self.device.view(rest[-1], a * 4),
                                  self.device.view(peer._buffer(op.output), a * 4), (b - a) * 4)
+
+    def _all_gather(self, op, T, R):
+        """The group's slices of a value (each rank's logits of its rows of the output head),
+        side by side into this rank's output; a generator that yields where the group must pass
+        a barrier. Each slice stays in its rank's own buffer (_shared_buffers); only a rank that
+        reads the whole (rank 0: the logits) copies the slices out of the others' memory, after
+        the barrier. A rank rewrites its slice only at the next step's output head, after that
+        step's first all_reduce barrier, which it passes only after rank 0 has done the work
+        issued to it before, this copy among it: one buffer is enough."""
+        yield op
+        if op.output.name not in self._slot_of:
+            return
+        widths = [peer._shared[op.inputs[0].name][1].shape[-1] for peer in self.peers]
+        starts = [int(s) for s in np.cumsum(widths)[:-1]]
+        rows, columns = self._shape(op.output, T, R)
+        self._launch(ops.all_gather(op.attrs["world"]), (-(-columns // ops.WG), rows),
+                     *(peer._buffer(op.inputs[0]) for peer in self.peers),
+                     self._buffer(op.output), columns, *starts)
 
     def _buffer_named(self, name, like):
         """A step buffer that is not a graph tensor, offset as the tensor `like` would be."""

@@ -4,14 +4,18 @@ Each device runs a DeviceRunner on its Part of the model (engine/placement.py): 
 lower, plan and allocate exactly as on one device, so every device's footprint is its own
 runner's allocation list. A GroupRunner steps them together:
 
-- tensor: every rank issues its launches up to its next all_reduce (DeviceRunner.launches
-  stops there), then a barrier orders the group (each device's event recorded, every other
-  device's stream waiting on it), then each rank sums the partials straight out of the others'
-  memory. The partials sit in two buffers used in turn, so one barrier per reduction is enough:
-  a rank refills a buffer only after the next barrier, which every rank passes only after its
-  reduction from that buffer. From three devices on, long messages reduce in two phases
-  (each rank sums its slice; after a second barrier it copies the others' slices). Rank 0
-  computes the logits.
+- tensor: every rank issues its launches up to its next all_reduce or all_gather
+  (DeviceRunner.launches stops there), then a barrier orders the group (each device's event
+  recorded, every other device's stream waiting on it), then each rank sums the partials
+  straight out of the others' memory. The partials sit in two buffers used in turn, so one
+  barrier per reduction is enough: a rank refills a buffer only after the next barrier, which
+  every rank passes only after its reduction from that buffer. From three devices on, long
+  messages reduce in two phases (each rank sums its slice; after a second barrier it copies the
+  others' slices). Each rank computes the logits of its rows of the output head (the vocabulary)
+  into a buffer of its own; after one more barrier rank 0 copies every rank's slice into its
+  columns of the logits (an all_gather) and samples. A rank rewrites its slice only after the
+  next step's first barrier, which it passes only after rank 0 has done that copy, so one buffer
+  is enough. (A tied head, the embedding table, stays whole on rank 0: engine/placement.py.)
 - pipeline: stage s+1 waits on stage s's event, pulls its activations with a peer copy, and
   runs its layers. A decode step is cut into micro-batches (token ranges, run as views from
   their first row), issued micro-batch by micro-batch, so stage 0 works on the second while
@@ -101,7 +105,8 @@ class GroupRunner(StepRunner):
             if all(op is None for op in reached):
                 return
             if any(op is None for op in reached):
-                raise RuntimeError("the ranks' graphs reach different numbers of all_reduce ops")
+                raise RuntimeError("the ranks' graphs reach different numbers of all_reduce "
+                                   "and all_gather ops")
             self.group.barrier()
 
     def _issue_pipeline(self, T, R):

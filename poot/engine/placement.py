@@ -1,9 +1,10 @@
 """How a model is divided over a device group: which part of the step each device computes.
 
 A `Part` names one device's share: a contiguous range of layers (pipeline), or every layer with
-a slice of its attention heads and feed-forward columns (tensor), and whether the device embeds
-the tokens (`first`) and computes the logits (`last`). `models/llama.py` builds the step graph
-of a part; this module only decides the parts.
+a slice of its attention heads and feed-forward columns (tensor), whether the device embeds the
+tokens (`first`) and computes the final norm and output head (`last`, over its `vocab` rows of
+the head), and its `rank` in a tensor group (rank 0 keeps the logits and samples).
+`models/llama.py` builds the step graph of a part; this module only decides the parts.
 
 pipeline: stages of contiguous layers, balanced by the bytes each stage holds (its layers'
 weights and KV cache, the embedding table on the first stage, the output head on the last).
@@ -11,8 +12,11 @@ weights and KV cache, the embedding table on the first stage, the output head on
 tensor: KV heads split as evenly as whole heads allow (each KV head takes its query heads with
 it), so heads that do not divide evenly give uneven shards rather than padding; a group larger
 than the KV heads is refused. The feed-forward columns are split in whole quantisation blocks of
-the down projection. Every rank embeds the tokens (the table is replicated); rank 0 alone holds
-the final norm and output head and computes the logits.
+the down projection. Every rank embeds the tokens (the table is replicated). The output head's
+rows (the vocabulary) are split evenly: every rank computes the logits of its rows, and rank 0
+gathers them (an all_gather) and samples. A model with tied embeddings, whose head is the
+embedding table every rank holds whole, keeps its head whole on rank 0 alone: a graph declares
+each weight once, with one slice, and the table's slice for the embedding is all of it.
 """
 from dataclasses import dataclass
 
@@ -24,15 +28,24 @@ from ..formats.quants import QUANTS
 class Part:
     layers: tuple               # (start, stop)
     first: bool = True          # embeds the tokens; else reads the input "hidden"
-    last: bool = True           # final norm and logits; else writes the output "hidden"
+    last: bool = True           # final norm and output head; else writes the output "hidden"
     kv_heads: tuple = None      # (start, stop) of the KV heads held (tensor); None: all
     ff: tuple = None            # (start, stop) of the feed-forward columns (tensor); None: all
+    vocab: tuple = None         # (start, stop) of the output head's rows (tensor); None: all
     world: int = 1              # devices whose partial sums are reduced after each block
+    rank: int = 0               # in a tensor group; rank 0 keeps the (gathered) logits
+
+    @property
+    def logits(self):
+        """Whether the device ends the step with the whole vocabulary's logits."""
+        return self.last and self.rank == 0
 
     def describe(self):
-        out = {"layers": list(self.layers), "embeds": self.first, "logits": self.last}
+        out = {"layers": list(self.layers), "embeds": self.first, "logits": self.logits}
         if self.kv_heads is not None:
             out.update(kv_heads=list(self.kv_heads), ff_columns=list(self.ff))
+        if self.vocab is not None:
+            out.update(vocab_rows=list(self.vocab))
         return out
 
 
@@ -76,8 +89,12 @@ def tensor_parts(cfg, weights, world):
         raise PlacementRefused(f"tensor placement over {world} devices: the feed-forward "
                                f"columns hold only {cfg.d_ff // down_block} blocks")
     ff = even(cfg.d_ff, world, down_block)
-    return [Part((0, cfg.n_layers), first=True, last=rank == 0, kv_heads=heads[rank],
-                 ff=ff[rank], world=world) for rank in range(world)]
+    if cfg.tied_embeddings:
+        return [Part((0, cfg.n_layers), last=rank == 0, kv_heads=heads[rank], ff=ff[rank],
+                     world=world, rank=rank) for rank in range(world)]
+    vocab = even(cfg.vocab_size, world)
+    return [Part((0, cfg.n_layers), kv_heads=heads[rank], ff=ff[rank], vocab=vocab[rank],
+                 world=world, rank=rank) for rank in range(world)]
 
 
 def pipeline_parts(cfg, stages, layer_bytes, first_bytes, last_bytes):

@@ -25,6 +25,8 @@ OPS = {
     "swiglu":     "out = silu(gate) * up",
     "gather":     "out[r] = x[index[r]]",
     "all_reduce": "out = the sum of x over the devices of a group (each holds a partial sum)",
+    "all_gather": "out = the concatenation along the last axis of x over the devices of a group, "
+                  "in the group's order (each holds a slice, the slices' lengths may differ)",
 }
 
 
@@ -149,3 +151,7 @@ class Graph:
 
     def all_reduce(self, x, world):
         return self._op("all_reduce", (x,), x.shape, {"world": int(world)})
+
+    def all_gather(self, x, world, width):
+        """x is this device's slice of the last axis, of the whole's `width`."""
+        return self._op("all_gather", (x,), x.shape[:-1] + (int(width),), {"world": int(world)})

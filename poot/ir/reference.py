@@ -31,13 +31,14 @@ class ReferenceInterpreter:
         return array
 
     def run(self, inputs):
-        """The graph's outputs for one step's inputs (a graph with all_reduce runs as a group
-        of one: its partial sums are the whole sums)."""
+        """The graph's outputs for one step's inputs (a graph with all_reduce or all_gather
+        runs as a group of one: its partial sums are the whole sums, its slice the whole)."""
         return run_group([self], [inputs])[0]
 
     def steps(self, inputs):
-        """Runs the graph as a generator: at each all_reduce it yields its partial sum and
-        continues with the sum it is sent; returns the outputs."""
+        """Runs the graph as a generator: at each all_reduce or all_gather it yields the op and
+        its partial sum or slice, and continues with the combined value it is sent; returns the
+        outputs."""
         env = dict(inputs)
         for name, (tensor, array) in self.graph.consts.items():
             env[name] = array
@@ -45,8 +46,8 @@ class ReferenceInterpreter:
             env[name] = self.state[name]
         for op in self.graph.ops:
             args = [self._value(env, t) for t in op.inputs]
-            if op.kind == "all_reduce":
-                env[op.output.name] = yield args[0]
+            if op.kind in COLLECTIVES:
+                env[op.output.name] = yield op, args[0]
             else:
                 env[op.output.name] = KERNELS[op.kind](*args, **op.attrs)
         return {name: env[t.name] for name, t in self.graph.outputs.items()}
@@ -59,23 +60,37 @@ class ReferenceInterpreter:
 
 def run_group(interpreters, inputs):
     """Runs the graphs of a tensor-parallel group in lockstep: at each all_reduce the partial
-    sums of every graph are added and the sum goes to all. [outputs] in the group's order."""
+    sums of every graph are added, at each all_gather their slices concatenated, and the result
+    goes to all. [outputs] in the group's order."""
     runs = [it.steps(inp) for it, inp in zip(interpreters, inputs)]
-    results, sums = [None] * len(runs), [None] * len(runs)
+    results, combined = [None] * len(runs), [None] * len(runs)
     while True:
-        partials = {}
+        reached = {}
         for i, run in enumerate(runs):
             if results[i] is None:
                 try:
-                    partials[i] = run.send(sums[i])
+                    reached[i] = run.send(combined[i])
                 except StopIteration as done:
                     results[i] = done.value
-        if not partials:
+        if not reached:
             return results
-        if len(partials) != len(runs):
-            raise ValueError("the group's graphs reach different numbers of all_reduce ops")
-        total = sum(partials.values())
-        sums = [total] * len(runs)
+        kinds = {op.kind for op, _ in reached.values()}
+        if len(reached) != len(runs) or len(kinds) != 1:
+            raise ValueError("the group's graphs reach different sequences of all_reduce and "
+                             "all_gather ops")
+        value = COLLECTIVES[kinds.pop()]([part for _, part in reached.values()])
+        combined = [value] * len(runs)
+
+
+def all_reduce(parts):
+    return sum(parts)
+
+
+def all_gather(parts):
+    return np.concatenate(parts, axis=-1)
+
+
+COLLECTIVES = {"all_reduce": all_reduce, "all_gather": all_gather}
 
 
 def embedding(table, ids):

@@ -1,7 +1,8 @@
 """The step's small kernels: embedding, RMSNorm, RoPE, KV store, attention (in one pass, or split
-along the context and combined), SwiGLU, add, gather, argmax. Each function returns a Kernel for
-a subgroup size; the numpy meaning of each is the op of the same name in poot/ir/reference.py
-(argmax: the greedy choice of engine/sampling.py).
+along the context and combined), SwiGLU, add, gather, argmax, and a device group's all_reduce
+and all_gather. Each function returns a Kernel for a subgroup size; the numpy meaning of each is
+the op of the same name in poot/ir/reference.py (argmax: the greedy choice of
+engine/sampling.py).
 
 Activations are f32 [tokens, features]; the KV cache holds f16 pairs in u32 words,
 [blocks, block_size, kv_heads, head_dim / 2].
@@ -453,4 +454,33 @@ def all_reduce(world, residual=False):
         if residual:
             total = [a + b for a, b in zip(res.load(i, 4), total)]
         out.store(i, *total)
+    return k.build()
+
+
+@cache
+def all_gather(world):
+    """out[r, c] = part_j[r, c - start_j] for start_j <= c < start_{j+1} (start_0 = 0,
+    start_world = columns): the slices [rows, start_{j+1} - start_j] of a device group's ranks
+    side by side, each read from its own device's memory (peer access). One thread per element;
+    grid (ceil(columns / WG), rows)."""
+    k = KernelBuilder(f"all_gather_w{world}", (WG,))
+    parts = [k.buffer(f"part{j}", F32) for j in range(world)]
+    out = k.buffer("out", F32, "w")
+    columns = k.scalar("columns", I32)
+    starts = [0] + [k.scalar(f"start{j}", I32) for j in range(1, world)] + [columns]
+    r, c = k.block_id(1), k.block_id() * WG + k.thread_id()
+
+    def take(j):
+        """Column c from rank j's slice where it lies there, else from a later rank's."""
+        width, column = (starts[j + 1] - starts[j], c - starts[j]) if j else (starts[1], c)
+        if j == world - 1:
+            out[r * columns + c] = parts[j][r * width + column]
+            return
+        with k.if_(c < starts[j + 1]) as stmt:
+            out[r * columns + c] = parts[j][r * width + column]
+        with k.else_(stmt):
+            take(j + 1)
+
+    with k.if_(c < columns):
+        take(0)
     return k.build()

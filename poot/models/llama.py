@@ -174,9 +174,10 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
 
     `part` (engine/placement.py) makes the graph of one device of a group: its layers, its
     slice of the heads and feed-forward columns (weights declared with the slice they take of
-    the file's tensor, and an all_reduce of the partial sums after each block), and whether it
-    embeds the tokens (else it reads the input "hidden") and computes the logits (else its
-    output is "hidden"). Without one, the whole model."""
+    the file's tensor, and an all_reduce of the partial sums after each block), whether it
+    embeds the tokens (else it reads the input "hidden") and computes the output head (else its
+    output is "hidden"), and its rows of the head: the group's slices of the logits are
+    gathered, and only rank 0 outputs them. Without one, the whole model."""
     g = Graph()
     tokens = g.input("tokens", ("T",))
     positions = g.input("positions", ("T",))
@@ -195,6 +196,8 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
             if tuple(have) != shape:
                 raise WrongShape(name, shape, tuple(have))
             g.weight(name, shape, dtype, rows=rows, cols=cols)
+        elif g.slices.get(name, (None, None)) != (rows, cols):
+            raise ValueError(f"{name} is read with two slices (a tied head is not split)")
         return g.weights[name]
 
     def project(x, name, n_out, rows):
@@ -250,7 +253,11 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     # only the sampled rows need the final norm and the (large) output projection
     x = g.rms_norm(g.gather(x, sample_tokens), w("output_norm.weight", E), cfg.norm_eps)
     output = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-    g.output("logits", g.matmul(x, w(output, cfg.vocab_size, E)))
+    logits = g.matmul(x, w(output, cfg.vocab_size, E, rows=part.vocab))
+    if part.vocab is not None:
+        logits = g.all_gather(logits, part.world, cfg.vocab_size)
+    if part.logits:
+        g.output("logits", logits)
     return g
 
 

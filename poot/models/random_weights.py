@@ -76,13 +76,14 @@ def byte_level_vocab(vocab_size, n_merges=40):
 
 
 def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mixed=(),
-                       pool_rows=None):
+                       pool_rows=None, tied=False):
     """Writes a random-weight model of `shape` (a name in SHAPES or a Shape) to `path`.
 
     Matrices are stored in `dtype` (F32, F16, BF16 or a block quantisation); norms in F32.
     `mixed` gives some matrices another dtype, as quantisation mixes do (Q4_K_M keeps attn_v
     in Q6_K): (("attn_v", "Q6_K"), ...) by the name's part after the layer.
-    `arch` "qwen2" adds q/k/v biases, "qwen3" q/k norms.
+    `arch` "qwen2" adds q/k/v biases, "qwen3" q/k norms. `tied`: no output.weight, the
+    embedding table serves as the output head (as in SmolLM2 and the small Qwens).
     `pool_rows` (for benchmarks): each matrix draws and encodes only that many random rows and
     fills its rows from them in random order, so an 8B-shaped file is written in the time its
     bytes take to reach the disk (a quantised one would otherwise take numpy many minutes);
@@ -132,8 +133,9 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
                    RandomArray((s.d_ff, s.d_model))),
                   (p + "ffn_down.weight", matrix(p + "ffn_down.weight"),
                    RandomArray((s.d_model, s.d_ff)))]
-    specs += [("output_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)),
-              ("output.weight", dtype, RandomArray((s.vocab_size, s.d_model)))]
+    specs.append(("output_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)))
+    if not tied:
+        specs.append(("output.weight", dtype, RandomArray((s.vocab_size, s.d_model))))
     for index, (_, _, values) in enumerate(specs):
         values.seed = (seed, index)
     if pool_rows:

@@ -18,13 +18,12 @@ import pytest
 from drivers import DriverError, LibraryNotFound, comgr
 from poot.codegen.amdgpu import (AMDGPU_CAPS, build_code_object, compiler_isas, full_isa_name,
                                  isa_family, render_opencl)
-from poot.engine.device_runner import TOKEN_GROUPS, matvec_rows
 from poot.errors import ModelRefused
 from poot.kernels import matmul, ops
 from poot.kernels.lang import F16, F32, I64, U32, Kernel, KernelBuilder
 from poot.kernels.quant import DEVICE_DTYPES
 from tests.test_codegen_ptx import CASES, MMA_CASES
-from tests.test_kernel_sources import MATVEC_VARIANTS
+from tests.test_kernel_sources import runner_matvecs
 
 TARGETS = (("gfx90a", 64), ("gfx1030", 32), ("gfx908", 64))
 
@@ -39,9 +38,7 @@ def installed_comgr():
 
 def runner_kernels(wavefront):
     """Every kernel engine/device_runner.py launches, for a subgroup of `wavefront` lanes."""
-    kernels = [matmul.matvec(dtype, wavefront, group, rows_per=matvec_rows(dtype, group),
-                             **variant) for dtype in DEVICE_DTYPES
-               for group in TOKEN_GROUPS for variant in MATVEC_VARIANTS]
+    kernels = runner_matvecs(wavefront)
     kernels += [ops.embedding(dtype) for dtype in DEVICE_DTYPES]
     kernels += [ops.rms_norm(wavefront), ops.elementwise("add"), ops.elementwise("swiglu"),
                 ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),

@@ -19,10 +19,23 @@ MATVEC_VARIANTS = ({}, {"residual": True}, {"norm": True}, {"norm": True, "outpu
                    {"swiglu": True})
 
 
+def runner_matvecs(subgroup_size):
+    """The matvecs the runner launches: every variant and token group with its rows a
+    subgroup (and one a subgroup), and one-token steps with subgroups sharing a row."""
+    out = []
+    for d in DEVICE_DTYPES:
+        for v in MATVEC_VARIANTS:
+            matrices = 2 if v.get("swiglu") else 1
+            out += [matmul.matvec(d, subgroup_size, n, rows_per=rows_per, **v)
+                    for n in TOKEN_GROUPS for rows_per in {1, matvec_rows(d, n, matrices)}]
+            out += [matmul.matvec(d, subgroup_size, 1, rows_per=matvec_rows(d, 1, matrices),
+                                  split=split, **v)
+                    for split in (2, 8) if split <= matmul.WORKGROUP // subgroup_size]
+    return out
+
+
 def runner_kernels(subgroup_size):
-    out = [matmul.matvec(d, subgroup_size, n, rows_per=rows_per, **v) for d in DEVICE_DTYPES
-           for n in TOKEN_GROUPS for rows_per in {1, matvec_rows(d, n)}
-           for v in MATVEC_VARIANTS]
+    out = runner_matvecs(subgroup_size)
     out += [matmul.tiled(d, residual=r) for d in DEVICE_DTYPES for r in (False, True)]
     out += [matmul.split_sum(r) for r in (False, True)]
     out += [ops.embedding(d) for d in DEVICE_DTYPES]

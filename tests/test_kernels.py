@@ -82,25 +82,30 @@ def weight(dtype, rows, cols):
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("n_tokens,rows_per", [(1, 1), (1, 3), (3, 1), (8, 2), (11, 1)])
-def test_matvec(device, dtype, n_tokens, rows_per):
-    """rows_per 3: 200 rows leave the last subgroup part of its rows."""
+@pytest.mark.parametrize("n_tokens,rows_per,split", [(1, 1, 1), (1, 3, 1), (3, 1, 1), (8, 2, 1),
+                                                     (11, 1, 1), (1, 2, 4), (3, 1, 2)])
+def test_matvec(device, dtype, n_tokens, rows_per, split):
+    """rows_per 3: 200 rows leave the last subgroup part of its rows; split: subgroups share
+    a row's columns."""
+    if split > matmul.WORKGROUP // device.subgroup_size:
+        pytest.skip(f"a workgroup of {device.subgroup_size}-lane subgroups has fewer than "
+                    f"{split}")
     rows, cols = 200, 512
     w_planes, dense = weight(dtype, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
     group = next((g for g in (1, 2, 4, 8) if g >= n_tokens), 8)
-    k = matmul.matvec(dtype, device.subgroup_size, group, rows_per=rows_per)
-    grid = matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group, rows_per)
+    k = matmul.matvec(dtype, device.subgroup_size, group, rows_per=rows_per, split=split)
+    grid = matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group, rows_per, split)
     got = run(device, k, grid, *w_planes, x, np.zeros((n_tokens, rows), np.float32), rows, cols,
               n_tokens)["y"]
     assert rel_err(got, ref.matmul(x, dense)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("norm,outputs,n_tokens,rows_per", [(True, 1, 1, 1), (True, 3, 11, 1),
-                                                           (False, 3, 5, 1), (True, 3, 1, 3)])
+@pytest.mark.parametrize("norm,outputs,n_tokens,rows_per,split", [
+    (True, 1, 1, 1, 1), (True, 3, 11, 1, 1), (False, 3, 5, 1, 1), (True, 3, 1, 3, 2)])
 def test_matvec_with_rms_norm_and_split_outputs(device, dtype, n_tokens, norm, outputs,
-                                                rows_per):
+                                                rows_per, split):
     """The norm folded into the product (as attn_norm into q, k, v), and stacked matrices
     (q, k, v concatenated) written to one buffer each; rows_per 3 puts a split inside a
     subgroup's rows."""
@@ -111,11 +116,11 @@ def test_matvec_with_rms_norm_and_split_outputs(device, dtype, n_tokens, norm, o
     g = rng.standard_normal(cols).astype(np.float32)
     group = next((g_ for g_ in (1, 2, 4, 8) if g_ >= n_tokens), 8)
     k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, outputs=outputs,
-                      rows_per=rows_per)
+                      rows_per=rows_per, split=split)
     ys = [np.zeros((n_tokens, n), np.float32) for n in sizes]
     splits = list(np.cumsum(sizes)[:-1])
     got = run(device, k, matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group,
-                                            rows_per), *w_planes, x,
+                                            rows_per, split), *w_planes, x,
               *([g] if norm else []), *ys, rows, cols, n_tokens, *splits,
               *([eps] if norm else []))
     want = ref.matmul(ref.rms_norm(x, g, eps) if norm else x, dense)
@@ -125,8 +130,9 @@ def test_matvec_with_rms_norm_and_split_outputs(device, dtype, n_tokens, norm, o
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("norm,n_tokens,rows_per", [(True, 1, 1), (False, 11, 1), (True, 1, 2)])
-def test_matvec_swiglu(device, dtype, n_tokens, norm, rows_per):
+@pytest.mark.parametrize("norm,n_tokens,rows_per,split", [(True, 1, 1, 1), (False, 11, 1, 1),
+                                                        (True, 1, 2, 2)])
+def test_matvec_swiglu(device, dtype, n_tokens, norm, rows_per, split):
     """silu(gate . x) * (up . x) in one pass over x: the feed-forward's first half."""
     rows, cols, eps = 200, 512, 1e-6
     gate_planes, gate = weight(dtype, rows, cols)
@@ -135,9 +141,9 @@ def test_matvec_swiglu(device, dtype, n_tokens, norm, rows_per):
     g = rng.standard_normal(cols).astype(np.float32)
     group = next((g_ for g_ in (1, 2, 4, 8) if g_ >= n_tokens), 8)
     k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, swiglu=True,
-                      rows_per=rows_per)
+                      rows_per=rows_per, split=split)
     got = run(device, k, matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group,
-                                            rows_per), *gate_planes, *up_planes,
+                                            rows_per, split), *gate_planes, *up_planes,
               x, *([g] if norm else []), np.zeros((n_tokens, rows), np.float32), rows, cols,
               n_tokens, *([eps] if norm else []))["y"]
     h = ref.rms_norm(x, g, eps) if norm else x

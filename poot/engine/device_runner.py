@@ -29,15 +29,16 @@ from .sampling import sample
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 
 
-def matvec_rows(dtype, group):
-    """Weight rows a matvec subgroup streams at once for one token: each x value it loads then
-    serves them all. Measured on the H200 (docs/benchmarks.md): two for float weights, four
-    for the 32-value block quants (a block's 18-34 bytes would otherwise ask for 128 bytes of
-    x); the K quants keep one, their decoding leaves no registers for more. Several tokens
-    (group > 1) already share each weight row's loads: one row."""
+def matvec_rows(dtype, group, matrices=1):
+    """Weight rows a matvec subgroup streams at once (of each of its `matrices`: two for the
+    gate/up SwiGLU) for one token: each x value it loads then serves them all. Measured on the
+    H200 (docs/benchmarks.md): two for float weights, four for the 32-value block quants (a
+    block's 18-34 bytes would otherwise ask for 128 bytes of x), two of each matrix for their
+    SwiGLU (four spill registers on RDNA); the K quants keep one, their decoding leaves no
+    registers for more. Several tokens (group > 1) already share each row's loads: one row."""
     if group > 1 or dtype in ("Q4_K", "Q6_K"):
         return 1
-    return 2 if dtype in ("F32", "F16", "BF16") else 4
+    return 2 if dtype in ("F32", "F16", "BF16") else 4 // matrices
 
 
 # Steps this long run their matmuls on matrix instructions (split along the columns where the
@@ -380,9 +381,7 @@ class DeviceRunner(StepRunner):
 
     def _kernels_of(self, op, sg, cfg, long=False):
         if op.kind == "matmul":
-            dtype = op.weight.dtype
-            matvecs = [matmul.matvec(dtype, sg, n, rows_per=matvec_rows(dtype, n), **op.variant)
-                       for n in TOKEN_GROUPS]
+            matvecs = [self._matvec(op.weight, n, op.variant)[0] for n in TOKEN_GROUPS]
             if not long:
                 return matvecs
             return matvecs + [kernel for launch in self._mma_launches(op).values()
@@ -759,14 +758,23 @@ class DeviceRunner(StepRunner):
             self._launch(ops.argmax(sg), (R,), B(logits), self._buffer_named("argmax", argmax),
                          self.vocab_size)
 
+    def _matvec(self, w, group, variant):
+        """(kernel, shape args of matvec_grid) of weight w's matvec (its variant) for a token
+        group: its rows a subgroup (matvec_rows), its subgroups a row (matvec_split)."""
+        sg = self.device.subgroup_size
+        matrices = 2 if variant.get("swiglu") else 1
+        rows_per = matvec_rows(w.dtype, group, matrices)
+        split = matmul.matvec_split(w.dtype, *w.shape, sg, rows_per, self._multiprocessors(),
+                                    matrices)
+        kernel = matmul.matvec(w.dtype, sg, group, rows_per=rows_per, split=split, **variant)
+        return kernel, (sg, group, rows_per, split)
+
     def _launch_matvec(self, w, n, variant, args):
         """The matvec of weight w (its variant) over n tokens: the smallest token group that
         holds them, further launches along grid y for more."""
-        sg = self.device.subgroup_size
         group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-        rows_per = matvec_rows(w.dtype, group)
-        self._launch(matmul.matvec(w.dtype, sg, group, rows_per=rows_per, **variant),
-                     matmul.matvec_grid(w.shape[0], n, sg, group, rows_per), *args)
+        kernel, shape = self._matvec(w, group, variant)
+        self._launch(kernel, matmul.matvec_grid(w.shape[0], n, *shape), *args)
 
     def _all_reduce(self, op, T, R):
         """The sum of the group's partials, plus the residual, into this rank's output; a

@@ -22,11 +22,17 @@ from .quant import reader
 WORKGROUP = 256
 
 
+def matvec_unroll(dtype, streams):
+    """Blocks a lane loads of each of its `streams` rows before any arithmetic: the same
+    weight loads in flight per lane however many rows it streams."""
+    return max(1, (4 if dtype in ("F32", "F16", "BF16") else 2) // streams)
+
+
 @cache
 def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=False, outputs=1,
-           swiglu=False, rows_per=1):
+           swiglu=False, rows_per=1, split=1):
     """y[t, m] for t < n_tokens; grid matvec_grid(rows, n_tokens, subgroup_size, tokens,
-    rows_per).
+    rows_per, split).
 
     Buffers: planes of W (u32), x f32 [T, cols], y f32 [T, rows] (with `residual`: y = W x + r,
     r [T, rows] read at y's index, so r may be y itself); scalars rows, cols, n_tokens.
@@ -34,7 +40,10 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
 
     A subgroup streams `rows_per` consecutive rows (of each matrix) at once: each x value it
     loads (and with `norm`, each gain and square) serves all of them, so the loads of x, which
-    come from cache, do not outnumber the weights' own.
+    come from cache, do not outnumber the weights' own. With `split` > 1, that many subgroups
+    of the workgroup share the rows, each streaming every split-th run of the columns, and add
+    their sums through shared memory (in a fixed order): for matrices of few, long rows, whose
+    one-subgroup-a-row launch would leave the device's multiprocessors short of loads.
 
     Fused variants, each saving a launch and a round trip of its activation through memory:
     - `norm`: x is RMS-normalised first, y = W (x * g) / sqrt(mean(x^2) + eps), with g f32
@@ -52,11 +61,9 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
         raise ValueError("matvec: swiglu writes one output")
     r = reader(dtype)
     matrices = ("gate", "up") if swiglu else ("w",)
-    # the same weight loads in flight per lane however many rows it streams
-    streams = len(matrices) * rows_per
-    unroll = unroll or max(1, (4 if dtype in ("F32", "F16", "BF16") else 2) // streams)
+    unroll = unroll or matvec_unroll(dtype, len(matrices) * rows_per)
     name = f"matvec_{dtype.lower()}_t{tokens}_u{unroll}_s{subgroup_size}"
-    name += f"_r{rows_per}" * (rows_per > 1)
+    name += f"_r{rows_per}" * (rows_per > 1) + f"_k{split}" * (split > 1)
     name += "_norm" * norm + f"_split{outputs}" * (outputs > 1) + "_swiglu" * swiglu
     name += "_residual" * residual
     k = KernelBuilder(name, (WORKGROUP,))
@@ -69,17 +76,25 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
     rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
     splits = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
     eps = k.scalar("eps", F32) if norm else None
-    first = (k.block_id(0) * (WORKGROUP // subgroup_size) + k.subgroup_id()) * rows_per
+    n_sub = WORKGROUP // subgroup_size
+    if n_sub % split:
+        raise ValueError(f"matvec: split {split} does not divide {n_sub} subgroups")
+    sub = k.subgroup_id()
+    part = sub % split if split > 1 else 0
+    first = (k.block_id(0) * (n_sub // split) + (sub / split if split > 1 else sub)) * rows_per
     t0 = k.block_id(1) * tokens
     lane = k.lane_id()
-    with k.if_(first >= rows):
-        k.return_()
-    # rows past the end (the last subgroup's) read the last row again and store nothing
-    my_rows = [first] + [k.min(first + i, rows - 1) for i in range(1, rows_per)]
+    if split == 1:
+        with k.if_(first >= rows):
+            k.return_()
+    # rows past the end read the last row again and store nothing (a split workgroup keeps
+    # every subgroup to its barrier)
+    my_rows = [first if split == 1 else k.min(first, rows - 1)] + \
+        [k.min(first + i, rows - 1) for i in range(1, rows_per)]
     acc = [[[k.var(F32, 0.0) for _ in range(tokens)] for _ in my_rows] for _ in matrices]
     squares = [k.var(F32, 0.0) for _ in range(tokens)] if norm else []
     n_blocks = cols // r.block_elems
-    stride = subgroup_size * unroll
+    stride = subgroup_size * unroll * split
 
     def accumulate(blocks):
         """Adds the blocks' products to acc; every block's loads come before any arithmetic,
@@ -107,27 +122,46 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
                 if norm:
                     squares[t].set(square)
 
+    # a round: `unroll` runs of subgroup_size blocks for each of the split subgroups
     whole = n_blocks / stride * stride               # blocks in whole unrolled rounds
-    with k.for_(lane, whole, stride) as block:
+    with k.for_(lane + part * (subgroup_size * unroll), whole, stride) as block:
         accumulate([block + u * subgroup_size for u in range(unroll)])
-    with k.for_(whole + lane, n_blocks, subgroup_size) as block:
+    with k.for_(whole + lane + part * subgroup_size, n_blocks, subgroup_size * split) as block:
         accumulate([block])
+    # per token: each matrix's and row's sum, then the sum of squares
+    sums = [[[k.subgroup_add(per_row[q][t].get()) for per_row in acc] for q in range(rows_per)]
+            + ([[k.subgroup_add(squares[t].get())]] if norm else []) for t in range(tokens)]
+    if split > 1:
+        flat = [v for per_token in sums for per_row in per_token for v in per_row]
+        shared = k.shared("sums", F32, n_sub * len(flat))
+        with k.if_(lane.eq(0)):
+            for i, v in enumerate(flat):
+                shared[sub * len(flat) + i] = v
+        k.barrier()
+        base = (sub - part) * len(flat)             # the first subgroup of these rows
+        totals = []
+        for i in range(len(flat)):
+            total = shared[base + i]
+            for j in range(1, split):
+                total = total + shared[base + j * len(flat) + i]
+            totals.append(total)
+        it = iter(totals)
+        sums = [[[next(it) for _ in per_row] for per_row in per_token] for per_token in sums]
     bounds = [None, *splits, rows]
     for t in range(tokens):
         scale = None
         if norm:
-            scale = k.rsqrt(k.subgroup_add(squares[t].get()) / cols.to(F32) + eps)
+            scale = k.rsqrt(sums[t][rows_per][0] / cols.to(F32) + eps)
         for q in range(rows_per):
             row = first + q
-            sums = [k.subgroup_add(per_row[q][t].get()) for per_row in acc]
-            if norm:
-                sums = [s * scale for s in sums]
-            with k.if_((lane.eq(0)) & (t0 + t < n_tokens) & (row < rows)):
+            row_sums = [v * scale for v in sums[t][q]] if norm else sums[t][q]
+            ours = lane.eq(0) if split == 1 else lane.eq(0) & part.eq(0)
+            with k.if_(ours & (t0 + t < n_tokens) & (row < rows)):
                 if swiglu:
-                    gate, up = sums
+                    gate, up = row_sums
                     value = gate / (1.0 + k.exp(-gate)) * up
                 else:
-                    value = sums[0]
+                    value = row_sums[0]
                 for i, y in enumerate(ys):
                     if outputs == 1:
                         at = (t0 + t) * rows + row
@@ -140,10 +174,30 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
     return k.build()
 
 
-def matvec_grid(rows, n_tokens, subgroup_size, tokens=1, rows_per=1):
+def matvec_grid(rows, n_tokens, subgroup_size, tokens=1, rows_per=1, split=1):
     """The grid of a matvec launch over `rows` rows and n_tokens tokens."""
-    per_group = WORKGROUP // subgroup_size * rows_per
+    per_group = WORKGROUP // subgroup_size // split * rows_per
     return (-(-rows // per_group), -(-n_tokens // tokens))
+
+
+MATVEC_WORKGROUPS_PER_SM = 4     # a launch with fewer splits its rows' columns over subgroups
+MAX_MATVEC_SPLIT = 8
+
+
+def matvec_split(dtype, rows, cols, subgroup_size, rows_per, multiprocessors, matrices=1):
+    """The `split` of a matvec over a [rows, cols] matrix: doubled while the launch has fewer
+    than MATVEC_WORKGROUPS_PER_SM workgroups a multiprocessor and each subgroup would still
+    stream at least a whole unrolled run of blocks a lane."""
+    n_sub = WORKGROUP // subgroup_size
+    lane_blocks = cols // reader(dtype).block_elems // subgroup_size
+    unroll = matvec_unroll(dtype, matrices * rows_per)
+    split = 1
+    while (split * 2 <= min(MAX_MATVEC_SPLIT, n_sub)
+           and matvec_grid(rows, 1, subgroup_size, 1, rows_per, split)[0]
+           < MATVEC_WORKGROUPS_PER_SM * multiprocessors
+           and lane_blocks // (split * 2) >= unroll):
+        split *= 2
+    return split
 
 
 TILE = 64            # tokens and rows of a tiled workgroup's output; 4 x 4 per thread

@@ -33,7 +33,7 @@ from poot.kernels import lang
 from poot.kernels.lang import (BF16, BOOL, F16, F32, I8, I16, I32, I64, U8, U16, U32, U64,
                                Kernel, KernelBuilder)
 from poot.kernels.quant import DEVICE_DTYPES
-from tests.test_kernel_sources import mma_kernels
+from tests.test_kernel_sources import mma_kernels, mma_variant_kernels
 
 SMS = (80, 86, 89, 90)
 NUMERIC = (F32, F16, BF16, I8, U8, I16, U16, I32, U32, I64, U64)
@@ -746,8 +746,11 @@ def test_ptxas_assembles(tmp_path, name, sm):
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
 def test_mma_tiled_assembles_without_spills(tmp_path, dtype, sm):
     """The tensor-core matmul keeps its accumulators and prefetched tiles in registers, in
-    every variant the runner launches (test_kernel_sources.mma_kernels)."""
-    for kernel in mma_kernels([dtype]):
+    every variant the runner launches (test_kernel_sources.mma_kernels) and every pipeline
+    under measurement that fits the target's shared memory (mma_variant_kernels)."""
+    variants = [k for k in mma_variant_kernels([dtype])
+                if dynamic_shared_bytes(k) <= SHARED_LIMIT[sm]]
+    for kernel in mma_kernels([dtype]) + variants:
         report = _ptxas(tmp_path, render_ptx(kernel, sm), sm, "-v")
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, \
             f"{kernel.name}: {report}"

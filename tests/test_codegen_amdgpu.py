@@ -22,7 +22,7 @@ from poot.errors import ModelRefused
 from poot.kernels import matmul, ops
 from poot.kernels.lang import F16, F32, I64, U32, Kernel, KernelBuilder
 from poot.kernels.quant import DEVICE_DTYPES
-from tests.test_codegen_ptx import CASES, MMA_CASES
+from tests.test_codegen_ptx import CASES, MMA_CASES, PTX_ONLY_CASES
 from tests.test_kernel_sources import runner_matvecs
 
 TARGETS = (("gfx90a", 64), ("gfx1030", 32), ("gfx908", 64))
@@ -183,6 +183,8 @@ def test_capabilities_and_refusals():
             render_opencl(kernel, 32)
         with pytest.raises(ModelRefused, match=capability):
             build_code_object(kernel, "gfx90a", 64)
+    with pytest.raises(ModelRefused, match="kernel async_copy needs async_copy, which the AMDGPU"):
+        render_opencl(PTX_ONLY_CASES["async_copy"](np.random.default_rng(0)).kernel, 32)
     with pytest.raises(ValueError, match="gfx9, gfx10 and gfx11"):
         build_code_object(base, "gfx803", 64)
 

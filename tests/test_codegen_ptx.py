@@ -6,8 +6,9 @@ memory, nested if/else/for, vars, subgroup operations, barriers and early return
 
 - `ptxas -arch=sm_XX` assembles every kernel for sm_80/86/89/90 (skipped, saying why, without
   ptxas); an error fails with ptxas's message and the PTX lines it names. The matrix operations
-  have cases of their own (MMA_CASES: the other renderers refuse them), and the tensor-core
-  matmul (matmul.mma_tiled, every variant) must assemble without spilling registers.
+  and asynchronous copies have cases of their own (PTX_ONLY_CASES: the other renderers refuse
+  them), and the tensor-core matmul (matmul.mma_tiled, every variant) must assemble without
+  spilling registers.
 - With libcuda and a device, every kernel runs on fresh random inputs, its outputs poisoned with
   0xFF bytes first, and is compared with numpy: exact for integers and correctly rounded float
   operations, per-op bounds for the approximate math functions (see TOLERANCES).
@@ -25,13 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from poot.codegen.ptx import PTX_CAPS, PTX_VERSION, kernel_params, render_ptx
+from poot.codegen.ptx import (PTX_CAPS, PTX_VERSION, SHARED_LIMIT, dynamic_shared_bytes,
+                              kernel_params, render_ptx)
 from poot.errors import ModelRefused
 from poot.kernels import lang
 from poot.kernels.lang import (BF16, BOOL, F16, F32, I8, I16, I32, I64, U8, U16, U32, U64,
                                Kernel, KernelBuilder)
 from poot.kernels.quant import DEVICE_DTYPES
-from tests.test_kernel_sources import mma_kernels
+from tests.test_kernel_sources import mma_kernels, mma_variant_kernels
 
 SMS = (80, 86, 89, 90)
 NUMERIC = (F32, F16, BF16, I8, U8, I16, U16, I32, U32, I64, U64)
@@ -582,8 +584,41 @@ def mma_case(dtype, rng):
                 {"d": want.reshape(-1)}, {"d": (1e-5, 1e-4)})
 
 
-# Kernels of the matrix operations: PTX only (the other renderers refuse them).
+def async_copy_case(rng):
+    """Asynchronous copies into dynamic shared memory (two arrays, 80 KiB: past the 48 KiB of
+    static ones): each thread starts two 16-byte copies in two batches, a third of them outside
+    (zeros), waits for the first batch only and, after a barrier, reads what another thread's
+    first copy brought; then the same for the second batch."""
+    k = KernelBuilder("async_copy", (THREADS,))
+    src, out, ids = k.buffer("src", U32), k.buffer("out", U32, "w"), k.buffer("ids", I32, "w")
+    pad = k.shared("pad", I32, 4 * 1024)           # 16 KiB before the ring: its offset counts
+    ring = k.shared("ring", U32, 16 * 1024)         # 64 KiB
+    t = k.thread_id()
+    pad[t] = t * 3
+    slot = lambda thread, batch: ((thread * 37) % THREADS + batch * THREADS) * 32  # noqa: E731
+    for batch in range(2):
+        chunk = t + batch * THREADS
+        k.copy_async(ring, slot(t, batch), src, chunk * 4, (chunk % 3).ne(0))
+        k.copy_commit()
+    neighbour = (t + 1) % THREADS
+    for batch in range(2):
+        k.copy_wait(1 - batch)
+        k.barrier()
+        words = ring.load(slot(neighbour, batch), 4)
+        out.store((neighbour + batch * THREADS) * 4, *words)
+    ids[t] = pad[neighbour]
+    chunks = 2 * THREADS
+    words = rng.integers(1, 2 ** 32, (chunks, 4), dtype=np.uint32)
+    want = np.where((np.arange(chunks) % 3 != 0)[:, None], words, 0).astype(np.uint32)
+    return Case(k.build(), (1,), {"src": words.reshape(-1)},
+                {"out": want.reshape(-1), "ids": ((np.arange(THREADS) + 1) % THREADS * 3)
+                 .astype(np.int32)}, {})
+
+
+# Kernels of the matrix operations and asynchronous copies: PTX only (the other renderers refuse
+# them).
 MMA_CASES = {f"mma_{t.name}": lambda rng, t=t: mma_case(t, rng) for t in (F16, BF16)}
+PTX_ONLY_CASES = {**MMA_CASES, "async_copy": async_copy_case}
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -622,6 +657,19 @@ def test_mma_cases_use_every_matrix_op_and_operand_type():
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
 
 
+def test_async_copies_into_dynamic_shared_memory():
+    kernel = async_copy_case(np.random.default_rng(0)).kernel
+    assert lang.ASYNC_COPY in kernel.caps
+    statements = {type(s).__name__ for s in lang.walk(kernel.body)}
+    assert {"CopyAsync", "CopyCommit", "CopyWait"} <= statements
+    text = render_ptx(kernel)
+    assert "cp.async.cg.shared.global" in text and "cp.async.commit_group;" in text
+    assert "cp.async.wait_group 1;" in text and "cp.async.wait_group 0;" in text
+    assert ".extern .shared .align 16 .b8 sh_dynamic[];" in text and "sh_pad" not in text
+    assert dynamic_shared_bytes(kernel) == kernel.shared_bytes == 80 * 1024
+    assert dynamic_shared_bytes(MMA_CASES["mma_f16"](np.random.default_rng(0)).kernel) == 0
+
+
 def test_module_header_entry_and_params():
     k = KernelBuilder("scale", (128, 2))
     y, x = k.buffer("y", F32, "w"), k.buffer("x", F16)
@@ -645,15 +693,22 @@ def test_module_header_entry_and_params():
 def test_capabilities_and_refusals():
     assert PTX_CAPS == {"storage16", "storage8", "float16", "int16", "int64", "subgroup",
                         "subgroup_arith", "subgroup_shuffle", "shared", "fragment_load",
-                        "mma_f16", "mma_bf16"}
+                        "mma_f16", "mma_bf16", "async_copy"}
     base = CASES["ids"](np.random.default_rng(0)).kernel
     with pytest.raises(ModelRefused, match="matrix"):
         render_ptx(Kernel(base.name, base.params, base.shared, base.workgroup, base.body,
                           base.caps | {"matrix"}, base.n_values))
     k = KernelBuilder("big")
-    k.shared("tile", F32, 16 * 1024)
+    k.shared("tile", F32, 25 * 1024)                # 100 KiB: dynamic, past what sm_86 has
+    assert ".extern .shared" in render_ptx(k.build(), 90)
+    with pytest.raises(ModelRefused, match="at most 101376"):
+        render_ptx(k.build(), 86)
+    k = KernelBuilder("bigger")
+    k.shared("tile", U32, SHARED_LIMIT[90] // 4 + 1)
     with pytest.raises(ModelRefused, match="shared"):
         render_ptx(k.build())
+    k = KernelBuilder("resident", (256,), resident=2)
+    assert ".reqntid 256, 1, 1\n.minnctapersm 2\n" in render_ptx(k.build())
     with pytest.raises(ValueError, match="sm_75"):
         render_ptx(base, 75)
 
@@ -681,9 +736,9 @@ def _ptxas(tmp_path, text, sm, *flags):
 
 
 @pytest.mark.parametrize("sm", SMS)
-@pytest.mark.parametrize("name", list(CASES) + list(MMA_CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(PTX_ONLY_CASES))
 def test_ptxas_assembles(tmp_path, name, sm):
-    make = CASES.get(name) or MMA_CASES[name]
+    make = CASES.get(name) or PTX_ONLY_CASES[name]
     _ptxas(tmp_path, render_ptx(make(np.random.default_rng(0)).kernel, sm), sm)
 
 
@@ -691,8 +746,11 @@ def test_ptxas_assembles(tmp_path, name, sm):
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
 def test_mma_tiled_assembles_without_spills(tmp_path, dtype, sm):
     """The tensor-core matmul keeps its accumulators and prefetched tiles in registers, in
-    every variant the runner launches (test_kernel_sources.mma_kernels)."""
-    for kernel in mma_kernels([dtype]):
+    every variant the runner launches (test_kernel_sources.mma_kernels) and every pipeline
+    under measurement that fits the target's shared memory (mma_variant_kernels)."""
+    variants = [k for k in mma_variant_kernels([dtype])
+                if dynamic_shared_bytes(k) <= SHARED_LIMIT[sm]]
+    for kernel in mma_kernels([dtype]) + variants:
         report = _ptxas(tmp_path, render_ptx(kernel, sm), sm, "-v")
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, \
             f"{kernel.name}: {report}"
@@ -735,6 +793,10 @@ def run_case(gpu, case):
     module, _ = cu.module_load_data(render_ptx(kernel, gpu.sm))
     try:
         function = cu.module_get_function(module, kernel.name)
+        shared = dynamic_shared_bytes(kernel)
+        if shared:                          # past 48 KiB a function opts in
+            from drivers.cuda import CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as most
+            cu.func_set_attribute(function, most, shared)
         host, pointers, values = {}, [], []
         try:
             for (name, ctype), param in zip(kernel_params(kernel), kernel.params):
@@ -752,7 +814,7 @@ def run_case(gpu, case):
                 host[name] = (pointer, array)
                 values.append(("CUdeviceptr", pointer))
             params = gpu.params(*values)
-            cu.launch_kernel(function, case.grid, kernel.workgroup, params)
+            cu.launch_kernel(function, case.grid, kernel.workgroup, params, shared)
             cu.ctx_synchronize()
             for name in case.expected:
                 pointer, array = host[name]
@@ -787,10 +849,10 @@ def check(name, got, want, tolerance, seed):
                            f"{bad[0]}: got {got[bad[0]]!r}, want {want[bad[0]]!r}")
 
 
-@pytest.mark.parametrize("name", list(CASES) + list(MMA_CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(PTX_ONLY_CASES))
 def test_runs_like_numpy(gpu, name):
     seed = secrets.randbits(32)
-    case = (CASES.get(name) or MMA_CASES[name])(np.random.default_rng(seed))
+    case = (CASES.get(name) or PTX_ONLY_CASES[name])(np.random.default_rng(seed))
     outputs = run_case(gpu, case)
     for output, want in case.expected.items():
         check(output, outputs[output], want, case.tolerance.get(output), seed)

@@ -676,7 +676,7 @@ def test_bool_buffer_is_refused():
 
 def test_matrix_operations_are_refused_by_name():
     from poot.errors import ModelRefused
-    from tests.test_codegen_ptx import MMA_CASES
+    from tests.test_codegen_ptx import MMA_CASES, PTX_ONLY_CASES
     for name, capability in (("mma_f16", "mma_f16"), ("mma_bf16", "mma_bf16")):
         kernel = MMA_CASES[name](np.random.default_rng(0)).kernel
         with pytest.raises(ModelRefused, match=rf"kernel {name} needs fragment_load, {capability}, "
@@ -684,6 +684,9 @@ def test_matrix_operations_are_refused_by_name():
             render_spirv(kernel, 32)
         with pytest.raises(ModelRefused, match=capability):
             spirv_capabilities(kernel)
+    kernel = PTX_ONLY_CASES["async_copy"](np.random.default_rng(0)).kernel
+    with pytest.raises(ModelRefused, match="kernel async_copy needs async_copy, which the SPIR-V"):
+        render_spirv(kernel, 32)
 
 
 def test_shuffle_mask_must_fit_the_subgroup():

@@ -58,6 +58,16 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
             for split, residual in ((False, False), (False, True), (True, False))]
 
 
+def mma_variant_kernels(dtypes=DEVICE_DTYPES):
+    """The pipelines of mma_tiled under measurement (matmul.MMA_VARIANTS but the default), for
+    the weights each takes (stages: F16 and BF16), in each token tile, whole or split."""
+    return [matmul.mma_tiled(d, residual, tokens, split, **variant) for d in dtypes
+            for variant in matmul.MMA_VARIANTS.values()
+            if variant and (d in ("F16", "BF16") or not variant.get("stages"))
+            for tokens in matmul.MMA_TOKEN_TILES
+            for split, residual in ((False, False), (False, True), (True, False))]
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("sm", [80, 90])
 def test_every_runner_kernel_assembles_with_ptxas(tmp_path, sm):

@@ -172,25 +172,27 @@ def emulated_fragment_load(slots, index_of_lane):
             for l in range(32)]
 
 
-def test_mma_fragment_indices_give_the_documented_operands():
+@pytest.mark.parametrize("depth", matmul.MMA_DEPTHS)
+def test_mma_fragment_indices_give_the_documented_operands(depth):
     """The words mma_tiled names to fragment_load hold, lane by lane, the elements lang.mma
     documents for `a` (x tile) and `b` (W tile), and the 8 rows of each matrix start in 8
     different groups of 4 banks."""
-    rw = matmul.ROW_WORDS
+    rw = depth // 2 + 4
+    assert depth != matmul.MMA_DEPTH or rw == matmul.ROW_WORDS
     tile = lambda r, c: r * 1000 + c                                   # noqa: E731 (a label)
     slots = np.full(2 * 128 * rw, -1)
     for r in range(128):
-        slots[2 * r * rw:2 * r * rw + matmul.MMA_DEPTH] = [tile(r, c) for c in range(64)]
-    for step in range(matmul.MMA_DEPTH // 16):
+        slots[2 * r * rw:2 * r * rw + depth] = [tile(r, c) for c in range(depth)]
+    for step in range(depth // 16):
         for first in range(0, 128, 16):
-            index = [matmul.a_fragment_index(lane, first, step) for lane in range(32)]
+            index = [matmul.a_fragment_index(lane, first, step, rw) for lane in range(32)]
             words = emulated_fragment_load(slots, index)
             for lane in range(32):
                 g, q = lane // 4, lane % 4
                 for j in range(4):
                     r, c = first + g + 8 * (j % 2), 16 * step + 2 * q + 8 * (j // 2)
                     assert words[lane][j] == (tile(r, c), tile(r, c + 1))
-            index = [matmul.b_fragment_index(lane, first, step) for lane in range(32)]
+            index = [matmul.b_fragment_index(lane, first, step, rw) for lane in range(32)]
             words = emulated_fragment_load(slots, index)
             for lane in range(32):
                 g, q = lane // 4, lane % 4
@@ -243,18 +245,53 @@ def check_mma(got, x, dense, r, dtype, where):
     assert relative < 3 * rounded * u / np.sqrt(3), f"{where}: relative error {relative}"
 
 
-@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-def test_mma_tiled_matmul(cuda_device, dtype):
+def mma_variants(dtype):
+    """The mma_tiled pipelines (matmul.MMA_VARIANTS) that take `dtype`: the staged ones copy
+    F16 and BF16 words as they are."""
+    return [name for name, variant in matmul.MMA_VARIANTS.items()
+            if dtype in ("F16", "BF16") or not variant.get("stages")]
+
+
+MMA_DTYPE_VARIANTS = [(d, v) for d in DEVICE_DTYPES for v in mma_variants(d)]
+
+
+def mma_x(device, dtype, variant, x):
+    """What mma_tiled of `variant` reads as x: x itself, or for x16 x rounded to the operand by
+    mma_x16 on the device (checked against numpy's rounding)."""
+    if not variant.get("x16"):
+        return x
+    words = run(device, matmul.mma_x16(dtype), (-(-x.size // 4 // matmul.WORKGROUP),), x,
+                np.zeros(x.size // 2, np.uint32), x.size)["x16"]
+    if dtype == "BF16":
+        bits = x.view(np.uint32).astype(np.uint64)
+        want = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    else:
+        want = x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(words.view(np.uint16), want.reshape(-1))
+    return words
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "Q4_0"])
+def test_mma_x16(cuda_device, dtype):
+    """x rounded once to the mma operand, two values a word, for mma_tiled's x16 pipelines."""
+    x = rng.standard_normal(4 * 1000).astype(np.float32) * 100
+    mma_x(cuda_device, dtype, {"x16": True}, x)
+
+
+@pytest.mark.parametrize("dtype,variant", MMA_DTYPE_VARIANTS)
+def test_mma_tiled_matmul(cuda_device, dtype, variant):
     """Each shape in the token tile the runner would pick for it, unsplit."""
+    keywords = matmul.MMA_VARIANTS[variant]
     for case, (n_tokens, rows, cols) in enumerate(mma_shapes(dtype)):
         residual = case % 2 == 1
         w_planes, dense = weight(dtype, rows, cols)
         x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
         r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
         tokens = matmul.mma_launch(rows, cols, n_tokens, 1).tokens
-        k = matmul.mma_tiled(dtype, residual=residual, tokens=tokens)
+        k = matmul.mma_tiled(dtype, residual=residual, tokens=tokens, **keywords)
         grid = (-(-rows // matmul.MMA_ROWS), -(-n_tokens // tokens))
-        args = [*w_planes, x, np.zeros((n_tokens, rows), np.float32), *([r] if residual else []),
+        args = [*w_planes, mma_x(cuda_device, dtype, keywords, x),
+                np.zeros((n_tokens, rows), np.float32), *([r] if residual else []),
                 rows, cols, n_tokens]
         got = run(cuda_device, k, grid, *args)["y"]
         where = f"{k.name} T={n_tokens} rows={rows} cols={cols}"
@@ -267,11 +304,13 @@ def split_cols_of(dtype):
             "Q4_1": 1056}.get(dtype, 1280)
 
 
-def split_mma(device, dtype, launch, w_planes, x, r, rows, cols):
+def split_mma(device, dtype, launch, w_planes, x, r, rows, cols, variant=None):
     """y of a split launch: mma_tiled's partials, then split_sum (adding r unless None)."""
     n_tokens = len(x)
-    tile = matmul.mma_tiled(dtype, tokens=launch.tokens, split=True)
-    partials = run(device, tile, launch.grid(rows, n_tokens), *w_planes, x,
+    keywords = variant or {}
+    tile = matmul.mma_tiled(dtype, tokens=launch.tokens, split=True, **keywords)
+    partials = run(device, tile, launch.grid(rows, n_tokens), *w_planes,
+                   mma_x(device, dtype, keywords, x),
                    np.zeros((launch.splits, n_tokens, rows), np.float32), rows, cols, n_tokens,
                    launch.split_cols)["partials"]
     add = matmul.split_sum(r is not None)
@@ -280,26 +319,32 @@ def split_mma(device, dtype, launch, w_planes, x, r, rows, cols):
                n_tokens * rows, launch.splits)["y"]
 
 
-@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("dtype,variant", MMA_DTYPE_VARIANTS)
 @pytest.mark.parametrize("n_tokens", [16, 33, 64, 100])
-def test_split_mma_tiled_matmul(cuda_device, dtype, n_tokens):
+def test_split_mma_tiled_matmul(cuda_device, dtype, variant, n_tokens):
     """Split along the columns: slices of one step, of several, one whose last slice is short
-    or ends mid-step, and the runner's own choice for an H200; residual on and off. A second
-    run of the same inputs gives the same bits (the slices add in a fixed order)."""
+    or ends mid-step, and the runner's own choice for an H200 (by default and in one wave);
+    residual on and off. A second run of the same inputs gives the same bits (the slices add in
+    a fixed order)."""
+    keywords = matmul.MMA_VARIANTS[variant]
+    depth = keywords.get("depth", matmul.MMA_DEPTH)
     rows, cols = 200, split_cols_of(dtype)
     w_planes, dense = weight(dtype, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
     r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
     tokens = matmul.mma_launch(rows, cols, n_tokens, 1).tokens
-    chosen = matmul.mma_launch(rows, cols, n_tokens, 132)
+    chosen = matmul.mma_launch(rows, cols, n_tokens, 132, depth)
     assert chosen.splits > 1
-    launches = [matmul.MmaLaunch(tokens, -(-cols // step), step) for step in (64, 128, 320)]
-    for case, launch in enumerate(launches + [chosen]):
+    launches = [matmul.MmaLaunch(tokens, -(-cols // step), step)
+                for step in (depth, 2 * depth, 5 * depth)]
+    launches += [chosen, matmul.mma_launch(rows, cols, n_tokens, 132, depth, one_wave=True)]
+    for case, launch in enumerate(launches):
         residual = r if case % 2 == 0 else None
-        got = split_mma(cuda_device, dtype, launch, w_planes, x, residual, rows, cols)
-        check_mma(got, x, dense, residual, dtype, f"{dtype} T={n_tokens} {launch}")
-    again = split_mma(cuda_device, dtype, chosen, w_planes, x, None, rows, cols)
-    assert np.array_equal(got, again)
+        got = split_mma(cuda_device, dtype, launch, w_planes, x, residual, rows, cols, keywords)
+        check_mma(got, x, dense, residual, dtype, f"{dtype} {variant} T={n_tokens} {launch}")
+    runs = [split_mma(cuda_device, dtype, chosen, w_planes, x, None, rows, cols, keywords)
+            for _ in range(2)]
+    assert np.array_equal(*runs)
 
 
 @pytest.mark.parametrize("rows", [1, 96, 512, 2048, 4096, 14336, 128256])
@@ -309,9 +354,19 @@ def test_mma_launch_slices_tile_the_columns(rows, cols):
     (so of whole quant blocks: a block is 8 to 64 values) that tile the columns exactly, none
     empty; a split only where the tiles alone give fewer workgroups than multiprocessors, and
     then half to one times SPLIT_BLOCKS_PER_SM a multiprocessor (the slices whole steps) unless
-    the slices reach their minimum."""
+    the slices reach their minimum. Asked for one wave (with other depths, workgroups a
+    multiprocessor and least steps a slice), never more workgroups than run at once."""
     for sms in (1, 108, 132):
         for n_tokens in range(1, 300):
+            for depth, per_sm, least in ((64, 2, 2), (64, 1, 4), (128, 2, 4)):
+                launch = matmul.mma_launch(rows, cols, n_tokens, sms, depth, per_sm, least,
+                                           one_wave=True)
+                assert launch.split_cols % depth == 0
+                assert [begin for begin, _ in [matmul.split_columns(
+                    p, launch.split_cols, cols) for p in range(launch.splits)]][-1] < cols
+                gx, gy, gz = launch.grid(rows, n_tokens)
+                assert gz == 1 or (gx * gy * gz <= per_sm * sms
+                                   and launch.split_cols >= least * depth)
             launch = matmul.mma_launch(rows, cols, n_tokens, sms)
             assert launch.tokens == (64 if n_tokens <= 64 else 128)
             gx, gy, gz = launch.grid(rows, n_tokens)

@@ -17,7 +17,7 @@ import numpy as np
 from drivers import DriverError, LibraryNotFound
 from drivers import cuda
 
-from ..codegen.ptx import PTX_CAPS, render_ptx
+from ..codegen.ptx import PTX_CAPS, dynamic_shared_bytes, render_ptx
 from ..errors import BackendUnavailable, NoSuchDevice, PlacementRefused
 
 SCALAR_CTYPES = {"i32": "int32_t", "u32": "uint32_t", "f32": "float"}
@@ -133,6 +133,10 @@ class PtxDevice:
         if function is None:
             module, _ = self.cu.module_load_data(render_ptx(kernel, self.sm))
             function = self.cu.module_get_function(module, kernel.name)
+            if dynamic_shared_bytes(kernel):        # past 48 KiB a function opts in
+                self.cu.func_set_attribute(
+                    function, cuda.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    dynamic_shared_bytes(kernel))
             self._programs[kernel.name] = function
         return function
 
@@ -146,12 +150,13 @@ class PtxDevice:
             else:
                 typed.append((SCALAR_CTYPES[param.dtype.name], arg))
         params = cuda.KernelParams(*typed)
+        shared = dynamic_shared_bytes(kernel)
         if self._timed is None:
-            self.cu.launch_kernel(function, grid, kernel.workgroup, params, 0, self.stream)
+            self.cu.launch_kernel(function, grid, kernel.workgroup, params, shared, self.stream)
             return
         start, end = self.cu.event_create(), self.cu.event_create()
         self.cu.event_record(start, self.stream)
-        self.cu.launch_kernel(function, grid, kernel.workgroup, params, 0, self.stream)
+        self.cu.launch_kernel(function, grid, kernel.workgroup, params, shared, self.stream)
         self.cu.event_record(end, self.stream)
         self._timed.append((kernel.name, start, end))
 

@@ -43,6 +43,15 @@ seen on an H200 over 2^20 random arguments):
 - fragment_load is ldmatrix.sync.aligned.m8n8.x4.shared.b16; mma is
   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, whose fragment layouts are
   the ones lang.py documents. Both need the whole warp.
+- copy_async is cp.async.cg (16 bytes, L2 only; a src-size of 0 where it is outside), commit
+  and wait are cp.async.commit_group and cp.async.wait_group.
+- A kernel's `resident` workgroups a multiprocessor become `.minnctapersm`: ptxas keeps each
+  thread's registers within what lets that many run at once.
+
+Shared arrays of up to 48 KiB in all are static `.shared` arrays; past that they are offsets into
+one `.extern .shared` array, whose size the launch passes (dynamic_shared_bytes) after the
+function is allowed it (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), up to the target's
+SHARED_LIMIT.
 """
 import re
 
@@ -50,22 +59,29 @@ import numpy as np
 
 from poot.codegen import bf16_bits, f16_bits, f32_bits
 from poot.errors import ModelRefused
-from poot.kernels.lang import (BF16, BINARY, BOOL, COMPARE, F16, F32, I32, SPECIAL, UNARY,
-                               Assign, Barrier, For, If, Let, Return, Store, VarDecl)
+from poot.kernels.lang import (ASYNC_COPY, BF16, BINARY, BOOL, COMPARE, F16, F32, I32, SPECIAL,
+                               UNARY, Assign, Barrier, CopyAsync, CopyCommit, CopyWait, For, If,
+                               Let, Return, Store, VarDecl)
 
 # What every sm_80+ device offers, in lang.py's capability names: the matrix operations are
-# ldmatrix (sm_75) and mma.sync m16n8k16 with f16 or bf16 operands (sm_80).
+# ldmatrix (sm_75) and mma.sync m16n8k16 with f16 or bf16 operands (sm_80); cp.async (sm_80).
 PTX_CAPS = frozenset({"storage16", "storage8", "float16", "int16", "int64", "subgroup",
                       "subgroup_arith", "subgroup_shuffle", "shared", "fragment_load", "mma_f16",
-                      "mma_bf16"})
+                      "mma_bf16", ASYNC_COPY})
 
 # The lowest PTX ISA version that names each target; the instructions rendered here need 7.0
 # (sm_80: cvt.rn.bf16.f32, min/max.NaN, min/max.f16, tanh.approx), which every entry covers.
 PTX_VERSION = {80: "7.0", 86: "7.1", 87: "7.4", 89: "7.8", 90: "7.8", 100: "8.6", 101: "8.6",
                103: "8.8", 110: "9.0", 120: "8.7", 121: "8.8"}
 
-# Static .shared arrays beyond 48 KiB need dynamic shared memory and an opt-in at launch.
+# Static .shared arrays beyond 48 KiB need dynamic shared memory and an opt-in at launch, up to
+# the target's limit of a workgroup (the CUDA programming guide's "maximum amount of shared memory
+# per thread block", opt-in, by compute capability).
 STATIC_SHARED_LIMIT = 48 * 1024
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
+                100: 227 * 1024, 101: 227 * 1024, 103: 227 * 1024, 110: 227 * 1024,
+                120: 99 * 1024, 121: 99 * 1024}
+DYNAMIC_SHARED = "sh_dynamic"
 
 FULL_MASK = "0xffffffff"
 WARP_LOG2 = 5
@@ -84,6 +100,21 @@ def kernel_params(kernel):
     """(name, ctype) per kernel parameter, in order: buffers are u64 device pointers, scalars
     i32/u32/f32."""
     return [(p.name, "u64" if p.kind == "buffer" else p.dtype.name) for p in kernel.params]
+
+
+def _shared_offsets(kernel):
+    """({shared array: byte offset}, bytes in all) of the arrays laid out in one, each at 16
+    bytes."""
+    offsets, at = {}, 0
+    for array in kernel.shared:
+        offsets[array.name] = at
+        at += -(-array.size * array.dtype.bytes // 16) * 16
+    return offsets, at
+
+
+def dynamic_shared_bytes(kernel):
+    """The shared memory a launch of `kernel` passes: 0 where its arrays are static."""
+    return _shared_offsets(kernel)[1] if kernel.shared_bytes > STATIC_SHARED_LIMIT else 0
 
 
 def render_ptx(kernel, sm=90):
@@ -135,9 +166,9 @@ class _Renderer:
         if missing:
             raise ModelRefused(f"kernel {kernel.name} needs {', '.join(sorted(missing))}, "
                                f"which PTX for sm_{sm} does not offer")
-        if kernel.shared_bytes > STATIC_SHARED_LIMIT:
+        if dynamic_shared_bytes(kernel) > SHARED_LIMIT[sm]:
             raise ModelRefused(f"kernel {kernel.name} needs {kernel.shared_bytes} bytes of shared "
-                               f"memory; static shared memory holds {STATIC_SHARED_LIMIT}")
+                               f"memory; a workgroup of sm_{sm} has at most {SHARED_LIMIT[sm]}")
         names = [kernel.name] + [p.name for p in kernel.params] + [s.name for s in kernel.shared]
         for name in names:
             if not _IDENTIFIER.match(name):
@@ -153,6 +184,8 @@ class _Renderer:
         self.vars = {}           # var id -> dtype
         self.labels = self.temps = 0
         self.depth = 1
+        # shared array -> its byte offset in the dynamic array (None: static arrays)
+        self.offsets = _shared_offsets(kernel)[0] if dynamic_shared_bytes(kernel) else None
 
     # -- output ----------------------------------------------------------------------------------
     def emit(self, text):
@@ -176,13 +209,16 @@ class _Renderer:
                   f"param_{p.name}" for p in k.params]
         out = [f"// {k.name}: rendered by poot.codegen.ptx",
                f".version {PTX_VERSION[self.sm]}", f".target sm_{self.sm}", ".address_size 64", "",
+               *([f".extern .shared .align 16 .b8 {DYNAMIC_SHARED}[];", ""] if self.offsets
+                 else []),
                f".visible .entry {k.name}(" + ("\n" + ",\n".join(params) + "\n" if params else "")
-               + ")", ".reqntid {}, {}, {}".format(*k.workgroup), "{"]
+               + ")", ".reqntid {}, {}, {}".format(*k.workgroup),
+               *([f".minnctapersm {k.resident}"] if k.resident > 1 else []), "{"]
         for cls in ("pred", "b16", "b32", "b64"):
             names = [n for n, c in self.registers.items() if c == cls]
             for i in range(0, len(names), 12):
                 out.append(f"    .reg .{cls} {', '.join(names[i:i + 12])};")
-        for array in k.shared:
+        for array in k.shared if self.offsets is None else ():
             size = array.size * array.dtype.bytes
             out.append(f"    .shared .align 16 .b8 sh_{array.name}[{size}];")
         out += self.lines
@@ -267,6 +303,12 @@ class _Renderer:
                 self.for_(stmt)
             elif isinstance(stmt, Barrier):
                 self.emit("bar.sync 0;")
+            elif isinstance(stmt, CopyAsync):
+                self.copy_async(stmt)
+            elif isinstance(stmt, CopyCommit):
+                self.emit("cp.async.commit_group;")
+            elif isinstance(stmt, CopyWait):
+                self.emit(f"cp.async.wait_group {stmt.pending};")
             elif isinstance(stmt, Return):
                 self.emit("ret;")
             else:
@@ -336,7 +378,11 @@ class _Renderer:
                 self.emit(f"cvt.{_int(dtype, 32)}.{_int(dtype)} {narrow}, {reg};")
                 reg = narrow
             base, address = self.temp("b32"), self.temp("b32")
-            self.emit(f"mov.u32 {base}, sh_{name};")
+            if self.offsets is None:
+                self.emit(f"mov.u32 {base}, sh_{name};")
+            else:
+                self.emit(f"mov.u32 {base}, {DYNAMIC_SHARED};")
+                self.emit(f"add.u32 {base}, {base}, {self.offsets[name]};")
             self.emit(f"mad.lo.s32 {address}, {reg}, {size}, {base};")
             return address
         offset, address = self.temp("b64"), self.temp("b64")
@@ -363,6 +409,18 @@ class _Renderer:
             where = f"[{address}+{offset}]" if offset else f"[{address}]"
             operands = f"{data}, {where}" if verb == "ld" else f"{where}, {data}"
             self.emit(f"{verb}.{space}{vector}.{_memory(dtype)} {operands};")
+
+    def copy_async(self, stmt):
+        target, source = self.kernel.array(stmt.target, True), self.kernel.array(stmt.source, False)
+        if target.dtype.bytes != 4 or source.dtype.bytes != 4:
+            raise TypeError(f"copy_async {stmt.source} -> {stmt.target}: 32-bit arrays")
+        to = self.address(stmt.target, True, stmt.index)
+        at = self.address(stmt.source, False, stmt.source_index)
+        size = "16"
+        if stmt.inside is not None:
+            size = self.temp("b32")
+            self.emit(f"selp.u32 {size}, 16, 0, {self.val(stmt.inside)};")
+        self.emit(f"cp.async.cg.shared.global [{to}], [{at}], 16, {size};")
 
     def load(self, let):
         name, shared, width = let.attr("target"), let.attr("shared"), let.attr("width", 1)

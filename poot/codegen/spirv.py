@@ -15,14 +15,15 @@ constants, shared arrays, bitcasts) declares Int8 / Int16 / Float16. bf16 is a 1
 integer to SPIR-V; its conversions are bit work at 32 bits (round to nearest even on the way
 down). Signed rem is a - (a/b)*b: Vulkan leaves OpSRem undefined for negative operands (NVIDIA's
 driver does give other results). The matrix operations (lang.MATRIX: fragment_load, mma) are
-not rendered: a kernel using them is refused by its capability. This module knows no driver.
+not rendered, nor are asynchronous copies (copy_async): a kernel using them is refused by its
+capability. This module knows no driver.
 """
 import struct
 from dataclasses import dataclass
 
 from poot.errors import ModelRefused
-from poot.kernels.lang import (BOOL, F32, I32, MMA_CAPS, U16, U32, U64, Assign, Barrier, For, If,
-                               Let, Return, Store, VarDecl)
+from poot.kernels.lang import (ASYNC_COPY, BOOL, F32, I32, MMA_CAPS, U16, U32, U64, Assign,
+                               Barrier, For, If, Let, Return, Store, VarDecl)
 
 MAGIC, VERSION_1_3 = 0x07230203, 0x00010300
 
@@ -196,7 +197,7 @@ def _spv(dtype):
 
 
 # lang.py capabilities that SPIR-V (as rendered here) has no rendering of.
-UNRENDERED_CAPS = frozenset({"fragment_load", *MMA_CAPS.values()})
+UNRENDERED_CAPS = frozenset({"fragment_load", *MMA_CAPS.values(), ASYNC_COPY})
 
 
 class _Renderer:

@@ -45,6 +45,8 @@ SUBGROUP = {"subgroup_add", "subgroup_max", "subgroup_min", "shuffle_xor", "shuf
 # mma), and the capability each operand type of mma declares.
 MATRIX = {"fragment_load", "mma"}
 MMA_CAPS = {"f16": "mma_f16", "bf16": "mma_bf16"}
+# The capability of copy_async, copy_commit and copy_wait (KernelBuilder.copy_async).
+ASYNC_COPY = "async_copy"
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,29 @@ class Barrier:
 
 
 @dataclass(frozen=True)
+class CopyAsync:
+    """Starts copying 4 u32 words from buffer `source` at `source_index` into shared array
+    `target` at `index`; zeros are written, and nothing read, where `inside` (a bool Value, or
+    None: always) is false."""
+    target: str
+    index: Value
+    source: str
+    source_index: Value
+    inside: object = None
+
+
+@dataclass(frozen=True)
+class CopyCommit:
+    """The copies this thread started since its last commit form one batch."""
+
+
+@dataclass(frozen=True)
+class CopyWait:
+    """This thread waits until at most `pending` of its batches are still copying."""
+    pending: int
+
+
+@dataclass(frozen=True)
 class Return:
     """This thread stops (no barrier may follow for threads that returned)."""
 
@@ -237,6 +262,7 @@ class Kernel:
     body: tuple
     caps: frozenset
     n_values: int
+    resident: int = 1    # workgroups a multiprocessor should hold at once (a register budget)
 
     @property
     def shared_bytes(self):
@@ -258,9 +284,13 @@ class Kernel:
 class KernelBuilder:
     """Builds one Kernel. Use `with k.if_(c):`, `with k.for_(start, stop) as i:` for control."""
 
-    def __init__(self, name, workgroup=(256, 1, 1)):
+    def __init__(self, name, workgroup=(256, 1, 1), resident=1):
+        """`resident`: how many workgroups of this kernel a multiprocessor should run at once,
+        which a renderer that can meets by giving each thread fewer registers (PTX) and the
+        others ignore."""
         self.name = name
         self.workgroup = tuple(workgroup) + (1,) * (3 - len(workgroup))
+        self.resident = resident
         self.params, self.shared_arrays = [], []
         self.caps = set()
         self._blocks = [[]]
@@ -404,6 +434,36 @@ class KernelBuilder:
     def return_(self):
         self.emit(Return())
 
+    # -- asynchronous copies ---------------------------------------------------------------------
+    def copy_async(self, array, index, buffer, source, inside=None):
+        """Starts copying 4 u32 words (16 bytes) from `buffer` at `source` into shared `array` at
+        `index` (both multiples of 4) without waiting for them: shared memory filled while the
+        thread goes on. Where `inside` is false it writes zeros and reads nothing (`source` must
+        still name words of the buffer). The copy is complete for this thread once copy_wait
+        has waited for its batch (copy_commit), and for the workgroup after a barrier that
+        follows. A target could run it as a load and a store, commit and wait doing nothing;
+        PTX has cp.async (sm_80), the other renderers refuse the capability."""
+        if not isinstance(array, SharedArray) or array.param.dtype != U32:
+            raise TypeError("copy_async writes a shared u32 array")
+        if isinstance(buffer, SharedArray) or buffer.param.dtype != U32:
+            raise TypeError("copy_async reads a u32 buffer")
+        if inside is not None and inside.dtype != BOOL:
+            raise TypeError(f"copy_async: inside is a bool, not {inside.dtype}")
+        self.caps.add(ASYNC_COPY)
+        self.emit(CopyAsync(array.param.name, self.coerce(index, I32), buffer.param.name,
+                            self.coerce(source, I32), inside))
+
+    def copy_commit(self):
+        """Closes this thread's batch of copies: what copy_wait counts."""
+        self.caps.add(ASYNC_COPY)
+        self.emit(CopyCommit())
+
+    def copy_wait(self, pending=0):
+        """Waits until at most `pending` (an int) of this thread's committed batches, the
+        newest ones, are still copying."""
+        self.caps.add(ASYNC_COPY)
+        self.emit(CopyWait(int(pending)))
+
     def unpack_half2(self, word):
         """The two f16 halves of a u32 word (low half first), as f32 values: how kernels read f16
         data from 32-bit words, which every target (wgpu's translator included) can load."""
@@ -516,7 +576,7 @@ class KernelBuilder:
         if self.shared_arrays:
             caps.add("shared")
         return Kernel(self.name, tuple(self.params), tuple(self.shared_arrays), self.workgroup,
-                      tuple(self._blocks[0]), frozenset(caps), self._next)
+                      tuple(self._blocks[0]), frozenset(caps), self._next, self.resident)
 
 
 def walk(body):

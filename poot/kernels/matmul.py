@@ -11,7 +11,9 @@ kernel of devices with matrix instructions (lang.py's fragment_load and mma) for
 MMA_MIN_TOKENS (device_runner.py) or more: 128 x 128 tiles on the tensor cores, operands rounded
 to f16 (bf16 for BF16 weights). Where its tiles would not fill the device (decode-sized steps,
 small matrices) it is split along the columns (mma_launch): each slice writes a partial tile
-and `split_sum` adds them, in a fixed order.
+and `split_sum` adds them, in a fixed order. Other pipelines of mma_tiled (MMA_VARIANTS: async
+copies a few steps ahead, x rounded once beforehand by `mma_x16`, deeper steps) are there to be
+measured (scripts/bench-matmul); the runner launches the default.
 """
 from dataclasses import dataclass
 from functools import cache
@@ -269,12 +271,13 @@ def tiled(dtype, residual=False):
 
 
 # mma_tiled: a workgroup of 8 subgroups computes `tokens` (MMA_TOKENS, or 64 for short steps) x
-# MMA_ROWS of y, MMA_DEPTH columns a step; subgroup w owns tokens tokens/2 (w % 2).. and rows
-# 32 (w // 2)... Shared tiles hold a row (a token of x, a row of W) as MMA_DEPTH 16-bit values
-# in u32 words, padded by 16 bytes so the 8 rows one fragment_load reads start 36 words apart:
-# in 8 different groups of 4 banks.
+# MMA_ROWS of y, `depth` (MMA_DEPTH unless asked) columns a step; subgroup w owns tokens
+# tokens/2 (w % 2).. and rows 32 (w // 2)... Shared tiles hold a row (a token of x, a row of W) as
+# `depth` 16-bit values in u32 words, padded by 16 bytes so the 8 rows one fragment_load reads
+# start depth/2 + 4 words apart: in 8 different groups of 4 banks.
 MMA_TOKENS, MMA_ROWS, MMA_DEPTH = 128, 128, 64
 MMA_TOKEN_TILES = (64, MMA_TOKENS)
+MMA_DEPTHS = (64, 128)
 MMA_WORKGROUP = 256
 ROW_WORDS = MMA_DEPTH // 2 + 4
 WARP_ROWS = 32
@@ -284,6 +287,19 @@ WARP_ROWS = 32
 # whole partial tile.
 SPLIT_BLOCKS_PER_SM = 2
 MIN_SPLIT_STEPS = 2
+# Shared memory of a workgroup that lets two run on a multiprocessor of sm_90 (228 KiB, 1 KiB of
+# it reserved a workgroup): a staged mma_tiled that fits asks for registers that let two in too.
+TWO_RESIDENT_SHARED = 113 * 1024
+# The pipelines under measurement (scripts/bench-matmul, mma_tiled's docstring says why), as
+# mma_tiled's keywords; the runner launches the default, {}, until one is measured faster.
+MMA_VARIANTS = {
+    "regs": {},
+    "s3": {"stages": 3},
+    "s4": {"stages": 4},
+    "s3x16": {"stages": 3, "x16": True},
+    "s4x16": {"stages": 4, "x16": True},
+    "d128s2x16": {"depth": 128, "stages": 2, "x16": True},
+}
 
 
 def mma_operand(dtype):
@@ -293,18 +309,18 @@ def mma_operand(dtype):
     return BF16 if dtype == "BF16" else F16
 
 
-def a_fragment_index(lane, token, step):
+def a_fragment_index(lane, token, step, row_words=ROW_WORDS):
     """The word of the x tile this lane names to fragment_load for mma's `a`: the 16 x 16 block
     of tokens token.. and columns 16 step.. (matrices: tokens 0-7 of columns 0-7, tokens 8-15,
     then the same of columns 8-15). An int for an int lane, a Value for a Value."""
-    return (token + (lane & 15)) * ROW_WORDS + step * 8 + (lane >> 4) * 4
+    return (token + (lane & 15)) * row_words + step * 8 + (lane >> 4) * 4
 
 
-def b_fragment_index(lane, row, step):
+def b_fragment_index(lane, row, step, row_words=ROW_WORDS):
     """The word of the W tile this lane names for `b` of two mma n-tiles, rows row.. and
     row + 8.., columns 16 step..: matrices (rows 0-7, columns 0-7), (0-7, 8-15) make the first
     n-tile's `b`, then the same of rows 8-15 the second's."""
-    return (row + (lane & 7) + (lane >> 4) * 8) * ROW_WORDS + step * 8 + ((lane >> 3) & 1) * 4
+    return (row + (lane & 7) + (lane >> 4) * 8) * row_words + step * 8 + ((lane >> 3) & 1) * 4
 
 
 def accumulator_position(lane, j):
@@ -321,42 +337,75 @@ def _pack(k, operand, lo, hi):
 
 
 @cache
-def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False):
+def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_DEPTH,
+              stages=None, x16=False):
     """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / tokens))
     (mma_launch picks tokens and the split).
 
     Same buffers and scalars as matvec (cols a multiple of 8, and of the reader's block), so
-    the runner swaps it in for long steps. Each step of MMA_DEPTH columns: x [tokens x 64]
-    is rounded to the operand type (mma_operand: f16, bf16 for BF16 weights) and W [128 rows x
-    64] is copied (F16, BF16) or decoded and rounded to f16 (F32, block quants) into shared
-    memory; then each subgroup runs 4 k-steps of mma (m16n8k16) over its tokens / 2 x 32
-    rows, accumulating in f32 registers. The next step's x and F16/BF16 W are loaded into
-    registers before this step's mma, so their latency hides behind the tensor cores. Edges:
-    tokens past n_tokens read x's first values and rows past `rows` read row rows - 1 (neither
-    is stored), columns past cols read as zeros.
+    the runner swaps it in for long steps. Each step of `depth` columns: x [tokens x depth] is
+    rounded to the operand type (mma_operand: f16, bf16 for BF16 weights) and W [128 rows x
+    depth] is copied (F16, BF16) or decoded and rounded to f16 (F32, block quants) into shared
+    memory; then each subgroup runs depth / 16 k-steps of mma (m16n8k16) over its tokens / 2 x
+    32 rows, accumulating in f32 registers. By default the next step's x and F16/BF16 W are
+    loaded into registers before this step's mma, so their latency hides behind the tensor
+    cores. Edges: tokens past n_tokens read x's first values and rows past `rows` read row
+    rows - 1 (neither is stored), columns past cols read as zeros.
 
     `split`: grid z is a slice of the columns, split_columns(z, split_cols, cols) (a further
-    scalar split_cols, a multiple of MMA_DEPTH), and the buffer y is `partials`
+    scalar split_cols, a multiple of `depth`), and the buffer y is `partials`
     [slices, n_tokens, rows]: each workgroup stores its slice's partial tile there, and
     split_sum adds the slices (and the residual) into y.
+
+    Pipelines under measurement (MMA_VARIANTS; the default is the one above). Decode steps
+    stream W once and are bound by how many of its bytes are in flight: by Little's law, 4.2 TB/s
+    over ~0.8 us of loaded latency needs ~3.4 MB in flight, ~25 KB a multiprocessor. The
+    default holds one step (16 KB of W) a workgroup in registers, and only from its loads, after
+    the second barrier of a step, to its stores, after the first barrier of the next: the wait
+    at a barrier for the slowest subgroup is time with nothing of its own in flight.
+    - `stages` S (2 or more; F16 and BF16 weights, whose words are operands as they are): W
+      goes straight into shared memory by copy_async (cp.async) into a ring of S tiles, S - 1
+      steps ahead of the mma: (S - 1) x 16 KB of W in flight a workgroup all the time, in no
+      register, and one barrier a step (the one after the wait for this step's copies also
+      says every subgroup is done with the tile the next copies overwrite). x (f32) is loaded
+      into registers before a step's mma and rounded into the next slot after them. Shared
+      memory: S x (x tile + W tile), 27 KiB a stage for 64 tokens, 36 KiB for 128; past 48 KiB
+      it is dynamic (codegen/ptx.py), and two workgroups a multiprocessor (what the registers
+      allow at 256 threads and 65-128 each) fit while it is at most ~113 KiB.
+    - `x16`: the buffer is `x16`, u32 [T, cols / 2], x already rounded to the operand pairwise
+      (mma_x16, once per matmul input, which q, k and v share). A workgroup reads 2 bytes of x
+      a value instead of 4 (for 64 tokens, half as many bytes as of W instead of as many; for
+      prefill's 128 tokens x was 2/3 of what a step read), converts nothing, and with `stages`
+      copies x by copy_async too, so no register waits for memory.
+    - `depth` 128: a step reads 256 contiguous bytes of each W row instead of 128 and has half
+      the barriers per byte; its tiles are twice the size (51 KiB a stage for 64 tokens).
     """
     if split and residual:
         raise ValueError("a split mma_tiled leaves the residual to split_sum")
     if tokens not in MMA_TOKEN_TILES:
         raise ValueError(f"mma_tiled: a token tile is one of {MMA_TOKEN_TILES}, not {tokens}")
+    if depth not in MMA_DEPTHS:
+        raise ValueError(f"mma_tiled: a step is one of {MMA_DEPTHS} columns, not {depth}")
+    raw = dtype in ("F16", "BF16")                 # words already hold operand pairs
+    if stages is not None and (stages < 2 or not raw):
+        raise ValueError(f"mma_tiled: stages (2 or more) copy F16 or BF16 words as they are; "
+                         f"got {stages} for {dtype}")
     r = reader(dtype)
     operand = mma_operand(dtype)
-    raw = dtype in ("F16", "BF16")                 # words already hold operand pairs
     name = f"mma_tiled_{dtype.lower()}" + f"_t{tokens}" * (tokens != MMA_TOKENS) + \
+        f"_d{depth}" * (depth != MMA_DEPTH) + f"_s{stages}" * bool(stages) + "_x16" * x16 + \
         "_split" * split + "_residual" * residual
-    k = KernelBuilder(name, (MMA_WORKGROUP,))
+    row_words = depth // 2 + 4
+    x_tile, w_tile = tokens * row_words, MMA_ROWS * row_words
+    two = stages and (stages * (x_tile + w_tile) * 4 <= TWO_RESIDENT_SHARED)
+    k = KernelBuilder(name, (MMA_WORKGROUP,), resident=2 if two else 1)
     buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
-    x = k.buffer("x", F32)
+    x = k.buffer("x16", U32) if x16 else k.buffer("x", F32)
     y = k.buffer("partials" if split else "y", F32, "w")
     res = k.buffer("residual", F32) if residual else None
     rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
-    xs = k.shared("xs", U32, tokens * ROW_WORDS)
-    ws = k.shared("ws", U32, MMA_ROWS * ROW_WORDS)
+    xs = k.shared("xs", U32, (stages or 1) * x_tile)
+    ws = k.shared("ws", U32, (stages or 1) * w_tile)
     tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
     m0, t0 = k.block_id(0) * MMA_ROWS, k.block_id(1) * tokens
     if split:
@@ -365,25 +414,31 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False):
     else:
         begin, end = k.const(0, I32), cols
 
-    # x: 16 float4 a token row, 8 per thread; W (F16, BF16): 8 uint4 a row, 4 per thread.
-    x_parts = tokens * MMA_DEPTH // 4 // MMA_WORKGROUP
-    w_parts = MMA_ROWS * MMA_DEPTH // 8 // MMA_WORKGROUP
+    # A thread moves x and W in parts of 16 bytes: 4 f32 of x, or 4 words (8 values) of W or x16.
+    x_values = 8 if x16 else 4
+    x_row_parts, w_row_parts = depth // x_values, depth // 8
+    x_parts = tokens * x_row_parts // MMA_WORKGROUP
+    w_parts = MMA_ROWS * w_row_parts // MMA_WORKGROUP
+    x_shift, w_shift = x_row_parts.bit_length() - 1, w_row_parts.bit_length() - 1
 
     # The selects that zero columns past the end come at the stores, so that nothing waits for a
     # prefetch's loads until the next step. (A slice's end is a whole step but for the last, so
     # `end` masks the prefetch past a slice and the same columns past cols as `cols` would.)
     def x_part(p, c0):
-        """(shared word, x element, inside) of part p: 4 values of a token's row."""
+        """(shared word, x element or x16 word, inside) of part p: 4 or 8 values of a token."""
         i = tid + p * MMA_WORKGROUP
-        t, c = t0 + (i >> 4), c0 + (i & 15) * 4
-        return (i >> 4) * ROW_WORDS + (i & 15) * 2, t * cols + c, (t < n_tokens) & (c < end)
+        row, part = i >> x_shift, i & (x_row_parts - 1)
+        t, c = t0 + row, c0 + part * x_values
+        at = t * cols + c
+        return row * row_words + part * (x_values // 2), at >> 1 if x16 else at, \
+            (t < n_tokens) & (c < end)
 
     def w_part(p, c0):
         """(shared word, W word, inside) of part p: 4 words (8 values) of a row."""
         i = tid + p * MMA_WORKGROUP
-        m, c = k.min(m0 + (i >> 3), rows - 1), c0 + (i & 7) * 8
-        return (i >> 3) * ROW_WORDS + (i & 7) * 4, m * r.row_words("values", cols) + (c >> 1), \
-            c < end
+        row, part = i >> w_shift, i & (w_row_parts - 1)
+        m, c = k.min(m0 + row, rows - 1), c0 + part * 8
+        return row * row_words + part * 4, m * r.row_words("values", cols) + (c >> 1), c < end
 
     def fetch_x(c0):
         values = []
@@ -399,11 +454,14 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False):
             words += buf["values"].load(k.select(inside, at, 0), 4)
         return words
 
-    def store_x(values, c0):
+    def store_x(values, c0, base=0):
         for p in range(x_parts):
             to, _, inside = x_part(p, c0)
+            if x16:
+                xs.store(base + to, *[k.select(inside, w, 0) for w in values[4 * p:4 * p + 4]])
+                continue
             v = [k.select(inside, value, 0.0) for value in values[4 * p:4 * p + 4]]
-            xs.store(to, _pack(k, operand, v[0], v[1]), _pack(k, operand, v[2], v[3]))
+            xs.store(base + to, _pack(k, operand, v[0], v[1]), _pack(k, operand, v[2], v[3]))
 
     def store_w_words(words, c0):
         for p in range(w_parts):
@@ -413,7 +471,7 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False):
     def decode_w(c0):
         """Block quants: each thread decodes whole units of a W row into the shared tile."""
         unit = r.block_elems
-        units = MMA_DEPTH // unit
+        units = depth // unit
         n_units = cols / unit
         with k.for_(tid, MMA_ROWS * units, MMA_WORKGROUP) as j:
             row, u = j / units, j % units
@@ -424,20 +482,32 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False):
             words = [_pack(k, operand, k.select(inside, values[e], 0.0),
                            k.select(inside, values[e + 1], 0.0)) for e in range(0, unit, 2)]
             for e in range(0, unit // 2, 4):
-                ws.store(row * ROW_WORDS + u * (unit // 2) + e, *words[e:e + 4])
+                ws.store(row * row_words + u * (unit // 2) + e, *words[e:e + 4])
+
+    def copy_step(c0, slot):
+        """Starts the copies of the step at column c0 into ring slot `slot`, as one batch."""
+        for p in range(w_parts):
+            to, at, inside = w_part(p, c0)
+            k.copy_async(ws, slot * w_tile + to, buf["values"], k.select(inside, at, 0), inside)
+        for p in range(x_parts if x16 else 0):
+            to, at, inside = x_part(p, c0)
+            k.copy_async(xs, slot * x_tile + to, x, k.select(inside, at, 0), inside)
+        k.copy_commit()
 
     warp_tokens = tokens // 2
     wt, wn = (warp & 1) * warp_tokens, (warp >> 1) * WARP_ROWS
     tiles_t, tiles_n = warp_tokens // 16, WARP_ROWS // 8
     acc = [[[k.var(F32, 0.0) for _ in range(4)] for _ in range(tiles_n)] for _ in range(tiles_t)]
 
-    def compute():
-        for ks in range(MMA_DEPTH // 16):
-            a = [k.fragment_load(xs, a_fragment_index(lane, wt + 16 * i, ks))
+    def compute(slot=0):
+        for ks in range(depth // 16):
+            a = [k.fragment_load(xs, slot * x_tile + a_fragment_index(lane, wt + 16 * i, ks,
+                                                                      row_words))
                  for i in range(tiles_t)]
             b = []
             for pair in range(tiles_n // 2):
-                words = k.fragment_load(ws, b_fragment_index(lane, wn + 16 * pair, ks))
+                words = k.fragment_load(ws, slot * w_tile + b_fragment_index(
+                    lane, wn + 16 * pair, ks, row_words))
                 b += [words[:2], words[2:]]
             for i in range(tiles_t):
                 for j in range(tiles_n):
@@ -445,22 +515,41 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False):
                     for v, value in zip(acc[i][j], d):
                         v.set(value)
 
-    x_next = [k.var(F32, v) for v in fetch_x(begin)]
-    w_next = [k.var(U32, w) for w in fetch_w_words(begin)] if raw else []
-    with k.for_(begin, end, MMA_DEPTH) as c0:
-        k.barrier()                                 # the last step's mma are done with the tiles
-        store_x([v.get() for v in x_next], c0)
-        if raw:
-            store_w_words([w.get() for w in w_next], c0)
-        else:
-            decode_w(c0)
-        k.barrier()
-        for v, value in zip(x_next, fetch_x(c0 + MMA_DEPTH)):
-            v.set(value)
-        if raw:
-            for w, word in zip(w_next, fetch_w_words(c0 + MMA_DEPTH)):
-                w.set(word)
-        compute()
+    if stages:
+        for s in range(stages - 1):
+            copy_step(begin + s * depth, s)
+        if not x16:
+            store_x(fetch_x(begin), begin)
+        slot = k.var(I32, 0)                        # this step's slot of the ring
+        with k.for_(begin, end, depth) as c0:
+            k.copy_wait(stages - 2)                 # this step's copies are done ...
+            k.barrier()                             # ... everyone's, and the last step's mma
+            now = slot.get()
+            after = k.select(now.eq(stages - 1), 0, now + 1)
+            copy_step(c0 + (stages - 1) * depth, k.select(now.eq(0), stages - 1, now - 1))
+            values = [] if x16 else fetch_x(c0 + depth)
+            compute(now)
+            if not x16:
+                store_x(values, c0 + depth, after * x_tile)
+            slot.set(after)
+        k.copy_wait(0)
+    else:
+        x_next = [k.var(x.param.dtype, v) for v in fetch_x(begin)]
+        w_next = [k.var(U32, w) for w in fetch_w_words(begin)] if raw else []
+        with k.for_(begin, end, depth) as c0:
+            k.barrier()                             # the last step's mma are done with the tiles
+            store_x([v.get() for v in x_next], c0)
+            if raw:
+                store_w_words([w.get() for w in w_next], c0)
+            else:
+                decode_w(c0)
+            k.barrier()
+            for v, value in zip(x_next, fetch_x(c0 + depth)):
+                v.set(value)
+            if raw:
+                for w, word in zip(w_next, fetch_w_words(c0 + depth)):
+                    w.set(word)
+            compute()
 
     for i in range(tiles_t):
         for j in range(tiles_n):
@@ -473,6 +562,22 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False):
                         y[piece * n_tokens * rows + at] = v.get()
                     else:
                         y[at] = v.get() + res[at] if residual else v.get()
+    return k.build()
+
+
+@cache
+def mma_x16(dtype):
+    """x16 [n / 2] (u32) = x [n] (f32) rounded to the operand type of `dtype`'s mma (mma_operand)
+    two values a word, the lower column in the low half: what an x16 mma_tiled reads. n a
+    multiple of 4; grid (ceil(n / 4 / WORKGROUP))."""
+    operand = mma_operand(dtype)
+    k = KernelBuilder(f"mma_x16_{operand.name}", (WORKGROUP,))
+    x, x16 = k.buffer("x", F32), k.buffer("x16", U32, "w")
+    n = k.scalar("n", I32)
+    i = (k.block_id() * WORKGROUP + k.thread_id()) * 4
+    with k.if_(i < n):
+        v = x.load(i, 4)
+        x16.store(i >> 1, _pack(k, operand, v[0], v[1]), _pack(k, operand, v[2], v[3]))
     return k.build()
 
 
@@ -517,19 +622,27 @@ class MmaLaunch:
         return self.splits * n_tokens * rows if self.splits > 1 else 0
 
 
-def mma_launch(rows, cols, n_tokens, multiprocessors):
+def mma_launch(rows, cols, n_tokens, multiprocessors, depth=MMA_DEPTH,
+               per_sm=SPLIT_BLOCKS_PER_SM, min_steps=MIN_SPLIT_STEPS, one_wave=False):
     """The MmaLaunch of a [rows, cols] matmul over n_tokens on a device of `multiprocessors`:
     64-token tiles up to 64 tokens; split along the columns when the tiles alone give fewer
-    workgroups than multiprocessors, into slices of whole MMA_DEPTH steps (so of whole quant
-    blocks), every slice non-empty."""
+    workgroups than multiprocessors, into slices of whole `depth` steps (so of whole quant
+    blocks), every slice non-empty, at least min_steps long unless the columns are fewer.
+
+    The slices aim at per_sm workgroups a multiprocessor: at least that many by default, which
+    can start a second wave of workgroups, run after the first (Llama-8B's down projection at
+    64 tokens: 32 tiles x 9 slices = 288 workgroups, 24 more than 2 x 132 run at once);
+    `one_wave` takes at most that many, so all run at once, with longer slices (fewer partials
+    to write and add too)."""
     tokens = MMA_TOKEN_TILES[0] if n_tokens <= MMA_TOKEN_TILES[0] else MMA_TOKENS
     blocks = -(-rows // MMA_ROWS) * -(-n_tokens // tokens)
-    steps = -(-cols // MMA_DEPTH)
+    steps = -(-cols // depth)
     if blocks >= multiprocessors:
-        return MmaLaunch(tokens, 1, steps * MMA_DEPTH)
-    want = -(-SPLIT_BLOCKS_PER_SM * multiprocessors // blocks)
-    per = max(MIN_SPLIT_STEPS, -(-steps // want))
-    return MmaLaunch(tokens, -(-steps // per), per * MMA_DEPTH)
+        return MmaLaunch(tokens, 1, steps * depth)
+    slots = per_sm * multiprocessors
+    want = max(1, slots // blocks) if one_wave else -(-slots // blocks)
+    per = max(min_steps, -(-steps // want))
+    return MmaLaunch(tokens, -(-steps // per), per * depth)
 
 
 def mma_launches(rows, cols, least, most, multiprocessors):

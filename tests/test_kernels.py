@@ -616,9 +616,17 @@ def test_split_attention(device, head_dim, n_heads, n_kv, lengths, split_tokens,
     assert rel_err(got, ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale)) < 1e-5
 
 
-def test_argmax(device):
-    logits = rng.standard_normal((5, 49152)).astype(np.float32)
-    logits[3, 100] = logits[3, 7000] = logits[3].max() + 1     # a tie: the lower index wins
-    got = run(device, ops.argmax(device.subgroup_size), (5,), logits, np.zeros(5, np.int32),
-              logits.shape[1])["token"]
+@pytest.mark.parametrize("chunks", [1, 7, 64])
+def test_argmax(device, chunks):
+    """Both halves: the rows' chunks (7 leaves a short last one), then their best."""
+    logits = rng.standard_normal((5, 49153)).astype(np.float32)
+    logits[3, 100] = logits[3, 7000] = logits[3].max() + 1     # ties: the lower index wins,
+    logits[4, 20000] = logits[4, 20001] = logits[4].max() + 1  # across chunks and within one
+    n = logits.shape[1]
+    sg = device.subgroup_size
+    part = run(device, ops.argmax_chunks(sg), (5, chunks), logits,
+               np.full((5, chunks), np.nan, np.float32), np.full((5, chunks), -1, np.int32), n,
+               -(-n // chunks))
+    got = run(device, ops.argmax(sg), (5,), part["values"], part["indices"],
+              np.full(5, -1, np.int32), chunks)["token"]
     assert got.tolist() == [int(np.argmax(r)) for r in logits]

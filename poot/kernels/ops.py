@@ -404,24 +404,15 @@ def attention_combine(head_dim):
     return k.build()
 
 
-@cache
-def argmax(subgroup_size):
-    """token[r] = the index of the largest logits[r, :] (lowest index on ties); grid (R)."""
-    k = KernelBuilder(f"argmax_s{subgroup_size}", (WG,))
-    logits, token = k.buffer("logits", F32), k.buffer("token", I32, "w")
-    n = k.scalar("n", I32)
+def _best_of_workgroup(k, value, index):
+    """(value, index) of the workgroup's best pair in every thread's (value, index): the
+    largest value, the lowest index among equals; a tree over shared memory."""
     best_v, best_i = k.shared("best_v", F32, WG), k.shared("best_i", I32, WG)
-    r, tid = k.block_id(), k.thread_id()
-    bv, bi = k.var(F32, LOWEST), k.var(I32, 0)
-    with k.for_(tid, n, WG) as i:
-        v = logits[r * n + i]
-        with k.if_(v > bv.get()):
-            bv.set(v)
-            bi.set(i)
-    best_v[tid], best_i[tid] = bv.get(), bi.get()
+    tid = k.thread_id()
+    best_v[tid], best_i[tid] = value, index
     k.barrier()
     stride = WG // 2
-    while stride:                                    # tree over shared memory
+    while stride:
         with k.if_(tid < stride):
             ov, oi = best_v[tid + stride], best_i[tid + stride]
             mv, mi = best_v[tid], best_i[tid]
@@ -430,8 +421,54 @@ def argmax(subgroup_size):
             best_i[tid] = k.select(better, oi, mi)
         k.barrier()
         stride //= 2
+    return best_v[0], best_i[0]
+
+
+@cache
+def argmax_chunks(subgroup_size):
+    """The first half of the greedy choice, so a row of a large vocabulary is read by many
+    workgroups at once: workgroup (r, c) writes the largest of logits[r, c*chunk : (c+1)*chunk]
+    (and n) and its index, the lowest among equals, to values[r, c] and indices[r, c].
+    grid (R, chunks)."""
+    k = KernelBuilder(f"argmax_chunks_s{subgroup_size}", (WG,))
+    logits = k.buffer("logits", F32)
+    values, indices = k.buffer("values", F32, "w"), k.buffer("indices", I32, "w")
+    n, chunk = k.scalar("n", I32), k.scalar("chunk", I32)
+    r, c, tid = k.block_id(), k.block_id(1), k.thread_id()
+    lo = c * chunk
+    hi = k.min(lo + chunk, n)
+    bv, bi = k.var(F32, LOWEST), k.var(I32, 0)
+    with k.for_(lo + tid, hi, WG) as i:
+        v = logits[r * n + i]
+        with k.if_(v > bv.get()):
+            bv.set(v)
+            bi.set(i)
+    value, index = _best_of_workgroup(k, bv.get(), bi.get())
     with k.if_(tid.eq(0)):
-        token[r] = best_i[0]
+        at = r * k.num_blocks(1) + c
+        values[at] = value
+        indices[at] = index
+    return k.build()
+
+
+@cache
+def argmax(subgroup_size):
+    """token[r] = the index of the largest logits[r, :] (lowest index on ties), from the
+    `chunks` (value, index) pairs argmax_chunks left for row r. grid (R)."""
+    k = KernelBuilder(f"argmax_s{subgroup_size}", (WG,))
+    values, indices = k.buffer("values", F32), k.buffer("indices", I32)
+    token = k.buffer("token", I32, "w")
+    chunks = k.scalar("chunks", I32)
+    r, tid = k.block_id(), k.thread_id()
+    bv, bi = k.var(F32, LOWEST), k.var(I32, 0)
+    with k.for_(tid, chunks, WG) as j:          # chunks in order: a tie keeps the lower index
+        v, i = values[r * chunks + j], indices[r * chunks + j]
+        with k.if_((v > bv.get()) | (v.eq(bv.get()) & (i < bi.get()))):
+            bv.set(v)
+            bi.set(i)
+    _, index = _best_of_workgroup(k, bv.get(), bi.get())
+    with k.if_(tid.eq(0)):
+        token[r] = index
     return k.build()
 
 

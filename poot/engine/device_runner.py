@@ -27,6 +27,19 @@ from .batch import StepBatch, StepOutput
 from .sampling import sample
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
+ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
+
+
+def mma_choice(dtype):
+    """(mma_tiled keywords, mma_launch split policy) of the tensor-core matmul of a weight
+    format, chosen from scripts/bench-matmul on the H200 (docs/benchmarks.md): F16 and BF16
+    weights stream through a three-stage ring of asynchronous copies with x rounded once
+    beforehand (mma_x16), their splits kept to one wave of two workgroups a multiprocessor
+    (a Llama-8B layer's matmuls: 8.8 -> 6.4 ms at 64 tokens, 40 -> 30 ms at 512); the formats
+    decoded in the kernel keep the register pipeline."""
+    if dtype in ("F16", "BF16"):
+        return {"stages": 3, "x16": True}, {"per_sm": 2, "one_wave": True}
+    return {}, {}
 
 
 def matvec_rows(dtype, group, matrices=1):
@@ -376,6 +389,7 @@ class DeviceRunner(StepRunner):
                 for kernel in self._kernels_of(step, sg, cfg, long):
                     seen.setdefault(kernel.name, kernel)
         if self.has_logits:
+            seen.setdefault("argmax_chunks", ops.argmax_chunks(sg))
             seen.setdefault("argmax", ops.argmax(sg))
         return list(seen.values())
 
@@ -384,9 +398,11 @@ class DeviceRunner(StepRunner):
             matvecs = [self._matvec(op.weight, n, op.variant)[0] for n in TOKEN_GROUPS]
             if not long:
                 return matvecs
+            x16 = [matmul.mma_x16(op.weight.dtype)] if self._mma_launches(op) and \
+                mma_choice(op.weight.dtype)[0].get("x16") else []
             return matvecs + [kernel for launch in self._mma_launches(op).values()
                               for kernel in self._mma_kernels(op.weight, op.residual is not None,
-                                                              launch)]
+                                                              launch)] + x16
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -428,7 +444,7 @@ class DeviceRunner(StepRunner):
         or None: a short step, or a device without the matrix instructions."""
         if n < MMA_MIN_TOKENS or not matmul.mma_tiled(w.dtype).caps <= self.device.caps:
             return None
-        return matmul.mma_launch(*w.shape, n, self._multiprocessors())
+        return matmul.mma_launch(*w.shape, n, self._multiprocessors(), **mma_choice(w.dtype)[1])
 
     def _mma_launches(self, op):
         """{n: MmaLaunch} standing for every length of a matmul step that runs on the tensor
@@ -437,18 +453,28 @@ class DeviceRunner(StepRunner):
         w, most = op.weight, self._elements(op.x.shape[:1])
         if self._mma_launch(w, most) is None:
             return {}
-        return matmul.mma_launches(*w.shape, MMA_MIN_TOKENS, most, self._multiprocessors())
+        return matmul.mma_launches(*w.shape, MMA_MIN_TOKENS, most, self._multiprocessors(),
+                                   **mma_choice(w.dtype)[1])
 
     def _multiprocessors(self):
         return getattr(self.device, "multiprocessors", None) or MULTIPROCESSORS
 
     @staticmethod
     def _mma_kernels(w, residual, launch):
-        """The kernels of an MmaLaunch, in launch order."""
+        """The kernels of an MmaLaunch, in launch order (after mma_x16 where the variant reads
+        x rounded beforehand)."""
+        variant = mma_choice(w.dtype)[0]
         if launch.splits == 1:
-            return [matmul.mma_tiled(w.dtype, residual, launch.tokens)]
-        return [matmul.mma_tiled(w.dtype, tokens=launch.tokens, split=True),
+            return [matmul.mma_tiled(w.dtype, residual, launch.tokens, **variant)]
+        return [matmul.mma_tiled(w.dtype, tokens=launch.tokens, split=True, **variant),
                 matmul.split_sum(residual)]
+
+    def _mma_x16_words(self):
+        """The words of the largest x a step's x16 mma_tiled reads rounded (0: none does)."""
+        return max((self._elements(op.x.shape[:1]) * op.weight.shape[1] // 2
+                    for op in self.steps_long or () if op.kind == "matmul"
+                    and mma_choice(op.weight.dtype)[0].get("x16") and self._mma_launches(op)),
+                   default=0)
 
     def _elements(self, shape):
         sizes = {"T": self.max_tokens, "R": self.max_seqs}
@@ -512,7 +538,8 @@ class DeviceRunner(StepRunner):
                 ("seq_rows", self.max_tokens), ("block_tables", self.max_seqs * self.table_width),
                 ("sample_tokens", self.max_seqs)]
         if self.has_logits:
-            step.append(("argmax", self.max_seqs))
+            step += [("argmax", self.max_seqs), ("argmax_values", self.max_seqs * ARGMAX_CHUNKS),
+                     ("argmax_indices", self.max_seqs * ARGMAX_CHUNKS)]
         if "hidden" in self.graph.inputs:   # a pipeline stage's input, copied from the last
             step.append(("hidden", self.max_tokens * self.model.config.d_model))
         shared = {}
@@ -529,6 +556,8 @@ class DeviceRunner(StepRunner):
         partials = self._mma_partials()
         if partials:                        # the slices of a split mma_tiled, [splits, T, rows]
             out.append(Allocation("mma_partials", partials * 4, "arenas"))
+        if self._mma_x16_words():           # x rounded for the tensor cores, [T, cols / 2]
+            out.append(Allocation("mma_x16", self._mma_x16_words() * 4, "arenas"))
         return out
 
     def _mma_partials(self):
@@ -650,8 +679,11 @@ class DeviceRunner(StepRunner):
         wg = ops.WG
         long = self.steps_long is not None and T >= MMA_MIN_TOKENS
         self._use(long)
+        rounded = None              # (x, operand) that mma_x16 holds, until another op runs
         for op in self.steps_long if long else self.steps:
             ins, out = op.inputs, op.outputs[0]
+            if op.kind != "matmul":
+                rounded = None
             if op.kind == "embedding":
                 table = ins[0]
                 self._launch(ops.embedding(table.dtype), (T,),
@@ -665,13 +697,20 @@ class DeviceRunner(StepRunner):
                 w, x = op.weight, op.x
                 n = self._shape(x, T, R)[0]
                 residual = [] if op.residual is None else [B(op.residual)]
-                args = (*self._weight_planes(w), B(x), B(out), *residual, w.shape[0],
-                        w.shape[1], n)
                 launch = self._mma_launch(w, n)
+                x_in = B(x)
+                if launch and mma_choice(w.dtype)[0].get("x16"):
+                    x_in = self.buffers["mma_x16"]
+                    if rounded != (x.name, matmul.mma_operand(w.dtype)):   # q, k, v share it
+                        rounded = (x.name, matmul.mma_operand(w.dtype))
+                        self._launch(matmul.mma_x16(w.dtype), (-(-n * w.shape[1] // (4 * wg)),),
+                                     B(x), x_in, n * w.shape[1])
+                args = (*self._weight_planes(w), x_in, B(out), *residual, w.shape[0],
+                        w.shape[1], n)
                 if launch and launch.splits > 1:
                     tile, add = self._mma_kernels(w, op.residual is not None, launch)
                     partials = self.buffers["mma_partials"]
-                    self._launch(tile, launch.grid(w.shape[0], n), *self._weight_planes(w), B(x),
+                    self._launch(tile, launch.grid(w.shape[0], n), *self._weight_planes(w), x_in,
                                  partials, *args[-3:], launch.split_cols)
                     self._launch(add, (-(-n * w.shape[0] // matmul.WORKGROUP),), partials,
                                  B(out), *residual, n * w.shape[0], launch.splits)
@@ -754,9 +793,14 @@ class DeviceRunner(StepRunner):
         # the greedy choice of every row, so greedy steps read back tokens, not logits
         if self.has_logits:
             logits = self.graph.outputs["logits"]
-            argmax = self.graph.inputs["sample_tokens"]     # R rows, as the argmax buffer
-            self._launch(ops.argmax(sg), (R,), B(logits), self._buffer_named("argmax", argmax),
-                         self.vocab_size)
+            rows = self.graph.inputs["sample_tokens"]       # R rows, as the argmax buffers
+            chunks = ARGMAX_CHUNKS
+            values, indices = (self._buffer_named(name, rows, chunks)
+                               for name in ("argmax_values", "argmax_indices"))
+            self._launch(ops.argmax_chunks(sg), (R, chunks), B(logits), values, indices,
+                         self.vocab_size, -(-self.vocab_size // chunks))
+            self._launch(ops.argmax(sg), (R,), values, indices,
+                         self._buffer_named("argmax", rows), chunks)
 
     def _matvec(self, w, group, variant):
         """(kernel, shape args of matvec_grid) of weight w's matvec (its variant) for a token
@@ -817,11 +861,13 @@ class DeviceRunner(StepRunner):
                      *(peer._buffer(op.inputs[0]) for peer in self.peers),
                      self._buffer(op.output), columns, *starts)
 
-    def _buffer_named(self, name, like):
-        """A step buffer that is not a graph tensor, offset as the tensor `like` would be."""
+    def _buffer_named(self, name, like, width=1):
+        """A step buffer that is not a graph tensor, offset as the tensor `like` would be (rows
+        of `width` words)."""
         t0, r0 = self._offsets
         row = {"T": t0, "R": r0}[like.shape[0]]
-        return self.device.view(self.buffers[name], row * 4) if row else self.buffers[name]
+        return self.device.view(self.buffers[name], row * width * 4) if row else \
+            self.buffers[name]
 
     def _weight_planes(self, t):
         """The plane buffers of a device weight; for one part of a stacked weight (the

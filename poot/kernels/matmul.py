@@ -662,7 +662,7 @@ def mma_launch(rows, cols, n_tokens, multiprocessors, depth=MMA_DEPTH,
     return MmaLaunch(tokens, -(-steps // per), per * depth)
 
 
-def mma_launches(rows, cols, least, most, multiprocessors):
+def mma_launches(rows, cols, least, most, multiprocessors, **policy):
     """{n_tokens: MmaLaunch} standing for every step length least..most: a launch depends on
     the length only through its token tile and count of token tiles, so the longest length of
     each such run stands for it (the one that needs the most partials)."""
@@ -670,6 +670,6 @@ def mma_launches(rows, cols, least, most, multiprocessors):
     for end in (MMA_TOKEN_TILES[0], *range(MMA_TOKENS, most + MMA_TOKENS, MMA_TOKENS)):
         if end >= least and low <= most:
             n = min(end, most)
-            out[n] = mma_launch(rows, cols, n, multiprocessors)
+            out[n] = mma_launch(rows, cols, n, multiprocessors, **policy)
         low = end + 1
     return out

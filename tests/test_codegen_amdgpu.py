@@ -45,6 +45,7 @@ def runner_kernels(wavefront):
                 ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
                 ops.attention(wavefront, 64), ops.attention(wavefront, 128),
                 ops.attention_split(wavefront, 64), ops.attention_split(wavefront, 128),
+            ops.attention(wavefront, 128, 4), ops.attention_split(wavefront, 128, 4),
                 ops.attention_combine(64), ops.attention_combine(128), ops.argmax(wavefront),
                 ops.argmax_chunks(wavefront)]
     kernels += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]

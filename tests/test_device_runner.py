@@ -6,10 +6,11 @@ import pytest
 import poot
 from poot.backends.select import open_device
 from poot.codegen.ptx import PTX_CAPS
+from poot.engine import device_runner
 from poot.engine.device_runner import MMA_MIN_TOKENS, MULTIPROCESSORS, Allocation, DeviceRunner
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.errors import BackendUnavailable
-from poot.kernels import matmul
+from poot.kernels import matmul, ops
 from poot.kernels.quant import DEVICE_DTYPES
 from tests.models import default_model, tiny_model
 
@@ -100,6 +101,23 @@ def test_long_prefill_matches_reference(tmp_path, device, dtype, n):
     batch = prefill_of(n)
     want = model.runner(None, num_blocks=16).logits(batch)
     got = model.runner(device, num_blocks=16, max_tokens=128).logits(batch)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_prefill_with_shared_kv_heads_matches_reference(tmp_path, device, monkeypatch):
+    """Workgroups of a long step take several query heads of one KV head (forced here: the
+    tiny model's steps are too short to share them by themselves)."""
+    monkeypatch.setattr(device_runner, "SHARED_HEADS_PER_SM", 0)
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    cfg = model.config
+    if ops.attention_heads(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                           device.subgroup_size) == 1:
+        pytest.skip("the tiny model's KV heads each serve one query head")
+    batch = prefill_of(40)
+    want = model.runner(None, num_blocks=16).logits(batch)
+    runner = model.runner(device, num_blocks=16, max_tokens=128)
+    assert runner._attention_heads(40, cfg.n_heads, cfg.n_kv_heads) > 1
+    got = runner.logits(batch)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 

@@ -529,8 +529,10 @@ def test_rope_store_kv(device, style, pairs):
     assert np.array_equal(got_v[written], want_v[written].astype(np.float16).astype(np.float32))
 
 
-@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 9, 3), (128, 8, 8)])
-def test_attention(device, head_dim, n_heads, n_kv):
+@pytest.mark.parametrize("head_dim,n_heads,n_kv,shared", [(64, 9, 3, 1), (64, 9, 3, 3),
+                                                          (128, 8, 8, 1), (64, 8, 4, 2)])
+def test_attention(device, head_dim, n_heads, n_kv, shared):
+    """shared: query heads of one KV head a workgroup takes (ops.attention_heads)."""
     bs, nb = 16, 128
     lengths = [1, 300, 57, 700]
     tables, positions, seq_rows, k, v = paged_case(n_kv, head_dim, lengths, bs, nb)
@@ -545,7 +547,8 @@ def test_attention(device, head_dim, n_heads, n_kv):
     qpos, qrows = positions[pick], seq_rows[pick]
     scale = head_dim ** -0.5
     want = ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale)
-    got = run(device, ops.attention(device.subgroup_size, head_dim), (len(pick) * n_heads,), q,
+    got = run(device, ops.attention(device.subgroup_size, head_dim, shared),
+              (len(pick) * n_heads // shared,), q,
               np.zeros_like(q), cache_k.astype(np.float16).view(np.uint32),
               cache_v.astype(np.float16).view(np.uint32), qpos, qrows, tables, n_heads, n_kv,
               tables.shape[1], bs, scale)["out"]
@@ -578,8 +581,11 @@ def split_partials(q, keys, values, qpos, qrows, split_tokens, n_splits, scale):
     (128, 8, 2, [150, 40], 48, 4, True),               # prefill: every token of a sequence
     (128, 8, 8, [97, 33, 260], 40, 7, True),           # splits not a whole number of blocks
 ])
+@pytest.mark.parametrize("shared", [False, True])
 def test_split_attention(device, head_dim, n_heads, n_kv, lengths, split_tokens, n_splits,
-                         prefill):
+                         prefill, shared):
+    """shared: a workgroup takes the query heads of a KV head ops.attention_heads gives."""
+    heads = ops.attention_heads(n_heads, n_kv, head_dim, device.subgroup_size) if shared else 1
     bs, nb = 16, 128
     tables, positions, seq_rows, k, v = paged_case(n_kv, head_dim, lengths, bs, nb)
     k16, v16 = k.astype(np.float16), v.astype(np.float16)
@@ -594,8 +600,8 @@ def test_split_attention(device, head_dim, n_heads, n_kv, lengths, split_tokens,
     qpos, qrows = positions[pick], seq_rows[pick]
     scale = head_dim ** -0.5
     T = len(pick)
-    partials = run(device, ops.attention_split(device.subgroup_size, head_dim), (T * n_heads,
-                   n_splits), q, np.zeros((T, n_heads, n_splits, head_dim + 2), np.float32),
+    partials = run(device, ops.attention_split(device.subgroup_size, head_dim, heads),
+                   (T * n_heads // heads, n_splits), q, np.zeros((T, n_heads, n_splits, head_dim + 2), np.float32),
                    cache_k.astype(np.float16).view(np.uint32),
                    cache_v.astype(np.float16).view(np.uint32), qpos, qrows, tables, n_heads,
                    n_kv, tables.shape[1], bs, scale, split_tokens)["partials"]

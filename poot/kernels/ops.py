@@ -244,14 +244,29 @@ def _neox_dim(k, x, base, i, n_pairs, angle, inv_freq):
 
 
 KEYS_PER_ROUND = 4      # keys a subgroup scores per round of the attention loop (loads in flight)
+MAX_SHARED_HEADS = 8    # query heads one attention workgroup takes for their shared KV head
 
 
-def _attention(subgroup_size, head_dim, split):
+SHARED_SUMS_BYTES = 16384  # the subgroups' sums of a workgroup's heads: Vulkan's least limit
+
+
+def attention_heads(n_heads, n_kv_heads, head_dim, subgroup_size):
+    """Query heads an attention workgroup takes: the most of those sharing a KV head that
+    divide their number, at most MAX_SHARED_HEADS, with every subgroup's sums of them in
+    SHARED_SUMS_BYTES of shared memory."""
+    group = n_heads // n_kv_heads
+    sums = WG // subgroup_size * head_dim * 4
+    return max(h for h in range(1, min(group, MAX_SHARED_HEADS) + 1)
+               if group % h == 0 and (h == 1 or h * sums <= SHARED_SUMS_BYTES))
+
+
+def _attention(subgroup_size, head_dim, split, heads):
     """The body of both attention kernels: the subgroups of one workgroup share the keys
-    [lo, hi) of its (token, head), each taking KEYS_PER_ROUND consecutive keys a round, with
-    its own running max and sum (see `attention`); the subgroups' sums are then combined and
-    either normalised (split=False: lo, hi = 0, L) or written as the partial of split
-    block_id(1) (split=True)."""
+    [lo, hi) of its token and `heads` query heads of one KV head, each subgroup taking
+    KEYS_PER_ROUND consecutive keys a round (every head scoring the same K and V rows), with
+    its own running max and sum per head (see `attention`); the subgroups' sums are then
+    combined and either normalised (split=False: lo, hi = 0, L) or written as the partials of
+    split block_id(1) (split=True)."""
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim}: even")
     half, sg = head_dim // 2, subgroup_size
@@ -259,7 +274,7 @@ def _attention(subgroup_size, head_dim, split):
     n_sub = WG // sg
     rounds = KEYS_PER_ROUND
     name = "attention_split" if split else "attention"
-    k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}", (WG,))
+    k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}" + f"_h{heads}" * (heads > 1), (WG,))
     q, out = k.buffer("q", F32), k.buffer("partials" if split else "out", F32, "w")
     k_cache, v_cache = k.buffer("k_cache", U32), k.buffer("v_cache", U32)
     positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
@@ -268,12 +283,13 @@ def _attention(subgroup_size, head_dim, split):
         "n_heads", "n_kv_heads", "table_width", "block_size"))
     scale = k.scalar("scale", F32)
     split_tokens = k.scalar("split_tokens", I32) if split else None
-    maxima = k.shared("maxima", F32, n_sub)
-    sums = k.shared("sums", F32, n_sub)
-    partial = k.shared("partial", F32, n_sub * head_dim)
-    th, tid, lane, sub = k.block_id(), k.thread_id(), k.lane_id(), k.subgroup_id()
-    t, h = th / n_heads, th % n_heads
-    kvh = h / (n_heads / n_kv)
+    maxima = k.shared("maxima", F32, n_sub * heads)
+    sums = k.shared("sums", F32, n_sub * heads)
+    partial = k.shared("partial", F32, n_sub * heads * head_dim)
+    block, tid, lane, sub = k.block_id(), k.thread_id(), k.lane_id(), k.subgroup_id()
+    per_token = n_heads / heads
+    t, h0 = block / per_token, block % per_token * heads
+    kvh = h0 / (n_heads / n_kv)
     length = positions[t] + 1
     if split:       # a split past the length scans nothing: its partial is the neutral one
         lo = k.block_id(1) * split_tokens
@@ -286,68 +302,76 @@ def _attention(subgroup_size, head_dim, split):
     words = [lane + sg * i for i in range(per_lane)]
     valid = [None if half % sg == 0 else w < half for w in words]
     words = [w if ok is None else k.select(ok, w, 0) for w, ok in zip(words, valid)]
-    qv = []
-    for w, ok in zip(words, valid):
-        pair = [q[th * head_dim + 2 * w + e] * scale for e in (0, 1)]
-        qv.append(pair if ok is None else [k.select(ok, v, 0.0) for v in pair])
+    qv = []                                         # [head][word] (q of 2w, q of 2w + 1) * scale
+    for hh in range(heads):
+        first = (t * n_heads + h0 + hh) * head_dim
+        pairs = []
+        for w, ok in zip(words, valid):
+            pair = [q[first + 2 * w + e] * scale for e in (0, 1)]
+            pairs.append(pair if ok is None else [k.select(ok, v, 0.0) for v in pair])
+        qv.append(pairs)
 
-    running_max, running_sum = k.var(F32, LOWEST), k.var(F32, 0.0)
-    acc = [k.var(F32, 0.0) for _ in range(2 * per_lane)]
+    running_max = [k.var(F32, LOWEST) for _ in range(heads)]
+    running_sum = [k.var(F32, 0.0) for _ in range(heads)]
+    acc = [[k.var(F32, 0.0) for _ in range(2 * per_lane)] for _ in range(heads)]
     with k.for_(lo + sub * rounds, hi, n_sub * rounds) as j0:
         keys = [k.min(j0 + u, hi - 1) for u in range(rounds)]
         bases = [((tables[row * table_width + j / block_size] * block_size + j % block_size)
                   * n_kv + kvh) * half for j in keys]
-        kw = [[k_cache[base + w] for w in words] for base in bases]
-        vw = [[v_cache[base + w] for w in words] for base in bases]
-        scores = []
-        for u in range(rounds):
-            dot = None
-            for (qa, qb), word in zip(qv, kw[u]):
-                ka, kb = k.unpack_half2(word)
-                dot = k.fma(ka, qa, kb * qb if dot is None else k.fma(kb, qb, dot))
-            score = k.subgroup_add(dot)
-            scores.append(score if u == 0 else k.select(j0 + u < hi, score, LOWEST))
-        new_max = running_max.get()
-        for score in scores:
-            new_max = k.max(new_max, score)
-        correction = k.exp(running_max.get() - new_max)
-        probs = [k.exp(score - new_max) for score in scores]
-        total = running_sum.get() * correction
-        for p in probs:
-            total = total + p
-        running_sum.set(total)
-        running_max.set(new_max)
-        for i in range(per_lane):
+        kw = [[k.unpack_half2(k_cache[base + w]) for w in words] for base in bases]
+        vw = [[k.unpack_half2(v_cache[base + w]) for w in words] for base in bases]
+        for hh in range(heads):
+            scores = []
+            for u in range(rounds):
+                dot = None
+                for (qa, qb), (ka, kb) in zip(qv[hh], kw[u]):
+                    dot = k.fma(ka, qa, kb * qb if dot is None else k.fma(kb, qb, dot))
+                score = k.subgroup_add(dot)
+                scores.append(score if u == 0 else k.select(j0 + u < hi, score, LOWEST))
+            new_max = running_max[hh].get()
+            for score in scores:
+                new_max = k.max(new_max, score)
+            correction = k.exp(running_max[hh].get() - new_max)
+            probs = [k.exp(score - new_max) for score in scores]
+            total = running_sum[hh].get() * correction
+            for p in probs:
+                total = total + p
+            running_sum[hh].set(total)
+            running_max[hh].set(new_max)
+            for i in range(per_lane):
+                for e in (0, 1):
+                    value = acc[hh][2 * i + e].get() * correction
+                    for u, p in enumerate(probs):
+                        value = k.fma(p, vw[u][i][e], value)
+                    acc[hh][2 * i + e].set(value)
+    for hh in range(heads):
+        with k.if_(lane.eq(0)):
+            maxima[sub * heads + hh] = running_max[hh].get()
+            sums[sub * heads + hh] = running_sum[hh].get()
+        for i, (w, ok) in enumerate(zip(words, valid)):
             for e in (0, 1):
-                value = acc[2 * i + e].get() * correction
-                for u, p in enumerate(probs):
-                    value = k.fma(p, k.unpack_half2(vw[u][i])[e], value)
-                acc[2 * i + e].set(value)
-    with k.if_(lane.eq(0)):
-        maxima[sub] = running_max.get()
-        sums[sub] = running_sum.get()
-    for i, (w, ok) in enumerate(zip(words, valid)):
-        for e in (0, 1):
-            if ok is None:
-                partial[sub * head_dim + 2 * w + e] = acc[2 * i + e].get()
-            else:
-                with k.if_(ok):
-                    partial[sub * head_dim + 2 * w + e] = acc[2 * i + e].get()
+                at = (sub * heads + hh) * head_dim + 2 * w + e
+                if ok is None:
+                    partial[at] = acc[hh][2 * i + e].get()
+                else:
+                    with k.if_(ok):
+                        partial[at] = acc[hh][2 * i + e].get()
     k.barrier()
-    # the subgroups' sums, each weighed by exp(its max - the largest); a subgroup that scanned
-    # nothing (max lowest, sum 0) weighs nothing unless none scanned anything (a split past L)
-    top = k.var(F32, LOWEST)
-    with k.for_(0, n_sub) as s:
-        top.set(k.max(top.get(), maxima[s]))
-    if split:
-        base = (th * k.num_blocks(1) + k.block_id(1)) * (head_dim + 2)
-    with k.for_(tid, head_dim, WG) as d:
+    # per head, the subgroups' sums, each weighed by exp(its max - the largest); a subgroup
+    # that scanned nothing (max lowest, sum 0) weighs nothing unless none scanned anything
+    with k.for_(tid, heads * head_dim, WG) as at:
+        hh, d = at / head_dim, at % head_dim
+        top = k.var(F32, LOWEST)
+        with k.for_(0, n_sub) as s:
+            top.set(k.max(top.get(), maxima[s * heads + hh]))
         num, den = k.var(F32, 0.0), k.var(F32, 0.0)
         with k.for_(0, n_sub) as s:
-            weight = k.exp(maxima[s] - top.get())
-            num.set(k.fma(weight, partial[s * head_dim + d], num.get()))
-            den.set(k.fma(weight, sums[s], den.get()))
+            weight = k.exp(maxima[s * heads + hh] - top.get())
+            num.set(k.fma(weight, partial[(s * heads + hh) * head_dim + d], num.get()))
+            den.set(k.fma(weight, sums[s * heads + hh], den.get()))
+        th = t * n_heads + h0 + hh
         if split:
+            base = (th * k.num_blocks(1) + k.block_id(1)) * (head_dim + 2)
             out[base + d] = num.get()
             with k.if_(d.eq(0)):
                 out[base + head_dim] = top.get()
@@ -358,26 +382,27 @@ def _attention(subgroup_size, head_dim, split):
 
 
 @cache
-def attention(subgroup_size, head_dim):
+def attention(subgroup_size, head_dim, heads=1):
     """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
     f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
-    (token, head). Its subgroups take turns at the keys, KEYS_PER_ROUND consecutive keys a
-    round (their K and V words all loaded before any arithmetic, so a lane has that many rows
-    in flight), a lane holding the same few words of q, K and V rows (a subgroup sum gives a
-    key's score); each subgroup keeps its own running max, sum and weighted sum of values, and
-    the subgroups' are combined at the end. grid (T * heads)."""
-    return _attention(subgroup_size, head_dim, split=False)
+    token and `heads` query heads of one KV head (attention_heads: they read its K and V rows
+    once). Its subgroups take turns at the keys, KEYS_PER_ROUND consecutive keys a round (their
+    K and V words all loaded before any arithmetic, so a lane has that many rows in flight), a
+    lane holding the same few words of q, K and V rows (a subgroup sum gives a key's score);
+    each subgroup keeps its own running max, sum and weighted sum of values for each head, and
+    the subgroups' are combined at the end. grid (T * n_heads / heads)."""
+    return _attention(subgroup_size, head_dim, False, heads)
 
 
 @cache
-def attention_split(subgroup_size, head_dim):
-    """The first half of split attention (flash decoding), for when T * heads workgroups would
-    leave the device idle: workgroup (t * heads + h, s) scans keys [s * split_tokens,
+def attention_split(subgroup_size, head_dim, heads=1):
+    """The first half of split attention (flash decoding), for when the one-pass workgroups
+    would leave the device idle: workgroup (t, heads h.., s) scans keys [s * split_tokens,
     min((s + 1) * split_tokens, L)) as `attention` does and writes, unnormalised,
     partials[t, h, s] = (sum_j p_j V_j [head_dim], m, l), m = the range's largest score,
     p_j = exp(score_j - m), l = sum_j p_j. A split past L writes (0..., lowest f32, 0), which
-    weighs nothing in `attention_combine`. grid (T * heads, splits)."""
-    return _attention(subgroup_size, head_dim, split=True)
+    weighs nothing in `attention_combine`. grid (T * n_heads / heads, splits)."""
+    return _attention(subgroup_size, head_dim, True, heads)
 
 
 @cache

@@ -95,7 +95,14 @@ def test_group_batched_decode_equals_one_device(tmp_path, group, kind):
         # in another order, which moves some activations across an f16 rounding boundary
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
         tokens = np.argmax(want, axis=1).astype(np.int32)
-        assert np.array_equal(two.step(batch).tokens, one.step(batch).tokens)
+        # the greedy choices agree wherever the best logit leads by more than that rounding
+        # can move it (seen on two H200s: a near tie of a random model flipped)
+        top = np.sort(want, axis=1)
+        clear = top[:, -1] - top[:, -2] > 2e-3 * np.abs(want).max()
+        assert clear.mean() > 0.9
+        got_tokens, want_tokens = two.step(batch).tokens, one.step(batch).tokens
+        assert np.array_equal(got_tokens[clear], want_tokens[clear])
+        assert np.array_equal(want_tokens, tokens)
     assert two.graphs, "decode steps were not replayed from a captured graph"
 
 

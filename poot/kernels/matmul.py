@@ -101,40 +101,50 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
     def accumulate(blocks):
         """Adds the blocks' products to acc; every block's loads come before any arithmetic,
         so a lane has `len(blocks)` weight loads of each row in flight. A block quant's scale
-        (and low) multiplies its block's dot product once (decode_scaled)."""
-        values = [[[r.decode_scaled(k, buf, row, block, cols) for block in blocks]
-                   for row in my_rows] for buf in bufs]
-        lows = any(v[2] is not None for matrix in values for per_row in matrix for v in per_row)
+        (and low) multiplies the dot product of each of its segments once (decode_scaled)."""
+        # [matrix][row][block]: the unit's segments (decode_scaled), all of one length; the K
+        # quants' several scales a unit are applied value by value where several tokens would
+        # keep every segment's sums live (ptxas spills them)
+        if tokens > 1 and dtype in ("Q4_K", "Q6_K"):
+            units = [[[[(r.decode(k, buf, row, block, cols), None, None)] for block in blocks]
+                      for row in my_rows] for buf in bufs]
+        else:
+            units = [[[r.decode_scaled(k, buf, row, block, cols) for block in blocks]
+                      for row in my_rows] for buf in bufs]
+        segments = units[0][0][0]
+        length = len(segments[0][0])                 # values a segment
+        lows = any(low is not None for _, _, low in segments)
         for t in range(tokens):
             with k.if_(t0 + t < n_tokens):
                 totals = [[a[t].get() for a in per_row] for per_row in acc]
                 square = squares[t].get() if norm else None
                 for j, block in enumerate(blocks):
                     xrow = (t0 + t) * cols + block * r.block_elems
-                    dots = [[None for _ in matrix] for matrix in values]
-                    x_sum = None
-                    for i in range(0, r.block_elems, 4):     # 4 x values live at a time
-                        gains = gain.load(block * r.block_elems + i, 4) if norm else None
-                        for e, xv in enumerate(x.load(xrow + i, 4)):
-                            if norm:
-                                square = k.fma(xv, xv, square)
-                                xv = xv * gains[e]
-                            if lows:
-                                x_sum = xv if x_sum is None else x_sum + xv
-                            for m, matrix in enumerate(values):
-                                for q, per_block in enumerate(matrix):
-                                    v = per_block[j][0][i + e]
-                                    dots[m][q] = v * xv if dots[m][q] is None else \
-                                        k.fma(v, xv, dots[m][q])
-                    for m, matrix in enumerate(values):
-                        for q in range(len(matrix)):
-                            _, scale, low = matrix[q][j]
-                            if scale is None:
-                                totals[m][q] = totals[m][q] + dots[m][q]
-                                continue
-                            totals[m][q] = k.fma(dots[m][q], scale, totals[m][q])
-                            if low is not None:
-                                totals[m][q] = k.fma(low, x_sum, totals[m][q])
+                    for seg in range(r.block_elems // length):
+                        dots = [[None for _ in matrix] for matrix in units]
+                        x_sum = None
+                        for i in range(seg * length, (seg + 1) * length, 4):  # 4 x values live
+                            gains = gain.load(block * r.block_elems + i, 4) if norm else None
+                            for e, xv in enumerate(x.load(xrow + i, 4)):
+                                if norm:
+                                    square = k.fma(xv, xv, square)
+                                    xv = xv * gains[e]
+                                if lows:
+                                    x_sum = xv if x_sum is None else x_sum + xv
+                                for m, matrix in enumerate(units):
+                                    for q, per_block in enumerate(matrix):
+                                        v = per_block[j][seg][0][i - seg * length + e]
+                                        dots[m][q] = v * xv if dots[m][q] is None else \
+                                            k.fma(v, xv, dots[m][q])
+                        for m, matrix in enumerate(units):
+                            for q in range(len(matrix)):
+                                _, scale, low = matrix[q][j][seg]
+                                if scale is None:
+                                    totals[m][q] = totals[m][q] + dots[m][q]
+                                    continue
+                                totals[m][q] = k.fma(dots[m][q], scale, totals[m][q])
+                                if low is not None:
+                                    totals[m][q] = k.fma(low, x_sum, totals[m][q])
                 for per_row, row_totals in zip(acc, totals):
                     for a, total in zip(per_row, row_totals):
                         a[t].set(total)

@@ -81,29 +81,33 @@ class BlockReader:
 
     def decode(self, k, buf, row, unit, cols):
         """The f32 values of unit `unit` of row `row`; `buf` maps plane name -> Buffer."""
-        values, scale, low = self.decode_scaled(k, buf, row, unit, cols)
-        if scale is None:
-            return values
-        if low is None:
-            return [v * scale for v in values]
-        return [k.fma(v, scale, low) for v in values]
+        out = []
+        for values, scale, low in self.decode_scaled(k, buf, row, unit, cols):
+            if scale is None:
+                out += values
+            elif low is None:
+                out += [v * scale for v in values]
+            else:
+                out += [k.fma(v, scale, low) for v in values]
+        return out
 
     def decode_scaled(self, k, buf, row, unit, cols):
-        """(values, scale, low) of unit `unit` of row `row`: its f32 values are value * scale +
-        low (scale and low None where they do not apply), so a dot product can scale once per
-        block: sum(v * x) * scale + low * sum(x). The 32-value block quants give their bare
-        quants; the others their values."""
+        """Unit `unit` of row `row` as segments [(values, scale, low)] of consecutive values,
+        whose f32 values are value * scale + low (scale and low None where they do not apply),
+        so a dot product scales once per segment: sum(v * x) * scale + low * sum(x). Block
+        quants give their bare quants, a segment a scale (Q4_K two of 32, Q6_K two of 16);
+        float formats their values, one segment."""
         d = self.dtype
         words = lambda plane, first, n: self._words(k, buf, plane, row, cols, first, n)  # noqa
         if d in ("F32", "F16", "BF16"):
             per_unit = 8 if d == "F32" else 4
             ws = words("values", unit * per_unit, per_unit)
             if d == "F32":
-                return [w.bitcast(F32) for w in ws], None, None
+                return [([w.bitcast(F32) for w in ws], None, None)]
             if d == "F16":
-                return [h for w in ws for h in k.unpack_half2(w)], None, None
-            return [v for w in ws for v in ((w << 16).bitcast(F32),
-                                            (w & 0xFFFF0000).bitcast(F32))], None, None
+                return [([h for w in ws for h in k.unpack_half2(w)], None, None)]
+            return [([v for w in ws for v in ((w << 16).bitcast(F32),
+                                              (w & 0xFFFF0000).bitcast(F32))], None, None)]
         if d in ("Q8_0", "Q4_0", "Q4_1"):
             qs = words("quants", unit * (8 if d == "Q8_0" else 4), 8 if d == "Q8_0" else 4)
             srow = row * self.row_words("scales", cols)
@@ -113,14 +117,14 @@ class BlockReader:
                 pair = k.unpack_half2(buf["scales"][srow + (unit >> 1)])
                 scale = k.select((unit & 1).eq(0), pair[0], pair[1])
             if d == "Q8_0":
-                return [_small_int(w >> (8 * j), 0xFF, 128) for w in qs for j in range(4)], \
-                    scale, None
+                return [([_small_int(w >> (8 * j), 0xFF, 128) for w in qs for j in range(4)],
+                         scale, None)]
             bias = 8 if d == "Q4_0" else 0
             nibbles = _nibbles(qs, 0, bias) + _nibbles(qs, 4, bias)
-            return nibbles, scale, None if d == "Q4_0" else low
+            return [(nibbles, scale, None if d == "Q4_0" else low)]
         if d == "Q4_K":
-            return self._q4_k(k, words, unit), None, None
-        return self._q6_k(k, buf, words, row, unit, cols), None, None
+            return self._q4_k(k, words, unit)
+        return self._q6_k(k, buf, words, row, unit, cols)
 
     def _q4_k(self, k, words, unit):
         """Unit = the pair of 32-value sub-blocks (2p, 2p+1) of super-block b: the low then the
@@ -138,13 +142,13 @@ class BlockReader:
                 scale.append((byte(j + 4) & 0xF) | ((byte(j - 4) >> 6) << 4))
                 minimum.append((byte(j + 4) >> 4) | ((byte(j) >> 6) << 4))
         qs = words("quants", b * 32 + p * 8, 8)
-        values = []
+        segments = []
         for half, shift in ((0, 0), (1, 4)):
             j = _pick(k, p, [scale[2 * i + half] for i in range(4)])
             m = _pick(k, p, [minimum[2 * i + half] for i in range(4)])
-            factor, offset = d * j.to(F32), dmin * m.to(F32)
-            values += [k.fma(q, factor, -offset) for q in _nibbles(qs, shift)]
-        return values
+            factor, offset = d * _small_int(j, 63, 0), dmin * _small_int(m, 63, 0)
+            segments.append((_nibbles(qs, shift), factor, -offset))
+        return segments
 
     def _q6_k(self, k, buf, words, row, unit, cols):
         """Unit = 32 values of super-block b, half h, group g: 4 low bits from ql (low or high
@@ -155,17 +159,19 @@ class BlockReader:
         low_shift, high_shift = (g >> 1) * 4, g * 2
         pair = k.unpack_half2(buf["d"][row * self.row_words("d", cols) + (b >> 1)])
         d = k.select((b & 1).eq(0), pair[0], pair[1])
-        values = []
+        segments = []
         for part in range(2):                        # values 0..15 and 16..31 of the unit
             index = h * 8 + g * 2 + part
             word = words("scales", b * 4 + (index >> 2), 1)[0]
             sc = ((word.bitcast(I32) << (24 - 8 * (index & 3))) >> 24).to(F32) * d
+            values = []
             for w_low, w_high in zip(ql[part * 4:part * 4 + 4], qh[part * 4:part * 4 + 4]):
                 for j in range(4):
                     low = (w_low >> (8 * j + low_shift)) & 0xF
                     high = (w_high >> (8 * j + high_shift)) & 3
-                    values.append(_small_int(low | (high << 4), 0x3F, 32) * sc)
-        return values
+                    values.append(_small_int(low | (high << 4), 0x3F, 32))
+            segments.append((values, sc, None))
+        return segments
 
 
 MAGIC = 0x4B000000      # the f32 2^23: OR-ed into the low bits, an integer below 2^23 is added

@@ -248,3 +248,26 @@ def test_tensor_ranks_on_one_device_split_the_output_head(tmp_path, one_device, 
                       np.full(4, 3, np.int32), np.arange(4, dtype=np.int32), tables,
                       np.arange(4, dtype=np.int32), SamplingRows.greedy(4))
     assert np.array_equal(two.step(batch).tokens, one.step(batch).tokens)
+
+
+def test_tensor_ranks_share_kv_heads_in_long_steps(tmp_path, one_device, monkeypatch):
+    """A long step's attention workgroups take several query heads of one KV head on each rank
+    (forced: the tiny model's steps are too short to by themselves), as on one device."""
+    from poot.engine import device_runner
+    from poot.kernels import ops
+    from tests.test_device_runner import prefill_of
+    monkeypatch.setattr(device_runner, "SHARED_HEADS_PER_SM", 0)
+    model = load(tmp_path, CASES[0])
+    cfg = model.config
+    if ops.attention_heads(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                           one_device.devices[0].subgroup_size) == 1:
+        pytest.skip("the tiny model's KV heads each serve one query head")
+    batch = prefill_of(40)
+    want = model.runner(None, num_blocks=16).logits(batch)
+    two = GroupRunner(model, one_device, "tensor", 16, max_tokens=64)
+    two.allocate()
+    two.upload()
+    assert all(r._attention_heads(40, cfg.n_heads // 2, cfg.n_kv_heads // 2) > 1
+               for r in two.runners)
+    got = two.logits(batch)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3

@@ -1,7 +1,8 @@
 """Matrix products against weights in their device layout (quant.py): y[t, m] = x[t, :] . W[m, :].
 
-`matvec` is the decode kernel: a subgroup per weight row streams the row once for all of the
-step's few tokens (bandwidth-bound: each weight byte is read once per step). Tokens beyond its
+`matvec` is the decode kernel: a subgroup streams a weight row (or a few: `rows_per`; or a
+share of its columns: `split`) once for all of the step's few tokens (bandwidth-bound: each
+weight byte is read once per step). Tokens beyond its
 `tokens` constant run in further launches over the token axis (grid y). `tiled` is written for
 many tokens (prefill, large batches): a workgroup computes a 64-token x 64-row tile, decoding
 each weight block once into shared memory for all 64 tokens. It is checked on every target but
@@ -12,8 +13,8 @@ MMA_MIN_TOKENS (device_runner.py) or more: 128 x 128 tiles on the tensor cores, 
 to f16 (bf16 for BF16 weights). Where its tiles would not fill the device (decode-sized steps,
 small matrices) it is split along the columns (mma_launch): each slice writes a partial tile
 and `split_sum` adds them, in a fixed order. Other pipelines of mma_tiled (MMA_VARIANTS: async
-copies a few steps ahead, x rounded once beforehand by `mma_x16`, deeper steps) are there to be
-measured (scripts/bench-matmul); the runner launches the default.
+copies a few steps ahead, x rounded once beforehand by `mma_x16`, deeper steps) are measured by
+scripts/bench-matmul; the runner picks one per weight format (device_runner.mma_choice).
 """
 from dataclasses import dataclass
 from functools import cache

@@ -1,7 +1,8 @@
 import numpy as np
 
 from poot.engine.batch import SamplingRows
-from poot.engine.sampling import choose, log_softmax, sample, uniform
+from poot.engine.sampling import (FIRST_CANDIDATES, best, choose, choose_fast, log_softmax,
+                                  sample, uniform)
 
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, n_logprobs=0):
@@ -67,3 +68,38 @@ def test_seeded_rows_reproduce_regardless_of_batch():
         top_p=np.ones(1, np.float32), min_p=np.zeros(1, np.float32),
         seed=np.full(1, 3, np.uint64), step=np.array([i]))).tokens[0] for i in range(4)]
     assert together.tolist() == alone
+
+
+def test_best_is_the_stable_sort_cut_short():
+    rng = np.random.default_rng(3)
+    for n in (1, 7, 100, 999, 1000, 2000):
+        values = np.round(rng.standard_normal(1000) * 2).astype(np.float32)   # many ties
+        want = np.argsort(-values, kind="stable")[:n]
+        assert best(values, n).tolist() == want.tolist()
+
+
+def test_choose_fast_gives_choose_s_token():
+    """Every cut alone and together, ties, vocabularies either side of the first candidates,
+    flat and peaked distributions: the same token as the definition, which sorts everything."""
+    rng = np.random.default_rng(11)
+    for _ in range(1500):
+        vocab = int(rng.choice([5, FIRST_CANDIDATES, FIRST_CANDIDATES + 1, 3000, 40000]))
+        logits = (rng.standard_normal(vocab) * rng.choice([0.3, 3.0, 12.0])).astype(np.float32)
+        if rng.random() < 0.3:
+            logits = np.round(logits)
+        args = (float(rng.choice([0.0, 0.4, 1.0, 1.7])), int(rng.choice([0, 0, 1, 3, 50, 700])),
+                float(rng.choice([1.0, 1.0, 0.5, 0.9, 0.999])),
+                float(rng.choice([0.0, 0.0, 0.01, 0.2])), float(rng.random()))
+        assert choose_fast(logits, *args) == choose(logits, *args), args
+
+
+def test_sample_takes_choose_s_tokens_and_the_sorted_top_logprobs():
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((6, 30000)) * 4).astype(np.float32)
+    params = rows(6, temperature=0.8, top_p=0.95, min_p=0.01, n_logprobs=4)
+    out = sample(logits, params)
+    assert out.tokens.tolist() == [
+        choose(logits[r], 0.8, 0, float(params.top_p[r]), float(params.min_p[r]),
+               uniform(params.seed[r], params.step[r])) for r in range(6)]
+    lp = log_softmax(logits)
+    assert out.top_ids.tolist() == np.argsort(-lp, axis=-1, kind="stable")[:, :4].tolist()

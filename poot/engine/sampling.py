@@ -7,6 +7,10 @@ reaches top_p, then to tokens with probability at least min_p times the highest;
 are renormalised and one is drawn by inverse CDF with the row's uniform number u(seed, step). The
 draw depends only on (seed, step), so a seeded request gives the same tokens alone or batched,
 on any backend that follows this definition.
+
+`choose` is that definition as written; `sample` takes each row's token from `choose_fast`,
+which gives the same token without sorting a whole vocabulary (about 10 ms a row for 128k
+tokens), and the top log probabilities from a partial sort (`best`).
 """
 import numpy as np
 
@@ -53,19 +57,93 @@ def choose(logits, temperature, top_k, top_p, min_p, u):
     return int(order[index])
 
 
+def best(values, n):
+    """The first n of np.argsort(-values, kind="stable") (highest first, lower index first on
+    ties) without sorting the rest: a partition finds the n-th value, ties at it go by index."""
+    if n >= len(values):
+        return np.argsort(-values, kind="stable")
+    edge = -np.partition(-values, n - 1)[n - 1]
+    above = np.flatnonzero(values > edge)
+    index = np.concatenate([above, np.flatnonzero(values == edge)[:n - len(above)]])
+    return index[np.lexsort((index, -values[index]))]
+
+
+FIRST_CANDIDATES = 256      # tokens sorted first; four times more until the choice is known
+
+
+def choose_fast(logits, temperature, top_k, top_p, min_p, u):
+    """choose()'s token without sorting the whole vocabulary: a top-k cut sorts only its k
+    tokens (with choose's own arithmetic); without one, the best FIRST_CANDIDATES, then four
+    times more, are sorted until the top-p or min-p cut, or the draw itself, falls among them.
+    There the probabilities are normalised by a sum in index order rather than sorted order,
+    which can only differ in float64 rounding."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    vocab = len(logits)
+    if top_k > 0 or vocab <= FIRST_CANDIDATES:
+        return choose_in(best(logits, min(top_k or vocab, vocab)), logits, temperature, top_p,
+                         min_p, u)
+    scaled = logits.astype(np.float64) / temperature
+    weights = np.exp(scaled - scaled.max())
+    total = weights.sum()
+    # without a top-p cut, the mass the draw spans is known before sorting: what min_p keeps
+    # (weights of at least min_p times the largest, which is 1), or everything
+    kept_mass = weights[weights >= min_p].sum() / total if min_p > 0.0 else 1.0
+    n = FIRST_CANDIDATES
+    while True:
+        order = best(logits, n)
+        probs = weights[order] / total
+        keep = None                                 # the kept prefix, where it is known
+        if top_p < 1.0:
+            at = int(np.searchsorted(np.cumsum(probs), top_p))
+            if at < len(order):
+                keep = at + 1
+        if min_p > 0.0 and (keep is not None or top_p >= 1.0):
+            passing = int(np.count_nonzero(probs[:keep] >= min_p * probs[0]))
+            if keep is not None or passing < len(order):
+                keep = passing
+        if keep is None and len(order) == vocab:
+            keep = vocab
+        if keep is not None:
+            cdf = np.cumsum(probs[:keep])
+            index = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), keep - 1)
+            return int(order[index])
+        if top_p >= 1.0:                            # the draw may already fall among these
+            cdf = np.cumsum(probs)
+            if cdf[-1] > u * kept_mass:
+                return int(order[int(np.searchsorted(cdf, u * kept_mass, side="right"))])
+        n *= 4
+
+
+def choose_in(order, logits, temperature, top_p, min_p, u):
+    """choose() over tokens already in its order and cut to its top-k."""
+    scaled = logits[order].astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled[0])
+    probs /= probs.sum()
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
+        probs = probs[:keep]
+    if min_p > 0.0:
+        probs = probs[probs >= min_p * probs[0]]
+    cdf = np.cumsum(probs)
+    index = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(probs) - 1)
+    return int(order[index])
+
+
 def sample(logits, rows):
-    """StepOutput for logits [R, V] under SamplingRows `rows`."""
+    """StepOutput for logits [R, V] under SamplingRows `rows` (choose_fast for each row)."""
     logits = np.asarray(logits, np.float32)
     n_rows = logits.shape[0]
     logprobs = log_softmax(logits)
     tokens = np.array([
-        choose(logits[r], float(rows.temperature[r]), int(rows.top_k[r]), float(rows.top_p[r]),
-               float(rows.min_p[r]), uniform(rows.seed[r], rows.step[r]))
+        choose_fast(logits[r], float(rows.temperature[r]), int(rows.top_k[r]),
+                    float(rows.top_p[r]), float(rows.min_p[r]),
+                    uniform(rows.seed[r], rows.step[r]))
         for r in range(n_rows)], dtype=np.int32)
     chosen = logprobs[np.arange(n_rows), tokens].astype(np.float32)
     k = rows.n_logprobs
     if k:
-        top = np.argsort(-logprobs, axis=-1, kind="stable")[:, :k].astype(np.int32)
+        top = np.array([best(row, k) for row in logprobs], np.int32).reshape(n_rows, k)
         top_lp = np.take_along_axis(logprobs, top, axis=-1).astype(np.float32)
     else:
         top = np.zeros((n_rows, 0), np.int32)

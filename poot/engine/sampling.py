@@ -44,17 +44,7 @@ def choose(logits, temperature, top_k, top_p, min_p, u):
     order = np.argsort(-logits, kind="stable")
     if top_k > 0:
         order = order[:top_k]
-    scaled = logits[order].astype(np.float64) / temperature
-    probs = np.exp(scaled - scaled[0])
-    probs /= probs.sum()
-    if top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
-        probs = probs[:keep]
-    if min_p > 0.0:
-        probs = probs[probs >= min_p * probs[0]]
-    cdf = np.cumsum(probs)
-    index = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(probs) - 1)
-    return int(order[index])
+    return choose_in(order, logits, temperature, top_p, min_p, u)
 
 
 def best(values, n):
@@ -116,7 +106,8 @@ def choose_fast(logits, temperature, top_k, top_p, min_p, u):
 
 
 def choose_in(order, logits, temperature, top_p, min_p, u):
-    """choose() over tokens already in its order and cut to its top-k."""
+    """The rest of choose() over tokens in its order, cut to its top-k: the temperature, the
+    top-p and min-p cuts, the draw."""
     scaled = logits[order].astype(np.float64) / temperature
     probs = np.exp(scaled - scaled[0])
     probs /= probs.sum()

@@ -125,14 +125,18 @@ def sample(logits, rows):
     """StepOutput for logits [R, V] under SamplingRows `rows` (choose_fast for each row)."""
     logits = np.asarray(logits, np.float32)
     n_rows = logits.shape[0]
-    logprobs = log_softmax(logits)
     tokens = np.array([
         choose_fast(logits[r], float(rows.temperature[r]), int(rows.top_k[r]),
                     float(rows.top_p[r]), float(rows.min_p[r]),
                     uniform(rows.seed[r], rows.step[r]))
         for r in range(n_rows)], dtype=np.int32)
-    chosen = logprobs[np.arange(n_rows), tokens].astype(np.float32)
     k = rows.n_logprobs
+    if not (rows.logprobs or k):        # nobody reports them: left out (batch.SamplingRows)
+        return StepOutput(tokens=tokens, logprobs=np.zeros(n_rows, np.float32),
+                          top_ids=np.zeros((n_rows, 0), np.int32),
+                          top_logprobs=np.zeros((n_rows, 0), np.float32))
+    logprobs = log_softmax(logits)
+    chosen = logprobs[np.arange(n_rows), tokens].astype(np.float32)
     if k:
         top = np.array([best(row, k) for row in logprobs], np.int32).reshape(n_rows, k)
         top_lp = np.take_along_axis(logprobs, top, axis=-1).astype(np.float32)

@@ -81,6 +81,16 @@ def weight(dtype, rows, cols):
     return [p[name] for name in reader(dtype).plane_names], dense
 
 
+def run_matvec(device, dtype, rows, n_tokens, args, **variant):
+    """A matvec launch over rows x n_tokens, in the smallest token group that holds them (more
+    tokens: further launches along grid y), as the runner launches it."""
+    group = next((g for g in (1, 2, 4, 8) if g >= n_tokens), 8)
+    k = matmul.matvec(dtype, device.subgroup_size, group, **variant)
+    grid = matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group,
+                              variant.get("rows_per", 1), variant.get("split", 1))
+    return run(device, k, grid, *args)
+
+
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("n_tokens,rows_per,split", [(1, 1, 1), (1, 3, 1), (3, 1, 1), (8, 2, 1),
                                                      (11, 1, 1), (1, 2, 4), (3, 1, 2)])
@@ -93,11 +103,9 @@ def test_matvec(device, dtype, n_tokens, rows_per, split):
     rows, cols = 200, 512
     w_planes, dense = weight(dtype, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
-    group = next((g for g in (1, 2, 4, 8) if g >= n_tokens), 8)
-    k = matmul.matvec(dtype, device.subgroup_size, group, rows_per=rows_per, split=split)
-    grid = matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group, rows_per, split)
-    got = run(device, k, grid, *w_planes, x, np.zeros((n_tokens, rows), np.float32), rows, cols,
-              n_tokens)["y"]
+    got = run_matvec(device, dtype, rows, n_tokens, (*w_planes, x,
+                     np.zeros((n_tokens, rows), np.float32), rows, cols, n_tokens),
+                     rows_per=rows_per, split=split)["y"]
     assert rel_err(got, ref.matmul(x, dense)) < 1e-5
 
 
@@ -114,15 +122,12 @@ def test_matvec_with_rms_norm_and_split_outputs(device, dtype, n_tokens, norm, o
     w_planes, dense = weight(dtype, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
     g = rng.standard_normal(cols).astype(np.float32)
-    group = next((g_ for g_ in (1, 2, 4, 8) if g_ >= n_tokens), 8)
-    k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, outputs=outputs,
-                      rows_per=rows_per, split=split)
     ys = [np.zeros((n_tokens, n), np.float32) for n in sizes]
     splits = list(np.cumsum(sizes)[:-1])
-    got = run(device, k, matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group,
-                                            rows_per, split), *w_planes, x,
-              *([g] if norm else []), *ys, rows, cols, n_tokens, *splits,
-              *([eps] if norm else []))
+    got = run_matvec(device, dtype, rows, n_tokens,
+                     (*w_planes, x, *([g] if norm else []), *ys, rows, cols, n_tokens, *splits,
+                      *([eps] if norm else [])),
+                     norm=norm, outputs=outputs, rows_per=rows_per, split=split)
     want = ref.matmul(ref.rms_norm(x, g, eps) if norm else x, dense)
     names = ["y"] if outputs == 1 else [f"y{i}" for i in range(outputs)]
     for name, part in zip(names, np.split(want, splits, axis=1)):
@@ -139,13 +144,11 @@ def test_matvec_swiglu(device, dtype, n_tokens, norm, rows_per, split):
     up_planes, up = weight(dtype, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
     g = rng.standard_normal(cols).astype(np.float32)
-    group = next((g_ for g_ in (1, 2, 4, 8) if g_ >= n_tokens), 8)
-    k = matmul.matvec(dtype, device.subgroup_size, group, norm=norm, swiglu=True,
-                      rows_per=rows_per, split=split)
-    got = run(device, k, matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group,
-                                            rows_per, split), *gate_planes, *up_planes,
-              x, *([g] if norm else []), np.zeros((n_tokens, rows), np.float32), rows, cols,
-              n_tokens, *([eps] if norm else []))["y"]
+    got = run_matvec(device, dtype, rows, n_tokens,
+                     (*gate_planes, *up_planes, x, *([g] if norm else []),
+                      np.zeros((n_tokens, rows), np.float32), rows, cols, n_tokens,
+                      *([eps] if norm else [])),
+                     norm=norm, swiglu=True, rows_per=rows_per, split=split)["y"]
     h = ref.rms_norm(x, g, eps) if norm else x
     assert rel_err(got, ref.swiglu(ref.matmul(h, gate), ref.matmul(h, up))) < 1e-5
 

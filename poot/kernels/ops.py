@@ -142,16 +142,22 @@ def rope(style):
         pair = g % n_pairs
         th = g / n_pairs                            # token * n_heads + head
         t = th / n_heads
-        sin, cos = sin_cos(k, positions[t].to(F32) * inv_freq[pair])
-        base = th * head_dim
-        if style == "normal":
-            ia, ib = base + pair * 2, base + pair * 2 + 1
-        else:
-            ia, ib = base + pair, base + pair + n_pairs
-        a, b = x[ia], x[ib]
-        x[ia] = a * cos - b * sin
-        x[ib] = a * sin + b * cos
+        _rotate(k, x, th * head_dim, pair, n_pairs, positions[t].to(F32) * inv_freq[pair],
+                style)
     return k.build()
+
+
+def _rotate(k, x, base, pair, n_pairs, angle, style):
+    """Rotates pair `pair` of the head at x[base] in place by `angle`: dims (2 pair,
+    2 pair + 1) normal, (pair, pair + n_pairs) neox."""
+    sin, cos = sin_cos(k, angle)
+    if style == "normal":
+        ia, ib = base + pair * 2, base + pair * 2 + 1
+    else:
+        ia, ib = base + pair, base + pair + n_pairs
+    a, b = x[ia], x[ib]
+    x[ia] = a * cos - b * sin
+    x[ib] = a * sin + b * cos
 
 
 @cache
@@ -201,15 +207,8 @@ def rope_store_kv(style):
         angle = positions[t].to(F32)
         with k.if_(h < n_heads) as stmt:
             with k.if_(word < n_pairs):
-                sin, cos = sin_cos(k, angle * inv_freq[word])
-                base = (t * n_heads + h) * head_dim
-                if style == "normal":
-                    ia, ib = base + word * 2, base + word * 2 + 1
-                else:
-                    ia, ib = base + word, base + word + n_pairs
-                a, b = q[ia], q[ib]
-                q[ia] = a * cos - b * sin
-                q[ib] = a * sin + b * cos
+                _rotate(k, q, (t * n_heads + h) * head_dim, word, n_pairs,
+                        angle * inv_freq[word], style)
         with k.else_(stmt):
             kvh = h - n_heads
             base = (t * n_kv + kvh) * head_dim

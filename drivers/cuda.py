@@ -185,6 +185,31 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDi
                         unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
                         void **kernelParams, void **extra);
 
+/* cuLaunchKernelEx's configuration: only the attribute poot sets is named in the value union
+   (64 bytes in cuda.h; the attribute's 4 padding bytes put the value at offset 8). */
+typedef enum CUlaunchAttributeID_enum {
+    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+} CUlaunchAttributeID;
+typedef union CUlaunchAttributeValue_union {
+    char pad[64];
+    int programmaticStreamSerializationAllowed;
+} CUlaunchAttributeValue;
+typedef struct CUlaunchAttribute_st {
+    CUlaunchAttributeID id;
+    char pad[4];
+    CUlaunchAttributeValue value;
+} CUlaunchAttribute;
+typedef struct CUlaunchConfig_st {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                          void **extra);
+
 CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags);
 CUresult cuStreamDestroy_v2(CUstream hStream);
 CUresult cuStreamSynchronize(CUstream hStream);
@@ -207,7 +232,8 @@ CUresult cuGraphDestroy(CUgraph hGraph);
 
 # The declared enums' names, as module constants (CU_DEVICE_ATTRIBUTE_WARP_SIZE, ...).
 for _enum in ("CUdevice_attribute", "CUjit_option", "CUfunction_attribute", "CUstream_flags",
-              "CUevent_flags", "CUstreamCaptureMode", "CUgraphInstantiate_flags"):
+              "CUevent_flags", "CUstreamCaptureMode", "CUgraphInstantiate_flags",
+              "CUlaunchAttributeID"):
     globals().update(ffi.typeof(_enum).relements)
 
 
@@ -443,6 +469,23 @@ class Driver:
         self._check("cuLaunchKernel",
                     self.lib.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_bytes,
                                             _stream(stream), params.array, ffi.NULL))
+
+    def launch_kernel_programmatic(self, function, grid, block, params, shared_bytes=0,
+                                   stream=None):
+        """launch_kernel, allowed to start before the previous kernel of the stream completes
+        (programmatic stream serialisation, sm_90+): the kernel's `griddepcontrol.wait` is
+        where it waits for that kernel's results."""
+        attribute = ffi.new("CUlaunchAttribute *")
+        attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config = ffi.new("CUlaunchConfig *")
+        (config.gridDimX, config.gridDimY, config.gridDimZ) = _dim3(grid)
+        (config.blockDimX, config.blockDimY, config.blockDimZ) = _dim3(block)
+        config.sharedMemBytes = shared_bytes
+        config.hStream = _stream(stream)
+        config.attrs, config.numAttrs = attribute, 1
+        self._check("cuLaunchKernelEx",
+                    self.lib.cuLaunchKernelEx(config, function, params.array, ffi.NULL))
 
     # Streams and events.
     def stream_create(self, flags=CU_STREAM_DEFAULT):

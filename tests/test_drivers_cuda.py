@@ -301,6 +301,64 @@ def test_captured_graph_replays_with_new_inputs(cu, affine):
         cu.stream_destroy(stream)
 
 
+# The affine kernel for sm_90, ready to be launched programmatically: it waits for the kernel
+# before it at its start and lets the next one launch at its end.
+AFFINE_SM90_PTX = (AFFINE_PTX.replace(".version 7.0\n.target sm_80", ".version 7.8\n.target sm_90")
+                   .replace("    ld.param.u64 %rd1", "    griddepcontrol.wait;\n    ld.param.u64 %rd1")
+                   .replace("DONE:\n    ret;", "DONE:\n    griddepcontrol.launch_dependents;\n    ret;"))
+
+
+def test_programmatic_launches_chain_in_order(cu, device):
+    """Dependent kernels launched with programmatic stream serialisation, directly and captured
+    into a graph, each reading what the one before wrote: y <- 3y + 0.25, eight times in place."""
+    major = cu.device_get_attribute(cuda.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
+    if major < 9:
+        pytest.skip(f"programmatic launches need sm_90; device 0 is sm_{major}x")
+    module, _ = cu.module_load_data(AFFINE_SM90_PTX)
+    affine = cu.module_get_function(module, "affine")
+    n, times = 1 << 20, 8
+    a, b = np.float32(3.0), np.float32(0.25)
+    x = np.random.default_rng(6).uniform(-1, 1, n).astype(np.float32)
+    want = x.copy()
+    for _ in range(times):
+        want = a * want + b
+    stream = cu.stream_create(cuda.CU_STREAM_NON_BLOCKING)
+    try:
+        with DeviceArray(cu, 4 * n) as dy:
+            def chain():
+                cu.memcpy_htod_async(dy, x, 4 * n, stream)
+                for _ in range(times):
+                    cu.launch_kernel_programmatic(affine, n // BLOCK, BLOCK,
+                                                  _affine_params(dy, dy, a, b, n), stream=stream)
+            chain()
+            got = np.empty(n, np.float32)
+            cu.memcpy_dtoh_async(got, dy, 4 * n, stream)
+            cu.stream_synchronize(stream)
+            np.testing.assert_array_equal(got, want)
+            cu.stream_begin_capture(stream)
+            chain()
+            graph = cu.stream_end_capture(stream)
+            executable = cu.graph_instantiate(graph)
+            try:
+                cu.memset_d32_async(dy, POISON, n, stream)
+                cu.graph_launch(executable, stream)
+                got[:] = 0
+                cu.memcpy_dtoh_async(got, dy, 4 * n, stream)
+                cu.stream_synchronize(stream)
+                np.testing.assert_array_equal(got, want)
+            finally:
+                cu.graph_exec_destroy(executable)
+                cu.graph_destroy(graph)
+    finally:
+        cu.stream_destroy(stream)
+        cu.module_unload(module)
+
+
+def test_programmatic_affine_assembles_for_sm_90(tmp_path):
+    run = _ptxas(tmp_path, AFFINE_SM90_PTX)
+    assert run.returncode == 0, run.stderr
+
+
 def test_peer_copy_between_two_devices(cu, device):
     if cu.device_get_count() < 2:
         pytest.skip("peer access needs two CUDA devices; this machine has one")

@@ -71,8 +71,12 @@ class PtxDevice:
         _thread.context = self.context
         self.ordinal = ordinal
         self.caps = PTX_CAPS
+        # sm_90 kernels wait for their predecessor in the kernel (render_ptx), so they may be
+        # launched before it completes
+        self.programmatic = self.sm >= 90
         self.allocated = 0
         self._programs = {}
+        self._pinned = []           # host_array memory
         self._timed = None
 
     def _current(self):
@@ -114,6 +118,22 @@ class PtxDevice:
             raise ValueError(f"write of {data.nbytes} bytes at {offset} into {buffer.nbytes}")
         self.cu.memcpy_htod_async(buffer.pointer + offset, data, data.nbytes, self.stream)
 
+    def host_array(self, nbytes):
+        """A uint8 array of `nbytes` of page-locked host memory, held while the process runs
+        (a runner's, like its device buffers): write
+        and download copy it asynchronously, and inside a captured graph (where pageable
+        memory may not be copied), each replay reading or writing it anew."""
+        self._current()
+        pointer = self.cu.mem_alloc_host(max(int(nbytes), 1))
+        self._pinned.append(pointer)
+        return np.frombuffer(cuda.ffi.buffer(pointer, nbytes), np.uint8)
+
+    def download(self, host, buffer, nbytes):
+        """Copies nbytes of `buffer` into host array `host` (from host_array) in stream order;
+        they are there after the next synchronize."""
+        self._current()
+        self.cu.memcpy_dtoh_async(host, buffer.pointer, nbytes, self.stream)
+
     def read(self, buffer, nbytes=None, offset=0):
         self._current()
         nbytes = buffer.nbytes if nbytes is None else nbytes
@@ -152,7 +172,9 @@ class PtxDevice:
         params = cuda.KernelParams(*typed)
         shared = dynamic_shared_bytes(kernel)
         if self._timed is None:
-            self.cu.launch_kernel(function, grid, kernel.workgroup, params, shared, self.stream)
+            launch = (self.cu.launch_kernel_programmatic if self.programmatic
+                      else self.cu.launch_kernel)
+            launch(function, grid, kernel.workgroup, params, shared, self.stream)
             return
         start, end = self.cu.event_create(), self.cu.event_create()
         self.cu.event_record(start, self.stream)

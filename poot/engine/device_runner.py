@@ -147,8 +147,9 @@ class StepRunner:
         bucket = 1 << max(T - 1, 0).bit_length()
         if record and T == R and bucket <= self.max_seqs and self._can_capture():
             pad = bucket - T
-            padded = StepBatch(*(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (
-                batch.tokens, batch.positions, batch.seq_rows)), batch.block_tables,
+            padded = batch if pad == 0 else StepBatch(
+                *(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (
+                    batch.tokens, batch.positions, batch.seq_rows)), batch.block_tables,
                 np.concatenate([batch.sample_tokens, T - 1 + np.zeros(pad, np.int32)]),
                 batch.sampling)
             self._upload(padded)
@@ -203,6 +204,7 @@ class DeviceRunner(StepRunner):
         self.two_phase_floats = TWO_PHASE_FLOATS
         self.long = False           # this step splits its attention (run() decides)
         self._offsets = (0, 0)      # (token, row) of a pipeline micro-batch (group.py)
+        self._step_tokens = None    # and the tokens of its whole step
         self._shared = self._shared_buffers()
         self.steps, self.stacked = self._lower(fuse=True)
         self._part_of = {}          # part of a stacked weight -> (stacked weight, first row)
@@ -221,6 +223,7 @@ class DeviceRunner(StepRunner):
                             for i in range(max(map(len, sizes)))]      # the lowerings share slots
         self._use(False)
         self.buffers, self.graphs = {}, {}
+        self._host = {}             # staged: step input or output -> its page-locked int32s
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
 
     # -- the plan ------------------------------------------------------------------------------
@@ -540,9 +543,8 @@ class DeviceRunner(StepRunner):
             out.append(Allocation(name, array.nbytes, "weights"))
         for name, t in self.graph.state.items():      # f16 keys / values
             out.append(Allocation(name, math.prod(t.shape) * 2, "state"))
-        step = [("tokens", self.max_tokens), ("positions", self.max_tokens),
-                ("seq_rows", self.max_tokens), ("block_tables", self.max_seqs * self.table_width),
-                ("sample_tokens", self.max_seqs)]
+        inputs = self._inputs_layout()
+        step = [("inputs", sum(inputs.values()))] if self._staged() else list(inputs.items())
         if self.has_logits:
             step += [("argmax", self.max_seqs), ("argmax_values", self.max_seqs * ARGMAX_CHUNKS),
                      ("argmax_indices", self.max_seqs * ARGMAX_CHUNKS)]
@@ -606,6 +608,28 @@ class DeviceRunner(StepRunner):
         afterwards is what the plan counted (engine/plan.py checks it)."""
         for a in self.allocations():
             self.buffers[a.name] = self.device.alloc(a.nbytes)
+        if self._staged():
+            words = self._inputs_layout()
+            self._host_inputs = self.device.host_array(sum(words.values()) * 4).view(np.int32)
+            at = 0
+            for name, n in words.items():
+                self.buffers[name] = self.device.view(self.buffers["inputs"], at * 4)
+                self._host[name] = self._host_inputs[at:at + n]
+                at += n
+            self._host["argmax"] = self.device.host_array(self.max_seqs * 4).view(np.int32)
+
+    def _inputs_layout(self):
+        """{step input: int32 words}, in the order of the `inputs` buffer (staged): the block
+        tables last, so a step copies only the rows it has."""
+        return {"tokens": self.max_tokens, "positions": self.max_tokens,
+                "seq_rows": self.max_tokens, "sample_tokens": self.max_seqs,
+                "block_tables": self.max_seqs * self.table_width}
+
+    def _staged(self):
+        """Whether a step's inputs and greedy tokens go through page-locked host memory, copied
+        by the step itself (captured with its launches): one copy in and one out a step, no
+        writes of their own. Devices with host_array (ptx)."""
+        return hasattr(self.device, "host_array") and hasattr(self.device, "view")
 
     def upload(self):
         """Writes weights and constants into their buffers and builds every kernel's program."""
@@ -665,6 +689,17 @@ class DeviceRunner(StepRunner):
             raise ValueError(f"step of {T} tokens / {R} rows exceeds the runner's "
                              f"{self.max_tokens} / {self.max_seqs}")
         dev = self.device
+        if self._staged():
+            # the previous step's copies read this memory: they are done before it is rewritten
+            dev.synchronize()
+            for name in ("tokens", "positions", "seq_rows", "sample_tokens"):
+                values = getattr(batch, name)
+                self._host[name][:len(values)] = values
+            n, width = batch.block_tables.shape
+            tables = self._host["block_tables"].reshape(self.max_seqs, self.table_width)
+            tables[:n, :width] = batch.block_tables
+            tables[:n, width:] = 0
+            return
         tables = np.zeros((self.max_seqs, self.table_width), np.int32)
         tables[:len(batch.block_tables), :batch.block_tables.shape[1]] = batch.block_tables
         for name in ("tokens", "positions", "seq_rows", "sample_tokens"):
@@ -685,6 +720,12 @@ class DeviceRunner(StepRunner):
         wg = ops.WG
         long = self.steps_long is not None and T >= MMA_MIN_TOKENS
         self._use(long)
+        if self._staged():
+            # the inputs up to the block tables of as many sequences as the step has tokens
+            # (a pipeline's micro-batch: as its whole step)
+            rows = min(self._step_tokens or T, self.max_seqs)
+            words = len(self._host_inputs) - (self.max_seqs - rows) * self.table_width
+            self.device.write(self.buffers["inputs"], self._host_inputs[:words])
         rounded = None              # (x, operand) that mma_x16 holds, until another op runs
         for op in self.steps_long if long else self.steps:
             ins, out = op.inputs, op.outputs[0]
@@ -809,6 +850,9 @@ class DeviceRunner(StepRunner):
                          self.vocab_size, -(-self.vocab_size // chunks))
             self._launch(ops.argmax(sg), (R,), values, indices,
                          self._buffer_named("argmax", rows), chunks)
+            if self._staged():          # a pipeline's micro-batch: the rows so far
+                self.device.download(self._host["argmax"], self.buffers["argmax"],
+                                     (self._offsets[1] + R) * 4)
 
     def _attention_heads(self, T, heads, kv_heads):
         """Query heads of one KV head an attention workgroup of a T-token step takes: as many as
@@ -927,6 +971,9 @@ class DeviceRunner(StepRunner):
 
     def _read(self, name, nbytes):
         """Bytes of a buffer of the runner that computes the logits."""
+        if name in self._host:                  # staged: the step copied them out
+            self.device.synchronize()
+            return self._host[name][:nbytes // 4].tobytes()
         return self.device.read(self.buffers[name], nbytes)
 
     def _output_name(self):

@@ -120,7 +120,7 @@ class GroupRunner(StepRunner):
             for t0, t1 in spans:
                 r0, r1 = (t0, t1) if pieces > 1 else (0, R)
                 for s, runner in enumerate(self.runners):
-                    runner._offsets = (t0, r0)
+                    runner._offsets, runner._step_tokens = (t0, r0), T
                     if s > 0:
                         before = self.runners[s - 1]
                         self.group.wait(s, s - 1)
@@ -132,7 +132,7 @@ class GroupRunner(StepRunner):
                         self.group.signal(s)
         finally:
             for runner in self.runners:
-                runner._offsets = (0, 0)
+                runner._offsets, runner._step_tokens = (0, 0), None
 
     def _set_long(self, length):
         return all([runner._set_long(length) for runner in self.runners])

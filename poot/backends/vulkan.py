@@ -28,7 +28,11 @@ VALIDATION_ENV = "POOT_VULKAN_VALIDATION"
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 BUDGET_EXTENSION = "VK_EXT_memory_budget"
 STAGING_BYTES = 64 << 20
-SPIN_SECONDS = 100e-6         # poll the fence this long before sleeping in vkWaitForFences
+# Poll a fence this long before sleeping in vkWaitForFences. On a GPU the host has nothing else
+# to do while a step runs, and waking from the sleep took about 140 us a step on the H200 (a 1B
+# decode step is 1.6 ms); on a CPU device (lavapipe) the polling thread would take a core from
+# the device's own threads.
+SPIN_SECONDS = {"gpu": 0.05, "cpu": 100e-6}
 SETS_PER_POOL = 256
 TIMED_LAUNCHES = 4096         # launches one start_timing/stop_timing may time
 # VkPhysicalDeviceMaintenance3Properties (core 1.1) is not among the binding's declarations: it
@@ -206,6 +210,7 @@ class VulkanDevice:
         self.allocated = 0            # bytes of device memory allocated, as the driver sized it
         self._sizes = {}              # buffer bytes -> the allocation the driver requires
         self._serials = count()
+        self._host_arrays = []        # (address, bytes, staging buffer) of host_array's
         self._programs = {}
         self._sets_of = {}            # buffer serial -> programs holding a set that binds it
         self._pools = []
@@ -233,6 +238,8 @@ class VulkanDevice:
         self.subgroup_size = subgroup.subgroupSize
         self._uma = props.deviceType in (lib.VK_PHYSICAL_DEVICE_TYPE_CPU,
                                          lib.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU)
+        self._spin = SPIN_SECONDS["cpu" if props.deviceType == lib.VK_PHYSICAL_DEVICE_TYPE_CPU
+                                  else "gpu"]
         v11, v12 = vk.new("VkPhysicalDeviceVulkan11Features"), vk.new(
             "VkPhysicalDeviceVulkan12Features")
         features = vk.chain(vk.new("VkPhysicalDeviceFeatures2"), v11, v12)
@@ -442,12 +449,48 @@ class VulkanDevice:
                                             "size": nbytes})
         self.lib.vkCmdCopyBuffer(cb, src.handle, dst.handle, 1, region)
 
+    def host_array(self, nbytes):
+        """A uint8 array of `nbytes` in a host-visible buffer of its own, held while the
+        process runs (a runner's, like its device buffers): write and download copy it with
+        recorded copies, which a recording (capture) may hold, each replay reading or writing
+        it anew."""
+        lib = self.lib
+        host = lib.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | lib.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+        staging = self._buffer(_buffer_bytes(nbytes), lib.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                               | lib.VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+                               [host | lib.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, host],
+                               host_access=True)
+        array = np.frombuffer(ffi.buffer(staging.mapped, nbytes), np.uint8)
+        self._host_arrays.append((array.ctypes.data, nbytes, staging))
+        return array
+
+    def _in_host_array(self, data):
+        """(staging buffer, offset) of an array lying in one of host_array's, else None."""
+        address = data.ctypes.data
+        for base, nbytes, staging in self._host_arrays:
+            if base <= address and address + data.nbytes <= base + nbytes:
+                return staging, address - base
+        return None
+
+    def download(self, host, buffer, nbytes):
+        """Copies nbytes of `buffer` into `host` (from host_array) in order with launches, in a
+        recording too; they are there after the next synchronize."""
+        found = self._in_host_array(host[:nbytes])
+        if found is None:
+            raise TypeError("download: into an array from host_array")
+        self._copy(buffer, 0, found[0], found[1], nbytes)
+
     def write(self, buffer, array, offset=0):
-        """Host -> device, in order with launches: straight into mapped memory when nothing
-        recorded could read the old contents, else through staging and a recorded copy."""
+        """Host -> device, in order with launches: from a host_array, a recorded copy (in a
+        recording too); otherwise straight into mapped memory when nothing recorded could read
+        the old contents, else through staging and a recorded copy."""
         data = np.ascontiguousarray(array)
         if offset + data.nbytes > buffer.nbytes:
             raise ValueError(f"write of {data.nbytes} bytes at {offset} into {buffer.nbytes}")
+        found = self._in_host_array(data)
+        if found is not None:
+            self._copy(found[0], found[1], buffer, offset, data.nbytes)
+            return
         self._not_capturing("write")
         source = ffi.from_buffer("char[]", data)
         if buffer.mapped is not None and self._idle():
@@ -731,7 +774,7 @@ class VulkanDevice:
     def _wait(self, fence):
         lib = self.lib
         start = time.perf_counter()
-        while time.perf_counter() - start < SPIN_SECONDS:
+        while time.perf_counter() - start < self._spin:
             if vk.check(lib.vkGetFenceStatus(self.device, fence[0]), "vkGetFenceStatus") == 0:
                 return
         while vk.check(lib.vkWaitForFences(self.device, 1, fence, 1, 10**9),

@@ -544,7 +544,7 @@ class DeviceRunner(StepRunner):
         for name, t in self.graph.state.items():      # f16 keys / values
             out.append(Allocation(name, math.prod(t.shape) * 2, "state"))
         inputs = self._inputs_layout()
-        step = [("inputs", sum(inputs.values()))] if self._staged() else list(inputs.items())
+        step = [("inputs", sum(inputs.values()))] if self._packed() else list(inputs.items())
         if self.has_logits:
             step += [("argmax", self.max_seqs), ("argmax_values", self.max_seqs * ARGMAX_CHUNKS),
                      ("argmax_indices", self.max_seqs * ARGMAX_CHUNKS)]
@@ -613,7 +613,8 @@ class DeviceRunner(StepRunner):
             self._host_inputs = self.device.host_array(sum(words.values()) * 4).view(np.int32)
             at = 0
             for name, n in words.items():
-                self.buffers[name] = self.device.view(self.buffers["inputs"], at * 4)
+                if self._packed():
+                    self.buffers[name] = self.device.view(self.buffers["inputs"], at * 4)
                 self._host[name] = self._host_inputs[at:at + n]
                 at += n
             self._host["argmax"] = self.device.host_array(self.max_seqs * 4).view(np.int32)
@@ -626,10 +627,15 @@ class DeviceRunner(StepRunner):
                 "block_tables": self.max_seqs * self.table_width}
 
     def _staged(self):
-        """Whether a step's inputs and greedy tokens go through page-locked host memory, copied
-        by the step itself (captured with its launches): one copy in and one out a step, no
-        writes of their own. Devices with host_array (ptx)."""
-        return hasattr(self.device, "host_array") and hasattr(self.device, "view")
+        """Whether a step's inputs and greedy tokens go through host memory of the device's
+        (host_array: page-locked on ptx, a host-visible buffer on vulkan), copied by the step
+        itself, recorded with its launches: no writes or reads of their own."""
+        return hasattr(self.device, "host_array")
+
+    def _packed(self):
+        """Staged, the inputs are one buffer (views of it, one copy a step) where the device
+        has views of buffers (ptx); else a copy each."""
+        return self._staged() and hasattr(self.device, "view")
 
     def upload(self):
         """Writes weights and constants into their buffers and builds every kernel's program."""
@@ -724,8 +730,14 @@ class DeviceRunner(StepRunner):
             # the inputs up to the block tables of as many sequences as the step has tokens
             # (a pipeline's micro-batch: as its whole step)
             rows = min(self._step_tokens or T, self.max_seqs)
-            words = len(self._host_inputs) - (self.max_seqs - rows) * self.table_width
-            self.device.write(self.buffers["inputs"], self._host_inputs[:words])
+            if self._packed():
+                words = len(self._host_inputs) - (self.max_seqs - rows) * self.table_width
+                self.device.write(self.buffers["inputs"], self._host_inputs[:words])
+            else:
+                for name, host in self._host.items():
+                    if name != "argmax":
+                        words = rows * self.table_width if name == "block_tables" else None
+                        self.device.write(self.buffers[name], host[:words])
         rounded = None              # (x, operand) that mma_x16 holds, until another op runs
         for op in self.steps_long if long else self.steps:
             ins, out = op.inputs, op.outputs[0]

@@ -1,5 +1,6 @@
 """scripts/bench end to end on whatever Vulkan device this machine has (lavapipe in CI): the
-table it prints must have a row per backend, model and batch, with finite figures."""
+table it prints must have a row per backend, model and batch, with finite figures, and --host
+its split of the step's time wherever steps are recorded."""
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +26,17 @@ def test_bench_prints_a_row_per_backend_and_batch(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench"), "--backend", ",".join(backends),
          "--models", "tiny:Q4_K", "--batches", "1,2", "--steps", "2", "--prefill", "16",
-         "--cache", str(tmp_path)], capture_output=True, text=True, timeout=600)
+         "--cache", str(tmp_path), "--host"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()
             if line.split()[:1] and line.split()[0] in backends and "tiny:Q4_K" in line]
     assert sorted((r[0], r[3]) for r in rows) == sorted((b, n) for b in backends for n in "12")
     for row in rows:
         assert float(row[4].replace(",", "")) > 0 and float(row[5].replace(",", "")) > 0
+    # --host: a backend that records its steps (vulkan) splits each batch's step time
+    splits = [line for line in result.stdout.splitlines()
+              if line.startswith("# tiny:Q4_K batch") and "replays back to back" in line]
+    assert len(splits) == (2 if "vulkan" in backends else 0), result.stdout
 
 
 def test_pooled_random_models_draw_their_rows_from_the_pool(tmp_path):

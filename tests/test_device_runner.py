@@ -91,6 +91,38 @@ def test_batched_decode_replays_equal_single_steps(tmp_path, device):
     assert np.linalg.norm(together - want) / np.linalg.norm(want) < 2e-3
 
 
+def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):
+    """Steps whose inputs and greedy tokens pass through the device's host_array memory,
+    copied by the step itself (recorded with its launches): ptx and a discrete GPU's vulkan do
+    it by default; a host-mapped device (lavapipe) is made to here. Three sequences prefill,
+    then decode together (a recorded bucket, padded), against the reference's tokens."""
+    if not hasattr(device, "host_array"):
+        pytest.skip(f"{device.backend}: no host_array")
+    monkeypatch.setattr(device, "step_staging", True)
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    runners = [model.runner(None, num_blocks=64), model.runner(device, num_blocks=64)]
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 300, n).tolist() for n in (5, 9, 3)]
+    tables = np.array([list(range(i * 16, i * 16 + 16)) for i in range(3)], np.int32)
+    got = []
+    for runner in runners:
+        ids = [list(p) for p in prompts]
+        for p, t in zip(ids, tables):
+            s = step(p, 0, t)
+            last = StepBatch(s.tokens, s.positions, s.seq_rows, s.block_tables,
+                             s.sample_tokens[-1:], SamplingRows.greedy(1))
+            p.append(int(runner.step(last).tokens[0]))
+        for _ in range(6):
+            batch = StepBatch(np.array([p[-1] for p in ids], np.int32),
+                              np.array([len(p) - 1 for p in ids], np.int32),
+                              np.arange(3, dtype=np.int32), tables, np.arange(3, dtype=np.int32),
+                              SamplingRows.greedy(3))
+            for p, token in zip(ids, runner.step(batch).tokens):
+                p.append(int(token))
+        got.append(ids)
+    assert got[1] == got[0]
+
+
 @pytest.mark.parametrize("dtype", ["F16", "Q4_K"])
 @pytest.mark.parametrize("n", [20, 70])
 def test_long_prefill_matches_reference(tmp_path, device, dtype, n):

@@ -74,6 +74,9 @@ class PtxDevice:
         # sm_90 kernels wait for their predecessor in the kernel (render_ptx), so they may be
         # launched before it completes
         self.programmatic = self.sm >= 90
+        # a device runner stages its steps' inputs and tokens in page-locked host_array memory,
+        # copied inside the step's graph
+        self.step_staging = True
         self.allocated = 0
         self._programs = {}
         self._pinned = []           # host_array memory

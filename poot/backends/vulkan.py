@@ -240,6 +240,10 @@ class VulkanDevice:
                                          lib.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU)
         self._spin = SPIN_SECONDS["cpu" if props.deviceType == lib.VK_PHYSICAL_DEVICE_TYPE_CPU
                                   else "gpu"]
+        # A device runner stages its steps' inputs and tokens in host_array memory (recorded
+        # copies) on a discrete GPU. On a CPU or integrated device that memory would come out
+        # of the heap the plan measures, and its buffers are mapped for direct writes anyway.
+        self.step_staging = not self._uma
         v11, v12 = vk.new("VkPhysicalDeviceVulkan11Features"), vk.new(
             "VkPhysicalDeviceVulkan12Features")
         features = vk.chain(vk.new("VkPhysicalDeviceFeatures2"), v11, v12)

@@ -628,9 +628,11 @@ class DeviceRunner(StepRunner):
 
     def _staged(self):
         """Whether a step's inputs and greedy tokens go through host memory of the device's
-        (host_array: page-locked on ptx, a host-visible buffer on vulkan), copied by the step
-        itself, recorded with its launches: no writes or reads of their own."""
-        return hasattr(self.device, "host_array")
+        (host_array: page-locked on ptx, a host-visible buffer on a discrete GPU's vulkan),
+        copied by the step itself, recorded with its launches: no writes or reads of their own.
+        The device says where (step_staging): that memory is not the device's, which the plan
+        sizes."""
+        return getattr(self.device, "step_staging", False)
 
     def _packed(self):
         """Staged, the inputs are one buffer (views of it, one copy a step) where the device

@@ -123,9 +123,9 @@ class PtxDevice:
 
     def host_array(self, nbytes):
         """A uint8 array of `nbytes` of page-locked host memory, held while the process runs
-        (a runner's, like its device buffers): write
-        and download copy it asynchronously, and inside a captured graph (where pageable
-        memory may not be copied), each replay reading or writing it anew."""
+        (a runner's, like its device buffers): write and download copy it asynchronously, also
+        inside a captured graph (where pageable memory may not be copied), each replay reading
+        or writing it anew."""
         self._current()
         pointer = self.cu.mem_alloc_host(max(int(nbytes), 1))
         self._pinned.append(pointer)

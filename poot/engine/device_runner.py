@@ -223,7 +223,7 @@ class DeviceRunner(StepRunner):
                             for i in range(max(map(len, sizes)))]      # the lowerings share slots
         self._use(False)
         self.buffers, self.graphs = {}, {}
-        self._host = {}             # staged: step input or output -> its page-locked int32s
+        self._host = {}             # staged: step input or output -> its host_array int32s
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
 
     # -- the plan ------------------------------------------------------------------------------

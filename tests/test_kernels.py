@@ -625,6 +625,26 @@ def test_split_attention(device, head_dim, n_heads, n_kv, lengths, split_tokens,
     assert rel_err(got, ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale)) < 1e-5
 
 
+def test_top_candidates(device):
+    """Each chunk's best TOP_KEEP (value, index) pairs, best first, lower index first among
+    equal values: a row with ties inside and across chunks, and a short last chunk."""
+    n = 3 * ops.TOP_CHUNK + 777
+    chunks = -(-n // ops.TOP_CHUNK)
+    logits = rng.standard_normal((3, n)).astype(np.float32)
+    logits[1, 5:40] = logits[1, 3000:3020] = logits[1].max() + 1     # 55 equal best values
+    logits[2, ::97] = np.float32(0.5)                                # equal values everywhere
+    got = run(device, ops.top_candidates(), (3, chunks), logits,
+              np.zeros((3, chunks, ops.TOP_KEEP), np.float32),
+              np.zeros((3, chunks, ops.TOP_KEEP), np.int32), n)
+    for r in range(3):
+        for c in range(chunks):
+            lo = c * ops.TOP_CHUNK
+            part = logits[r, lo:lo + ops.TOP_CHUNK]
+            want = lo + np.argsort(-part, kind="stable")[:ops.TOP_KEEP]
+            assert got["indices"][r, c].tolist() == want.tolist()
+            assert np.array_equal(got["values"][r, c], logits[r, want])
+
+
 @pytest.mark.parametrize("chunks", [1, 7, 64])
 def test_argmax(device, chunks):
     """Both halves: the rows' chunks (7 leaves a short last one), then their best."""

@@ -24,7 +24,7 @@ from ..kernels import matmul, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from . import placement
 from .batch import StepBatch, StepOutput
-from .sampling import sample
+from .sampling import choose_among, sample, uniform
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
@@ -170,16 +170,39 @@ class StepRunner:
         return np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
 
     def step(self, batch):
-        """Greedy rows without logprobs read back only the device's argmax; others sample
-        from the logits on the host (engine/sampling.py)."""
+        """Greedy rows without logprobs read back only the device's argmax; rows that sample
+        with a top-k cut of at most ops.TOP_KEEP (and no logprobs) read back their chunks'
+        candidates (top_candidates); others sample from the logits on the host
+        (engine/sampling.py)."""
         rows = batch.sampling
-        if not rows.logprobs and not np.any(rows.temperature > 0):
+        sampled = rows.temperature > 0
+        if rows.logprobs or rows.n_logprobs:
+            return sample(self.logits(batch), rows)
+        if not np.any(sampled):
             R = self.run(batch)
             tokens = np.frombuffer(self._read("argmax", R * 4), np.int32)
-            return StepOutput(tokens=tokens.copy(), logprobs=np.zeros(R, np.float32),
-                              top_ids=np.zeros((R, 0), np.int32),
-                              top_logprobs=np.zeros((R, 0), np.float32))
+            return _tokens_only(tokens.copy())
+        if self._has_candidates() and np.all((rows.top_k[sampled] > 0)
+                                             & (rows.top_k[sampled] <= ops.TOP_KEEP)):
+            values, ids = self._candidates(self.run(batch))
+            return _tokens_only(np.array([
+                choose_among(values[r], ids[r], self.vocab_size, float(rows.temperature[r]),
+                             int(rows.top_k[r]), float(rows.top_p[r]), float(rows.min_p[r]),
+                             uniform(rows.seed[r], rows.step[r]))
+                for r in range(len(values))], np.int32))
         return sample(self.logits(batch), rows)
+
+    def _has_candidates(self):
+        """Whether the runner leaves its rows' top_candidates on the device (_candidates)."""
+        return False
+
+
+def _tokens_only(tokens):
+    """A StepOutput of tokens without log probabilities."""
+    R = len(tokens)
+    return StepOutput(tokens=tokens, logprobs=np.zeros(R, np.float32),
+                      top_ids=np.zeros((R, 0), np.int32),
+                      top_logprobs=np.zeros((R, 0), np.float32))
 
 
 class DeviceRunner(StepRunner):
@@ -395,6 +418,7 @@ class DeviceRunner(StepRunner):
         if self.has_logits:
             seen.setdefault("argmax_chunks", ops.argmax_chunks(sg))
             seen.setdefault("argmax", ops.argmax(sg))
+            seen.setdefault("top_candidates", ops.top_candidates())
         return list(seen.values())
 
     def _kernels_of(self, op, sg, cfg, long=False):
@@ -548,6 +572,8 @@ class DeviceRunner(StepRunner):
         if self.has_logits:
             step += [("argmax", self.max_seqs), ("argmax_values", self.max_seqs * ARGMAX_CHUNKS),
                      ("argmax_indices", self.max_seqs * ARGMAX_CHUNKS)]
+            candidates = self.max_seqs * self._candidate_chunks() * ops.TOP_KEEP
+            step += [("top_values", candidates), ("top_indices", candidates)]
         if "hidden" in self.graph.inputs:   # a pipeline stage's input, copied from the last
             step.append(("hidden", self.max_tokens * self.model.config.d_model))
         shared = {}
@@ -982,6 +1008,23 @@ class DeviceRunner(StepRunner):
 
     def _replay(self, graph):
         self.device.replay(graph)
+
+    def _has_candidates(self):
+        return self.has_logits
+
+    def _candidate_chunks(self):
+        return -(-self.vocab_size // ops.TOP_CHUNK)
+
+    def _candidates(self, R):
+        """(values, ids) [R, chunks * TOP_KEEP] of the last step's R rows of logits: each chunk's
+        best, from a launch of top_candidates after the step."""
+        chunks = self._candidate_chunks()
+        self._launch(ops.top_candidates(), (R, chunks), self.buffers[self._output_name()],
+                     self.buffers["top_values"], self.buffers["top_indices"], self.vocab_size)
+        nbytes = R * chunks * ops.TOP_KEEP * 4
+        values = np.frombuffer(self.device.read(self.buffers["top_values"], nbytes), np.float32)
+        ids = np.frombuffer(self.device.read(self.buffers["top_indices"], nbytes), np.int32)
+        return values.reshape(R, -1), ids.reshape(R, -1)
 
     def _read(self, name, nbytes):
         """Bytes of a buffer of the runner that computes the logits."""

@@ -545,3 +545,53 @@ def all_gather(world):
     with k.if_(c < columns):
         take(0)
     return k.build()
+
+
+TOP_CHUNK = 2048        # logits of a row one top_candidates workgroup sorts
+TOP_KEEP = 64           # the best of them it keeps
+
+
+@cache
+def top_candidates():
+    """The best TOP_KEEP logits of each TOP_CHUNK-long chunk of a row, best first (highest
+    value, then lowest index), with their indices: so a row's best k <= TOP_KEEP are among its
+    chunks' candidates, in the order engine/sampling.py's choose() sorts a row. Workgroup
+    (r, c) sorts logits[r, c*TOP_CHUNK : (c+1)*TOP_CHUNK] in shared memory (a bitonic network:
+    every (value, index) key differs, so the order is total; past n, the lowest value at
+    indices past n sorts last) and writes values[r, c, :] and indices[r, c, :]. grid (R, chunks)."""
+    k = KernelBuilder("top_candidates", (WG,))
+    logits = k.buffer("logits", F32)
+    values, indices = k.buffer("values", F32, "w"), k.buffer("indices", I32, "w")
+    n = k.scalar("n", I32)
+    keys, ids = k.shared("keys", F32, TOP_CHUNK), k.shared("ids", I32, TOP_CHUNK)
+    r, c, tid = k.block_id(), k.block_id(1), k.thread_id()
+    for j in range(TOP_CHUNK // WG):
+        i = tid + j * WG
+        at = c * TOP_CHUNK + i
+        keys[i] = k.select(at < n, logits[r * n + k.min(at, n - 1)], LOWEST)
+        ids[i] = at
+    k.barrier()
+    size = 2
+    while size <= TOP_CHUNK:
+        stride = size // 2
+        while stride >= 1:
+            shift = stride.bit_length() - 1
+            for j in range(TOP_CHUNK // 2 // WG):
+                pair = tid + j * WG
+                a = ((pair >> shift) << (shift + 1)) | (pair & (stride - 1))
+                b = a + stride
+                va, vb, ia, ib = keys[a], keys[b], ids[a], ids[b]
+                a_first = (va > vb) | (va.eq(vb) & (ia < ib))
+                # runs of `size` alternate best-first and worst-first, the last one best-first
+                best_first = (a & size).eq(0)
+                swap = (best_first & ~a_first) | (~best_first & a_first)
+                keys[a], keys[b] = k.select(swap, vb, va), k.select(swap, va, vb)
+                ids[a], ids[b] = k.select(swap, ib, ia), k.select(swap, ia, ib)
+            k.barrier()
+            stride //= 2
+        size *= 2
+    with k.if_(tid < TOP_KEEP):
+        at = (r * k.num_blocks(1) + c) * TOP_KEEP + tid
+        values[at] = keys[tid]
+        indices[at] = ids[tid]
+    return k.build()

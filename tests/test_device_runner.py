@@ -92,40 +92,46 @@ def test_batched_decode_replays_equal_single_steps(tmp_path, device):
     assert np.linalg.norm(together - want) / np.linalg.norm(want) < 2e-3
 
 
-def test_top_k_rows_sample_from_candidates_only(device, monkeypatch):
-    """Rows with a top-k cut of at most TOP_KEEP (greedy rows beside them) take their tokens
-    from the device's candidates without reading the logits back, and get the tokens choose()
-    gives on the same step's full logits: a 49k vocabulary (24 chunks), cuts of 1 to TOP_KEEP,
-    with temperature, top-p and min-p."""
+def test_sampled_rows_choose_from_candidates(device, monkeypatch):
+    """Sampled rows (greedy rows beside them) take the tokens choose() gives on the same step's
+    full logits: from the device's candidates (top-k cuts of 1 to TOP_KEEP, top-p, min-p,
+    temperature alone), and from the logits where those cannot decide a row. A 49k vocabulary
+    (24 chunks); the first step's rows all have short top-k cuts, and read no logits."""
     model = poot.load(default_model())
     runner = model.runner(device, num_blocks=64)
     rng = np.random.default_rng()
-    n = 6
+    n = 8
     tables = np.array([list(range(i * 8, i * 8 + 8)) for i in range(n)], np.int32)
     for i in range(n):
-        prompt = rng.integers(3, 3000, 5 + i).tolist()
-        runner.logits(step(prompt, 0, tables[i]))
-    rows = SamplingRows(temperature=np.array([0.7, 1.0, 0.0, 1.3, 0.9, 2.0], np.float32),
-                        top_k=np.array([1, 5, 0, 40, ops.TOP_KEEP, 64], np.int32),
-                        top_p=np.array([1.0, 0.9, 1.0, 0.5, 1.0, 0.95], np.float32),
-                        min_p=np.array([0.0, 0.0, 0.0, 0.05, 0.1, 0.0], np.float32),
-                        seed=rng.integers(0, 2**63, n).astype(np.uint64),
-                        step=np.arange(n, dtype=np.int64))
-    batch = StepBatch(rng.integers(3, 3000, n).astype(np.int32),
-                      np.array([5 + i for i in range(n)], np.int32), np.arange(n, dtype=np.int32),
-                      tables, np.arange(n, dtype=np.int32), rows)
-    full = runner.logits
+        runner.logits(step(rng.integers(3, 3000, 5 + i).tolist(), 0, tables[i]))
+    full, reader, read = runner.logits, runner._read, []
 
-    def refused(batch):
-        raise AssertionError("the logits were read back")
-    monkeypatch.setattr(runner, "logits", refused)
-    got = runner.step(batch).tokens
-    monkeypatch.setattr(runner, "logits", full)
-    logits = runner.logits(batch)          # the same step again: the same cache, the same logits
-    want = [choose(logits[r], float(rows.temperature[r]), int(rows.top_k[r]),
-                   float(rows.top_p[r]), float(rows.min_p[r]), uniform(rows.seed[r], rows.step[r]))
-            for r in range(n)]
-    assert got.tolist() == want
+    def recorded(name, nbytes):
+        read.append(name)
+        return reader(name, nbytes)
+    monkeypatch.setattr(runner, "_read", recorded)
+    cuts = [dict(top_k=[1, 5, 0, 40, ops.TOP_KEEP, 64, 2, 3]),
+            dict(top_k=[0, 0, 0, 0, 0, 0, 0, 90], top_p=[1, .9, .5, 1, .95, 1, 1, .9],
+                 min_p=[0, 0, 0, .05, 0, .1, 0, 0])]
+    for decode, cut in enumerate(cuts):
+        rows = SamplingRows(temperature=np.array([.7, 1, 0, 1.3, .9, 2, 1, .5], np.float32),
+                            top_k=np.array(cut["top_k"], np.int32),
+                            top_p=np.array(cut.get("top_p", [1] * n), np.float32),
+                            min_p=np.array(cut.get("min_p", [0] * n), np.float32),
+                            seed=rng.integers(0, 2**63, n).astype(np.uint64),
+                            step=np.arange(n, dtype=np.int64))
+        batch = StepBatch(rng.integers(3, 3000, n).astype(np.int32),
+                          np.array([5 + i + decode for i in range(n)], np.int32),
+                          np.arange(n, dtype=np.int32), tables, np.arange(n, dtype=np.int32), rows)
+        read.clear()
+        got = runner.step(batch).tokens
+        if decode == 0:
+            assert runner._output_name() not in read, "the logits were read back"
+        logits = full(batch)            # the same step again: the same cache, the same logits
+        want = [choose(logits[r], float(rows.temperature[r]), int(rows.top_k[r]),
+                       float(rows.top_p[r]), float(rows.min_p[r]),
+                       uniform(rows.seed[r], rows.step[r])) for r in range(n)]
+        assert got.tolist() == want
 
 
 def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):

@@ -627,22 +627,29 @@ def test_split_attention(device, head_dim, n_heads, n_kv, lengths, split_tokens,
 
 def test_top_candidates(device):
     """Each chunk's best TOP_KEEP (value, index) pairs, best first, lower index first among
-    equal values: a row with ties inside and across chunks, and a short last chunk."""
+    equal values, and its largest value and sum of exp((value - largest) / temperature): rows
+    with ties inside and across chunks, and a short last chunk."""
     n = 3 * ops.TOP_CHUNK + 777
     chunks = -(-n // ops.TOP_CHUNK)
     logits = rng.standard_normal((3, n)).astype(np.float32)
     logits[1, 5:40] = logits[1, 3000:3020] = logits[1].max() + 1     # 55 equal best values
     logits[2, ::97] = np.float32(0.5)                                # equal values everywhere
-    got = run(device, ops.top_candidates(), (3, chunks), logits,
+    temperature = np.array([0.7, 0.0, 1.9], np.float32)      # 0: the sums at 1
+    got = run(device, ops.top_candidates(device.subgroup_size), (3, chunks), logits, temperature,
               np.zeros((3, chunks, ops.TOP_KEEP), np.float32),
-              np.zeros((3, chunks, ops.TOP_KEEP), np.int32), n)
+              np.zeros((3, chunks, ops.TOP_KEEP), np.int32), np.zeros((3, chunks), np.float32),
+              np.zeros((3, chunks), np.float32), n)
     for r in range(3):
+        t = temperature[r] if temperature[r] > 0 else 1.0
         for c in range(chunks):
             lo = c * ops.TOP_CHUNK
             part = logits[r, lo:lo + ops.TOP_CHUNK]
             want = lo + np.argsort(-part, kind="stable")[:ops.TOP_KEEP]
             assert got["indices"][r, c].tolist() == want.tolist()
             assert np.array_equal(got["values"][r, c], logits[r, want])
+            assert got["maxima"][r, c] == part.max()
+            exact = np.exp((part.astype(np.float64) - part.max()) / t).sum()
+            assert abs(got["sums"][r, c] - exact) < 1e-5 * exact
 
 
 @pytest.mark.parametrize("chunks", [1, 7, 64])

@@ -1,8 +1,8 @@
 import numpy as np
 
 from poot.engine.batch import SamplingRows
-from poot.engine.sampling import (FIRST_CANDIDATES, best, choose, choose_fast, log_softmax,
-                                  sample, uniform)
+from poot.engine.sampling import (FIRST_CANDIDATES, SUM_MARGIN, best, choose, choose_among,
+                                  choose_fast, log_softmax, sample, uniform)
 
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, n_logprobs=0):
@@ -91,6 +91,47 @@ def test_choose_fast_gives_choose_s_token():
                 float(rng.choice([1.0, 1.0, 0.5, 0.9, 0.999])),
                 float(rng.choice([0.0, 0.0, 0.01, 0.2])), float(rng.random()))
         assert choose_fast(logits, *args) == choose(logits, *args), args
+
+
+def candidates(logits, chunk, keep, temperature, rng):
+    """What ops.top_candidates leaves for a row (chunks of `chunk`, each's best `keep`, padded
+    past the vocabulary), its sums off the exact ones by up to half the margin choose_among
+    allows."""
+    vocab = len(logits)
+    chunks = -(-vocab // chunk)
+    values = np.full((chunks, keep), np.float32(-3.4e38), np.float32)
+    ids = np.full((chunks, keep), vocab + 1, np.int32)
+    maxima, sums = np.zeros(chunks, np.float32), np.zeros(chunks, np.float32)
+    t = temperature if temperature > 0 else 1.0
+    for c in range(chunks):
+        part = logits[c * chunk:(c + 1) * chunk]
+        best_of = np.argsort(-part, kind="stable")[:keep]
+        values[c, :len(best_of)], ids[c, :len(best_of)] = part[best_of], c * chunk + best_of
+        maxima[c] = part.max()
+        exact = np.exp((part.astype(np.float64) - part.max()) / t).sum()
+        sums[c] = exact * (1 + rng.uniform(-0.5, 0.5) * SUM_MARGIN)
+    return values, ids, maxima, sums
+
+
+def test_choose_among_gives_choose_s_token_or_nothing():
+    """From a row's candidates, the definition's token wherever choose_among decides (every cut,
+    ties, flat and peaked rows, chunks short of their keep); and it decides most rows."""
+    rng = np.random.default_rng(12)
+    decided = 0
+    for _ in range(1500):
+        vocab = int(rng.choice([5, 300, 3000, 20000]))
+        logits = (rng.standard_normal(vocab) * rng.choice([0.3, 3.0, 12.0])).astype(np.float32)
+        if rng.random() < 0.3:
+            logits = np.round(logits)
+        args = (float(rng.choice([0.0, 0.4, 1.0, 1.7])), int(rng.choice([0, 0, 1, 3, 16, 50])),
+                float(rng.choice([1.0, 1.0, 0.5, 0.9, 0.999])),
+                float(rng.choice([0.0, 0.0, 0.01, 0.2])), float(rng.random()))
+        chunk, keep = int(rng.choice([64, 256, 2048])), int(rng.choice([8, 16, 64]))
+        got = choose_among(*candidates(logits, chunk, keep, args[0], rng), vocab, *args)
+        if got is not None:
+            decided += 1
+            assert got == choose(logits, *args), (vocab, chunk, keep, args)
+    assert decided > 900, decided
 
 
 def test_sample_takes_choose_s_tokens_and_the_sorted_top_logprobs():

@@ -24,7 +24,7 @@ from ..kernels import matmul, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from . import placement
 from .batch import StepBatch, StepOutput
-from .sampling import choose_among, sample, uniform
+from .sampling import choose_among, choose_fast, sample, uniform
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
@@ -170,27 +170,33 @@ class StepRunner:
         return np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
 
     def step(self, batch):
-        """Greedy rows without logprobs read back only the device's argmax; rows that sample
-        with a top-k cut of at most ops.TOP_KEEP (and no logprobs) read back their chunks'
-        candidates (top_candidates); others sample from the logits on the host
+        """Steps without logprobs read back only the device's argmax (all rows greedy) or each
+        row's candidates (ops.top_candidates: each chunk's best logits and sum), from which
+        sampling.choose_among takes the definition's token; a row they cannot decide, and
+        steps that report logprobs, read the logits and sample on the host
         (engine/sampling.py)."""
         rows = batch.sampling
-        sampled = rows.temperature > 0
         if rows.logprobs or rows.n_logprobs:
             return sample(self.logits(batch), rows)
-        if not np.any(sampled):
+        if not np.any(rows.temperature > 0):
             R = self.run(batch)
             tokens = np.frombuffer(self._read("argmax", R * 4), np.int32)
             return _tokens_only(tokens.copy())
-        if self._has_candidates() and np.all((rows.top_k[sampled] > 0)
-                                             & (rows.top_k[sampled] <= ops.TOP_KEEP)):
-            values, ids = self._candidates(self.run(batch))
-            return _tokens_only(np.array([
-                choose_among(values[r], ids[r], self.vocab_size, float(rows.temperature[r]),
-                             int(rows.top_k[r]), float(rows.top_p[r]), float(rows.min_p[r]),
-                             uniform(rows.seed[r], rows.step[r]))
-                for r in range(len(values))], np.int32))
-        return sample(self.logits(batch), rows)
+        if not self._has_candidates():
+            return sample(self.logits(batch), rows)
+        R = self.run(batch)
+        candidates = self._candidates(R, rows.temperature)
+        params = [(float(rows.temperature[r]), int(rows.top_k[r]), float(rows.top_p[r]),
+                   float(rows.min_p[r]), uniform(rows.seed[r], rows.step[r])) for r in range(R)]
+        tokens = [choose_among(*(part[r] for part in candidates), self.vocab_size, *params[r])
+                  for r in range(R)]
+        undecided = [r for r, token in enumerate(tokens) if token is None]
+        if undecided:                    # the candidates could not tell: the rows' logits can
+            raw = self._read(self._output_name(), R * self.vocab_size * 4)
+            logits = np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
+            for r in undecided:
+                tokens[r] = choose_fast(logits[r], *params[r])
+        return _tokens_only(np.array(tokens, np.int32))
 
     def _has_candidates(self):
         """Whether the runner leaves its rows' top_candidates on the device (_candidates)."""
@@ -418,7 +424,7 @@ class DeviceRunner(StepRunner):
         if self.has_logits:
             seen.setdefault("argmax_chunks", ops.argmax_chunks(sg))
             seen.setdefault("argmax", ops.argmax(sg))
-            seen.setdefault("top_candidates", ops.top_candidates())
+            seen.setdefault("top_candidates", ops.top_candidates(sg))
         return list(seen.values())
 
     def _kernels_of(self, op, sg, cfg, long=False):
@@ -572,8 +578,10 @@ class DeviceRunner(StepRunner):
         if self.has_logits:
             step += [("argmax", self.max_seqs), ("argmax_values", self.max_seqs * ARGMAX_CHUNKS),
                      ("argmax_indices", self.max_seqs * ARGMAX_CHUNKS)]
-            candidates = self.max_seqs * self._candidate_chunks() * ops.TOP_KEEP
-            step += [("top_values", candidates), ("top_indices", candidates)]
+            chunks = self.max_seqs * self._candidate_chunks()
+            step += [("top_temperature", self.max_seqs), ("top_values", chunks * ops.TOP_KEEP),
+                     ("top_indices", chunks * ops.TOP_KEEP), ("top_maxima", chunks),
+                     ("top_sums", chunks)]
         if "hidden" in self.graph.inputs:   # a pipeline stage's input, copied from the last
             step.append(("hidden", self.max_tokens * self.model.config.d_model))
         shared = {}
@@ -1015,16 +1023,23 @@ class DeviceRunner(StepRunner):
     def _candidate_chunks(self):
         return -(-self.vocab_size // ops.TOP_CHUNK)
 
-    def _candidates(self, R):
-        """(values, ids) [R, chunks * TOP_KEEP] of the last step's R rows of logits: each chunk's
-        best, from a launch of top_candidates after the step."""
-        chunks = self._candidate_chunks()
-        self._launch(ops.top_candidates(), (R, chunks), self.buffers[self._output_name()],
-                     self.buffers["top_values"], self.buffers["top_indices"], self.vocab_size)
-        nbytes = R * chunks * ops.TOP_KEEP * 4
-        values = np.frombuffer(self.device.read(self.buffers["top_values"], nbytes), np.float32)
-        ids = np.frombuffer(self.device.read(self.buffers["top_indices"], nbytes), np.int32)
-        return values.reshape(R, -1), ids.reshape(R, -1)
+    def _candidates(self, R, temperature):
+        """(values, ids [R, chunks, TOP_KEEP], maxima, sums [R, chunks]) of the last step's R
+        rows of logits, from a launch of top_candidates after the step (sums at each row's
+        temperature)."""
+        chunks, B = self._candidate_chunks(), self.buffers
+        self.device.write(B["top_temperature"], np.ascontiguousarray(temperature[:R], np.float32))
+        self._launch(ops.top_candidates(self.device.subgroup_size), (R, chunks),
+                     B[self._output_name()], B["top_temperature"], B["top_values"],
+                     B["top_indices"], B["top_maxima"], B["top_sums"], self.vocab_size)
+        out = []
+        for name, dtype, width in (("top_values", np.float32, ops.TOP_KEEP),
+                                   ("top_indices", np.int32, ops.TOP_KEEP),
+                                   ("top_maxima", np.float32, 1), ("top_sums", np.float32, 1)):
+            raw = self.device.read(B[name], R * chunks * width * 4)
+            out.append(np.frombuffer(raw, dtype).reshape(R, chunks, width).squeeze(2)
+                       if width == 1 else np.frombuffer(raw, dtype).reshape(R, chunks, width))
+        return out
 
     def _read(self, name, nbytes):
         """Bytes of a buffer of the runner that computes the logits."""

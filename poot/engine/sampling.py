@@ -11,8 +11,8 @@ on any backend that follows this definition.
 `choose` is that definition as written; `sample` takes each row's token from `choose_fast`,
 which gives the same token without sorting a whole vocabulary (about 10 ms a row for 128k
 tokens), and the top log probabilities from a partial sort (`best`). `choose_among` takes it
-from a row's candidates alone (a device's best few of each chunk of the row), where a top-k cut
-makes that exact.
+from a row's candidates alone (a device's best few of each chunk of the row, with each chunk's
+sum), where they decide it.
 """
 import numpy as np
 
@@ -123,17 +123,61 @@ def choose_in(order, logits, temperature, top_p, min_p, u):
     return int(order[index])
 
 
-def choose_among(values, ids, vocab, temperature, top_k, top_p, min_p, u):
-    """choose()'s token of a row from candidates (values and token ids, in any order; ids past
-    the vocabulary are padding) that hold the row's best top_k, as ops.top_candidates leaves
-    them: for a greedy row, or a top-k cut no longer than any chunk's candidates. The same
-    arithmetic on the same values as choose."""
+SUM_MARGIN = 1e-4      # how far a device's float32 sums may be from the exact one, relatively
+
+
+def choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u):
+    """choose()'s token of a row from a device's candidates (ops.top_candidates): for each chunk
+    of the row, values and ids [chunks, keep] of its best `keep` (ids past the vocabulary are
+    padding), its largest logit (maxima) and sum of exp((logit - largest) / temperature) (sums,
+    within SUM_MARGIN). None where they cannot decide it: the caller reads the whole row.
+
+    Every logit above `floor`, the highest keep-th candidate of a chunk whose candidates are all
+    real, is a candidate, so the row's sorted order is known down to it. A top-k cut within that
+    order, or no longer than `keep` (a row's best k are among its chunks' best k), is exact from
+    the candidates with choose()'s arithmetic. Otherwise the row's total mass comes from the
+    sums, and a top-p cut or the draw over the whole mass is taken only where every total within
+    the margin gives the same answer; a min-p cut and a draw inside a known cut need no total."""
+    keep = values.shape[1]
+    full = ids[:, -1] < vocab                       # chunks that may hold more than their keep
+    floor = values[full, -1].max() if full.any() else -np.inf
     real = ids < vocab
     values, ids = values[real], ids[real]
     order = np.lexsort((ids, -values))              # highest value first, lower id on ties
     if temperature <= 0:
         return int(ids[order[0]])
-    return int(ids[choose_in(order[:top_k], values, temperature, top_p, min_p, u)])
+    known = int(np.count_nonzero(values > floor))   # the sorted order's first `known` are right
+    if top_k > 0:
+        if top_k > max(keep, known):
+            return None
+        return int(ids[choose_in(order[:top_k], values, temperature, top_p, min_p, u)])
+    if known == 0:                                  # ties at the floor from the best value on
+        return None
+    scaled = values[order[:known]].astype(np.float64) / temperature
+    weights = np.exp(scaled - scaled[0])
+    total = float(np.sum(np.asarray(sums, np.float64)
+                         * np.exp((np.asarray(maxima, np.float64) - values[order[0]])
+                                  / temperature)))
+    bounds = (total * (1 - SUM_MARGIN), total * (1 + SUM_MARGIN))
+    cdf = np.cumsum(weights)
+    kept = None
+    if top_p < 1.0:
+        at = {int(np.searchsorted(cdf, top_p * t)) for t in bounds}
+        if len(at) > 1 or max(at) >= known:
+            return None
+        kept = at.pop() + 1
+    if min_p > 0.0:
+        passing = int(np.count_nonzero(weights[:kept] >= min_p * weights[0]))
+        if kept is None and passing == known:
+            return None
+        kept = passing
+    if kept is not None:
+        index = min(int(np.searchsorted(cdf[:kept], u * cdf[kept - 1], side="right")), kept - 1)
+        return int(ids[order[index]])
+    at = {int(np.searchsorted(cdf, u * t, side="right")) for t in bounds}
+    if len(at) > 1 or max(at) >= known:
+        return None
+    return int(ids[order[at.pop()]])
 
 
 def sample(logits, rows):

@@ -552,16 +552,19 @@ TOP_KEEP = 64           # the best of them it keeps
 
 
 @cache
-def top_candidates():
+def top_candidates(subgroup_size):
     """The best TOP_KEEP logits of each TOP_CHUNK-long chunk of a row, best first (highest
     value, then lowest index), with their indices: so a row's best k <= TOP_KEEP are among its
     chunks' candidates, in the order engine/sampling.py's choose() sorts a row. Workgroup
     (r, c) sorts logits[r, c*TOP_CHUNK : (c+1)*TOP_CHUNK] in shared memory (a bitonic network:
     every (value, index) key differs, so the order is total; past n, the lowest value at
-    indices past n sorts last) and writes values[r, c, :] and indices[r, c, :]. grid (R, chunks)."""
-    k = KernelBuilder("top_candidates", (WG,))
-    logits = k.buffer("logits", F32)
+    indices past n sorts last) and writes values[r, c, :] and indices[r, c, :], and the chunk's
+    largest logit m and sum of exp((logit - m) / t) to maxima[r, c] and sums[r, c], t the row's
+    temperature[r] (1 where that is not positive). grid (R, chunks)."""
+    k = KernelBuilder(f"top_candidates_s{subgroup_size}", (WG,))
+    logits, temperature = k.buffer("logits", F32), k.buffer("temperature", F32)
     values, indices = k.buffer("values", F32, "w"), k.buffer("indices", I32, "w")
+    maxima, sums = k.buffer("maxima", F32, "w"), k.buffer("sums", F32, "w")
     n = k.scalar("n", I32)
     keys, ids = k.shared("keys", F32, TOP_CHUNK), k.shared("ids", I32, TOP_CHUNK)
     r, c, tid = k.block_id(), k.block_id(1), k.thread_id()
@@ -590,8 +593,21 @@ def top_candidates():
             k.barrier()
             stride //= 2
         size *= 2
+    top = keys[0]
+    t = temperature[r]
+    scale = 1.0 / k.select(t > 0.0, t, 1.0)
+    part = k.var(F32, 0.0)
+    for j in range(TOP_CHUNK // WG):
+        i = tid + j * WG
+        with k.if_(ids[i] < n):
+            part.set(part.get() + k.exp((keys[i] - top) * scale))
+    at = (r * k.num_blocks(1) + c) * TOP_KEEP + tid
     with k.if_(tid < TOP_KEEP):
-        at = (r * k.num_blocks(1) + c) * TOP_KEEP + tid
         values[at] = keys[tid]
         indices[at] = ids[tid]
+    k.barrier()                                 # the keys are read: they become the scratch
+    total = block_reduce(k, part.get(), subgroup_size, keys)
+    with k.if_(tid.eq(0)):
+        maxima[r * k.num_blocks(1) + c] = top
+        sums[r * k.num_blocks(1) + c] = total
     return k.build()

@@ -83,14 +83,21 @@ def test_choose_fast_gives_choose_s_token():
     flat and peaked distributions: the same token as the definition, which sorts everything."""
     rng = np.random.default_rng(11)
     for _ in range(1500):
-        vocab = int(rng.choice([5, FIRST_CANDIDATES, FIRST_CANDIDATES + 1, 3000, 40000]))
-        logits = (rng.standard_normal(vocab) * rng.choice([0.3, 3.0, 12.0])).astype(np.float32)
-        if rng.random() < 0.3:
-            logits = np.round(logits)
-        args = (float(rng.choice([0.0, 0.4, 1.0, 1.7])), int(rng.choice([0, 0, 1, 3, 50, 700])),
-                float(rng.choice([1.0, 1.0, 0.5, 0.9, 0.999])),
-                float(rng.choice([0.0, 0.0, 0.01, 0.2])), float(rng.random()))
+        logits, args = random_row(rng, [5, FIRST_CANDIDATES, FIRST_CANDIDATES + 1, 3000, 40000],
+                                  [0, 0, 1, 3, 50, 700])
         assert choose_fast(logits, *args) == choose(logits, *args), args
+
+
+def random_row(rng, vocabs, top_ks):
+    """Logits of one of `vocabs` sizes (flat or peaked, a third of them rounded into ties) and
+    choose()'s arguments after them: every cut alone and together."""
+    logits = (rng.standard_normal(int(rng.choice(vocabs)))
+              * rng.choice([0.3, 3.0, 12.0])).astype(np.float32)
+    if rng.random() < 0.3:
+        logits = np.round(logits)
+    return logits, (float(rng.choice([0.0, 0.4, 1.0, 1.7])), int(rng.choice(top_ks)),
+                    float(rng.choice([1.0, 1.0, 0.5, 0.9, 0.999])),
+                    float(rng.choice([0.0, 0.0, 0.01, 0.2])), float(rng.random()))
 
 
 def candidates(logits, chunk, keep, temperature, rng):
@@ -119,13 +126,8 @@ def test_choose_among_gives_choose_s_token_or_nothing():
     rng = np.random.default_rng(12)
     decided = 0
     for _ in range(1500):
-        vocab = int(rng.choice([5, 300, 3000, 20000]))
-        logits = (rng.standard_normal(vocab) * rng.choice([0.3, 3.0, 12.0])).astype(np.float32)
-        if rng.random() < 0.3:
-            logits = np.round(logits)
-        args = (float(rng.choice([0.0, 0.4, 1.0, 1.7])), int(rng.choice([0, 0, 1, 3, 16, 50])),
-                float(rng.choice([1.0, 1.0, 0.5, 0.9, 0.999])),
-                float(rng.choice([0.0, 0.0, 0.01, 0.2])), float(rng.random()))
+        logits, args = random_row(rng, [5, 300, 3000, 20000], [0, 0, 1, 3, 16, 50])
+        vocab = len(logits)
         chunk, keep = int(rng.choice([64, 256, 2048])), int(rng.choice([8, 16, 64]))
         got = choose_among(*candidates(logits, chunk, keep, args[0], rng), vocab, *args)
         if got is not None:

@@ -165,7 +165,10 @@ class StepRunner:
 
     def logits(self, batch):
         """Runs a step; the logits of its sampled rows, float32 [R, vocab]."""
-        R = self.run(batch)
+        return self._logits_of(self.run(batch))
+
+    def _logits_of(self, R):
+        """The last step's R rows of logits, read back."""
         raw = self._read(self._output_name(), R * self.vocab_size * 4)
         return np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
 
@@ -192,8 +195,7 @@ class StepRunner:
                   for r in range(R)]
         undecided = [r for r, token in enumerate(tokens) if token is None]
         if undecided:                    # the candidates could not tell: the rows' logits can
-            raw = self._read(self._output_name(), R * self.vocab_size * 4)
-            logits = np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
+            logits = self._logits_of(R)
             for r in undecided:
                 tokens[r] = choose_fast(logits[r], *params[r])
         return _tokens_only(np.array(tokens, np.int32))
@@ -1037,8 +1039,8 @@ class DeviceRunner(StepRunner):
                                    ("top_indices", np.int32, ops.TOP_KEEP),
                                    ("top_maxima", np.float32, 1), ("top_sums", np.float32, 1)):
             raw = self.device.read(B[name], R * chunks * width * 4)
-            out.append(np.frombuffer(raw, dtype).reshape(R, chunks, width).squeeze(2)
-                       if width == 1 else np.frombuffer(raw, dtype).reshape(R, chunks, width))
+            array = np.frombuffer(raw, dtype).reshape(R, chunks, width)
+            out.append(array[..., 0] if width == 1 else array)
         return out
 
     def _read(self, name, nbytes):

@@ -56,9 +56,11 @@ def matvec_rows(dtype, group, matrices=1):
 
 
 # Steps this long run their matmuls on matrix instructions (split along the columns where the
-# tiles alone would not fill the device): from 16 tokens the grouped matvec reads the weights
-# twice or more, the split mma_tiled once.
-MMA_MIN_TOKENS = 16
+# tiles alone would not fill the device). Measured on the H200 (docs/benchmarks.md): the
+# grouped matvec's x loads (a lane's 8 to 32 consecutive values, 32 lanes touching as many
+# cache lines) bind it from two tokens on, 8B Q4_0 at 2, 4 and 8 tokens 96, 107, 106 tok/s
+# against the split mma_tiled's 183, 363, 715; 1B F16 1,261 against 1,167 at 2 (2,303 at 4).
+MMA_MIN_TOKENS = 2
 MULTIPROCESSORS = 132           # an H100's or H200's, for a device that does not say its own
 SHARES_INPUT = ("reshape", "rope", "rope_store_kv")   # run in place
 # a tensor group reduces messages this long in two phases (reduce-scatter, then all-gather):

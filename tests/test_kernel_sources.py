@@ -9,7 +9,7 @@ import pytest
 from poot.codegen.ptx import render_ptx
 from poot.codegen.spirv import render_spirv
 from poot.engine.device_runner import TOKEN_GROUPS, matvec_rows
-from poot.kernels import matmul, ops
+from poot.kernels import matmul, mma_vec, ops
 from poot.kernels.quant import DEVICE_DTYPES
 
 
@@ -54,10 +54,15 @@ def runner_kernels(subgroup_size):
 
 def mma_kernels(dtypes=DEVICE_DTYPES):
     """The matrix kernels, which only PTX renders (SPIR-V refuses them: test_codegen_spirv.py):
-    mma_tiled in each token tile, whole (with and without the residual) or split."""
-    return [matmul.mma_tiled(d, residual, tokens, split) for d in dtypes
-            for tokens in matmul.MMA_TOKEN_TILES
-            for split, residual in ((False, False), (False, True), (True, False))]
+    mma_tiled in each token tile, whole (with and without the residual) or split; mma_vec in
+    every fused variant, in the shapes the runner picks for few and many rows."""
+    tiled = [matmul.mma_tiled(d, residual, tokens, split) for d in dtypes
+             for tokens in matmul.MMA_TOKEN_TILES
+             for split, residual in ((False, False), (False, True), (True, False))]
+    vec = [mma_vec.mma_vec(d, tiles=tiles, split=split, unroll=unroll, **v)
+           for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
+           for tiles, split, unroll in {mma_vec.shape(d, rows, 132) for rows in (4096, 28672)}]
+    return tiled + vec
 
 
 def mma_variant_kernels(dtypes=DEVICE_DTYPES):

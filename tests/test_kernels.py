@@ -10,7 +10,7 @@ import pytest
 from poot.errors import BackendUnavailable
 from poot.formats.quants import dequantize, quantize
 from poot.ir import reference as ref
-from poot.kernels import matmul, ops
+from poot.kernels import matmul, mma_vec, ops
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
 
 rng = np.random.default_rng()
@@ -348,6 +348,54 @@ def test_split_mma_tiled_matmul(cuda_device, dtype, variant, n_tokens):
     runs = [split_mma(cuda_device, dtype, chosen, w_planes, x, None, rows, cols, keywords)
             for _ in range(2)]
     assert np.array_equal(*runs)
+
+
+# -- mma_vec: the decode matmul on the tensor cores (PTX devices only) -----------------------------
+# (variant, n_tokens, rows, cols): tokens past one 8-token launch, rows that are not whole
+# 16-row tiles, columns that are not whole 128-column groups (576: SmolLM2's width)
+MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 4096),
+                 ({"split": 4}, 11, 200, 576), ({"residual": True, "tiles": 2, "split": 2}, 5,
+                                                 1000, 1024),
+                 ({"norm": True, "outputs": 3}, 1, 216, 576),
+                 ({"norm": True, "outputs": 3, "split": 8}, 8, 216, 4096),
+                 ({"swiglu": True}, 2, 200, 512),
+                 ({"norm": True, "swiglu": True, "tiles": 2, "split": 2}, 9, 200, 576)]
+
+
+@pytest.mark.parametrize("dtype", mma_vec.DTYPES)
+@pytest.mark.parametrize("variant,n_tokens,rows,cols", MMA_VEC_CASES)
+def test_mma_vec(cuda_device, dtype, variant, n_tokens, rows, cols):
+    """Every fused variant, as matvec's (the same arguments), against numpy with mma_tiled's
+    error bounds (check_mma): x (normalised x for norm) and decoded quant weights rounded once
+    to the operand type, f32 sums; swiglu, whose silu moves the bounds, in relative norm."""
+    if dtype in ("F16", "BF16") and cols % 8 or dtype not in ("F16", "BF16") and cols % 32:
+        pytest.skip(f"{dtype} rows are whole units")
+    eps, norm = 1e-5, variant.get("norm", False)
+    matrices = 2 if variant.get("swiglu") else 1
+    weights = [weight(dtype, rows, cols) for _ in range(matrices)]
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
+    g = rng.standard_normal(cols).astype(np.float32)
+    h = ref.rms_norm(x, g, eps) if norm else x
+    outputs = variant.get("outputs", 1)
+    sizes = (rows - 80, 40, 40)[:outputs] if outputs > 1 else (rows,)
+    splits = list(np.cumsum(sizes)[:-1])
+    r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
+    k = mma_vec.mma_vec(dtype, **variant)
+    got = run(cuda_device, k, mma_vec.grid(rows, n_tokens, variant.get("tiles", 1),
+                                           variant.get("split", 1)),
+              *[p for planes_, _ in weights for p in planes_], x, *([g] if norm else []),
+              *[np.zeros((n_tokens, n), np.float32) for n in sizes],
+              *([r] if variant.get("residual") else []), rows, cols, n_tokens, *splits,
+              *([eps] if norm else []))
+    where = f"{k.name} T={n_tokens} {rows}x{cols}"
+    if matrices == 2:
+        gate, up = (ref.matmul(h, dense) for _, dense in weights)
+        assert rel_err(got["y"], ref.swiglu(gate, up)) < (2e-2 if dtype == "BF16" else 3e-3), where
+        return
+    names = ["y"] if outputs == 1 else [f"y{i}" for i in range(outputs)]
+    want_r = r if variant.get("residual") else None
+    for name, dense in zip(names, np.split(weights[0][1], splits)):
+        check_mma(got[name], h, dense, want_r, dtype, f"{where} {name}")
 
 
 @pytest.mark.parametrize("rows", [1, 96, 512, 2048, 4096, 14336, 128256])

@@ -43,6 +43,7 @@ seen on an H200 over 2^20 random arguments):
 - fragment_load is ldmatrix.sync.aligned.m8n8.x4.shared.b16; mma is
   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, whose fragment layouts are
   the ones lang.py documents. Both need the whole warp.
+- half2 is {sub,mul,fma}.rn.f16x2 on b32 registers (sm_53 and later).
 - copy_async is cp.async.cg (16 bytes, L2 only; a src-size of 0 where it is outside), commit
   and wait are cp.async.commit_group and cp.async.wait_group.
 - A kernel's `resident` workgroups a multiprocessor become `.minnctapersm`: ptxas keeps each
@@ -59,15 +60,15 @@ import numpy as np
 
 from poot.codegen import bf16_bits, f16_bits, f32_bits
 from poot.errors import ModelRefused
-from poot.kernels.lang import (ASYNC_COPY, BF16, BINARY, BOOL, COMPARE, F16, F32, I32, SPECIAL,
-                               UNARY, Assign, Barrier, CopyAsync, CopyCommit, CopyWait, For, If,
+from poot.kernels.lang import (ASYNC_COPY, BF16, BINARY, BOOL, COMPARE, F16, F32, HALF2_ARITH,
+                               I32, SPECIAL, UNARY, Assign, Barrier, CopyAsync, CopyCommit, CopyWait, For, If,
                                Let, Return, Store, VarDecl)
 
 # What every sm_80+ device offers, in lang.py's capability names: the matrix operations are
 # ldmatrix (sm_75) and mma.sync m16n8k16 with f16 or bf16 operands (sm_80); cp.async (sm_80).
 PTX_CAPS = frozenset({"storage16", "storage8", "float16", "int16", "int64", "subgroup",
                       "subgroup_arith", "subgroup_shuffle", "shared", "fragment_load", "mma_f16",
-                      "mma_bf16", ASYNC_COPY})
+                      "mma_bf16", ASYNC_COPY, HALF2_ARITH})
 
 # The lowest PTX ISA version that names each target; the instructions rendered here need 7.0
 # (sm_80: cvt.rn.bf16.f32, min/max.NaN, min/max.f16, tanh.approx), which every entry covers.
@@ -499,6 +500,8 @@ class _Renderer:
             self.shuffle("bfly", t, d, args[0], str(let.attr("mask")))
         elif op == "shuffle":
             self.shuffle("idx", t, d, args[0], self.u32(args[1], types[1]))
+        elif op == "half2":
+            self.emit(f"{let.attr('arith')}.rn.f16x2 {d}, {', '.join(args)};")
         elif op == "pack_half2":
             lo, hi = self.temp("b16"), self.temp("b16")
             self.emit(f"cvt.rn.f16.f32 {lo}, {args[0]};")

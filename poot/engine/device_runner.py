@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import ModelRefused
 from ..formats.quants import slice_raw
 from ..ir.graph import Tensor
-from ..kernels import matmul, ops
+from ..kernels import matmul, mma_vec, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from . import placement
 from .batch import StepBatch, StepOutput
@@ -56,11 +56,14 @@ def matvec_rows(dtype, group, matrices=1):
 
 
 # Steps this long run their matmuls on matrix instructions (split along the columns where the
-# tiles alone would not fill the device). Measured on the H200 (docs/benchmarks.md): the
-# grouped matvec's x loads (a lane's 8 to 32 consecutive values, 32 lanes touching as many
-# cache lines) bind it from two tokens on, 8B Q4_0 at 2, 4 and 8 tokens 96, 107, 106 tok/s
-# against the split mma_tiled's 183, 363, 715; 1B F16 1,261 against 1,167 at 2 (2,303 at 4).
+# tiles alone would not fill the device): the tiled kernel (mma_tiled) from MMA_MIN_TOKENS,
+# or where the device runs mma_vec for every weight of the model, mma_vec up to
+# mma_vec.most_tokens and mma_tiled past them. Measured on the H200 (docs/benchmarks.md): the grouped matvec's
+# x loads (a lane's 8 to 32 consecutive values, 32 lanes touching as many cache lines) bind it
+# from two tokens on, 8B Q4_0 at 2, 4 and 8 tokens 96, 107, 106 tok/s against the split
+# mma_tiled's 183, 363, 715; mma_vec reads a matrix in about the same time for 1 to 8 tokens.
 MMA_MIN_TOKENS = 2
+MMA_VEC_MIN_TOKENS = 2
 MULTIPROCESSORS = 132           # an H100's or H200's, for a device that does not say its own
 SHARES_INPUT = ("reshape", "rope", "rope_store_kv")   # run in place
 # a tensor group reduces messages this long in two phases (reduce-scatter, then all-gather):
@@ -244,9 +247,13 @@ class DeviceRunner(StepRunner):
         for whole, parts in self.stacked.values():
             for p, row in zip(parts, np.cumsum([0] + [p.shape[0] for p in parts[:-1]])):
                 self._part_of[p.name] = (whole, int(row))
-        # steps of MMA_MIN_TOKENS or more, on a device with matrix instructions, run the
+        # steps of mma_min_tokens or more, on a device with matrix instructions, run the
         # matmuls one by one on the tensor cores (nothing folded into them): their own lowering
         self.steps_long = self._lower(fuse=False)[0] if self._has_mma() else None
+        self.mma_min_tokens = MMA_MIN_TOKENS
+        if self._has_mma_vec():
+            self.mma_min_tokens = 1 + min(mma_vec.most_tokens(op.weight.dtype)
+                                          for op in self.steps if op.kind == "matmul")
         self._check_supported()
         self._lowerings = {False: self._assign_slots(self.steps)}
         if self.steps_long is not None:
@@ -475,7 +482,15 @@ class DeviceRunner(StepRunner):
         """The fewest tokens a pipeline micro-batch holds (engine/group.py): the matrix-vector
         kernel's pass (8 tokens), or the tensor-core kernel's threshold where the device runs
         it, so cutting a step never moves its matmuls to a slower kernel."""
-        return MMA_MIN_TOKENS if self.steps_long is not None else TOKEN_GROUPS[-1]
+        return self.mma_min_tokens if self.steps_long is not None else TOKEN_GROUPS[-1]
+
+    def _has_mma_vec(self):
+        """Whether the device runs mma_vec for every matmul weight of the graph."""
+        dtypes = {op.weight.dtype for op in self.steps if op.kind == "matmul"}
+        return bool(dtypes) and all(self._mma_vec_runs(d) for d in dtypes)
+
+    def _mma_vec_runs(self, dtype):
+        return mma_vec.supported(dtype) and mma_vec.mma_vec(dtype).caps <= self.device.caps
 
     def _has_mma(self):
         """Whether the device runs the tensor-core matmul of every weight of the graph."""
@@ -485,7 +500,7 @@ class DeviceRunner(StepRunner):
     def _mma_launch(self, w, n):
         """How the matmul of weight w over n tokens runs on the tensor cores (matmul.MmaLaunch),
         or None: a short step, or a device without the matrix instructions."""
-        if n < MMA_MIN_TOKENS or not matmul.mma_tiled(w.dtype).caps <= self.device.caps:
+        if n < self.mma_min_tokens or not matmul.mma_tiled(w.dtype).caps <= self.device.caps:
             return None
         return matmul.mma_launch(*w.shape, n, self._multiprocessors(), **mma_choice(w.dtype)[1])
 
@@ -496,7 +511,7 @@ class DeviceRunner(StepRunner):
         w, most = op.weight, self._elements(op.x.shape[:1])
         if self._mma_launch(w, most) is None:
             return {}
-        return matmul.mma_launches(*w.shape, MMA_MIN_TOKENS, most, self._multiprocessors(),
+        return matmul.mma_launches(*w.shape, self.mma_min_tokens, most, self._multiprocessors(),
                                    **mma_choice(w.dtype)[1])
 
     def _multiprocessors(self):
@@ -764,7 +779,7 @@ class DeviceRunner(StepRunner):
         sg, cfg = self.device.subgroup_size, self.model.config
         B = self._buffer
         wg = ops.WG
-        long = self.steps_long is not None and T >= MMA_MIN_TOKENS
+        long = self.steps_long is not None and T >= self.mma_min_tokens
         self._use(long)
         if self._staged():
             # the inputs up to the block tables of as many sequences as the step has tokens
@@ -918,22 +933,29 @@ class DeviceRunner(StepRunner):
                                    self.device.subgroup_size)
 
     def _matvec(self, w, group, variant):
-        """(kernel, shape args of matvec_grid) of weight w's matvec (its variant) for a token
-        group: its rows a subgroup (matvec_rows), its subgroups a row (matvec_split)."""
+        """(kernel, grid of n tokens) of weight w's matvec (its variant) for a token group:
+        from MMA_VEC_MIN_TOKENS on a device that runs it, mma_vec (mma_vec.shape); else
+        matmul.matvec, its rows a subgroup (matvec_rows), its subgroups a row (matvec_split)."""
+        rows = w.shape[0]
+        if group >= MMA_VEC_MIN_TOKENS and self._mma_vec_runs(w.dtype):
+            tiles, split, unroll = mma_vec.shape(w.dtype, rows, self._multiprocessors())
+            kernel = mma_vec.mma_vec(w.dtype, tiles=tiles, split=split, unroll=unroll,
+                                     **variant)
+            return kernel, lambda n: mma_vec.grid(rows, n, tiles, split)
         sg = self.device.subgroup_size
         matrices = 2 if variant.get("swiglu") else 1
         rows_per = matvec_rows(w.dtype, group, matrices)
         split = matmul.matvec_split(w.dtype, *w.shape, sg, rows_per, self._multiprocessors(),
                                     matrices)
         kernel = matmul.matvec(w.dtype, sg, group, rows_per=rows_per, split=split, **variant)
-        return kernel, (sg, group, rows_per, split)
+        return kernel, lambda n: matmul.matvec_grid(rows, n, sg, group, rows_per, split)
 
     def _launch_matvec(self, w, n, variant, args):
         """The matvec of weight w (its variant) over n tokens: the smallest token group that
         holds them, further launches along grid y for more."""
         group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-        kernel, shape = self._matvec(w, group, variant)
-        self._launch(kernel, matmul.matvec_grid(w.shape[0], n, *shape), *args)
+        kernel, grid = self._matvec(w, group, variant)
+        self._launch(kernel, grid(n), *args)
 
     def _all_reduce(self, op, T, R):
         """The sum of the group's partials, plus the residual, into this rank's output; a

@@ -47,6 +47,9 @@ MATRIX = {"fragment_load", "mma"}
 MMA_CAPS = {"f16": "mma_f16", "bf16": "mma_bf16"}
 # The capability of copy_async, copy_commit and copy_wait (KernelBuilder.copy_async).
 ASYNC_COPY = "async_copy"
+# Arithmetic on two f16 lanes of a u32 word (KernelBuilder.half2), and its capability.
+HALF2 = {"sub": 2, "mul": 2, "fma": 3}
+HALF2_ARITH = "half2_arith"
 
 
 @dataclass(frozen=True)
@@ -477,6 +480,18 @@ class KernelBuilder:
         if lo.dtype != F32 or hi.dtype != F32:
             raise TypeError("pack_half2 of f32 values")
         return self.let("pack_half2", U32, (lo, hi))
+
+    def half2(self, op, *words):
+        """Lane by lane arithmetic on two f16 values a u32 word (low half first), rounded to
+        nearest f16: "sub" a - b, "mul" a * b, "fma" a * b + c. Where a kernel builds its mma
+        operands from bits (quant nibbles under an f16 exponent) without leaving 16 bits."""
+        if op not in HALF2 or len(words) != HALF2[op]:
+            raise TypeError(f"half2 {op!r} of {len(words)} words: one of {HALF2}")
+        words = tuple(self.coerce(w, U32) for w in words)
+        if any(w.dtype != U32 for w in words):
+            raise TypeError("half2 works on u32 words")
+        self.caps.add(HALF2_ARITH)
+        return self.let("half2", U32, words, arith=op)
 
     # -- subgroups -------------------------------------------------------------------------------
     def subgroup_add(self, x):

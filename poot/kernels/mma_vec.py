@@ -1,0 +1,303 @@
+"""mma_vec: the decode matmul on the tensor cores, y[t, m] = x[t, :] . W[m, :] for steps of up
+to 8 tokens (further launches along grid y for more), with matmul.matvec's buffers, scalars and
+fused variants (norm, stacked outputs, swiglu, residual), for devices with mma and f16x2
+arithmetic (ptx).
+
+Why: matvec's lanes each take whole weight units (a 32-value quant block), so the x values of
+neighbouring lanes lie 128 bytes apart and each 16-byte load of x touches as many cache lines as
+lanes; at a few tokens those loads, and the per-value decoding arithmetic, bound it far below
+the weights' bandwidth (docs/benchmarks.md). Here a subgroup computes `tiles` tiles of 16
+weight rows x 8 tokens with mma m16n8k16 (lang.py's layouts): W is the A operand (lane (g, q),
+g = lane // 4, q = lane % 4, holds rows g and g + 8 of a tile) and x the B operand (lane (g, q)
+holds token g). The tensor cores do the multiplying, and x is loaded once for all the rows of
+the subgroup's tiles.
+
+The columns: a dot product's terms may be added in any order, so the 16 k-slots of an mma
+need not be 16 consecutive columns, only the same ones for A and B. Lane q's k-slots, across a
+group of 128 columns (8 mma steps), are columns it loads whole: quant block 4G + q of group G
+(one 16-byte load of Q4_0/Q4_1 nibbles, two of Q8_0 bytes), or for F16/BF16 the four 8-value
+units 16G + 4i + q. Each load gives a "piece" of 8 values = 2 mma steps (4 slots a step), in
+the order that turns them into f16 pairs with the fewest operations: a quant word's nibbles or
+bytes 0 and 2, then 1 and 3, OR-ed under the f16 exponent of 1024 (0x6400), so the pair holds
+1024 + q exactly; one f16x2 subtraction takes off 1024 and the bias, one multiplication applies
+the block's scale (rounded once to f16: mma_tiled's rounding of decoded weights). x takes the
+same order: f32 loads of its 4-value runs, each pair rounded to f16 (bf16 for BF16 weights).
+
+Sums are f32 (the mma accumulators). With `split` > 1 that many subgroups of the workgroup
+share the rows, each taking every split-th group of columns, and add their tiles through shared
+memory in a fixed order. Columns need not be whole groups (a multiple of the unit: 32 for block
+quants, 8 for floats): the last group's missing units weigh zero.
+"""
+from functools import cache
+
+from .lang import BF16, F16, F32, I32, U32, KernelBuilder
+from .matmul import WORKGROUP, _pack, mma_operand
+from .quant import reader
+
+GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
+TOKENS = 8                       # the mma's n: tokens of one launch along grid y
+DTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUBGROUP = 32
+EXPONENT = 0x64006400            # two f16 1024s: OR-ed over bits below 1024, 1024 + those bits
+# f16x2 words subtracted from 1024 + bits: 1024 + the format's bias (Q8_0's bytes have their
+# sign bit flipped first, so they are 128 above the signed value)
+OFFSET = {"Q4_0": 0x64086408, "Q4_1": 0x64006400, "Q8_0": 0x64806480}
+
+
+def supported(dtype):
+    return dtype in DTYPES
+
+
+def grid(rows, n_tokens, tiles=1, split=1):
+    """The grid of an mma_vec launch over `rows` rows and n_tokens tokens."""
+    per_group = WORKGROUP // SUBGROUP // split * 16 * tiles
+    return (-(-rows // per_group), -(-n_tokens // TOKENS))
+
+
+def most_tokens(dtype):
+    """The longest step a device that runs mma_vec should give it rather than mma_tiled: one
+    launch (8 tokens) of F16/BF16; two along grid y of block quants, whose tiled kernel is
+    far slower per step (H200, 8B Q4_0: 790 tok/s at 9 tokens and 1,394 at 16 on mma_tiled,
+    1,839 at 8 on mma_vec, so about 1,800 at 16 on two mma_vec passes; 1B F16: 4,900 at 9
+    tokens on mma_tiled, 6,060 at 8 on mma_vec, about 3,400 at 9 on two passes)."""
+    return TOKENS if dtype in ("F16", "BF16") else 2 * TOKENS
+
+
+def shape(dtype, rows, multiprocessors):
+    """(tiles, split, unroll) of an mma_vec over `rows` rows, as measured on the H200 at 8
+    tokens on Llama shapes (docs/benchmarks.md): F16/BF16 one tile a subgroup, the columns
+    split over all 8 subgroups, two groups a round; block quants two tiles, split while the
+    launch has fewer than 1.5 workgroups a multiprocessor (more splits were slower on the
+    28,672-row gate/up: 1,340 GB/s at 2, 1,090 at 4)."""
+    if dtype in ("F16", "BF16"):
+        return 1, 8, 2
+    split = 1
+    while split < WORKGROUP // SUBGROUP and grid(rows, 1, 2, split)[0] < 1.5 * multiprocessors:
+        split *= 2
+    return 2, split, 2
+
+
+@cache
+def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1, split=1,
+            unroll=1):
+    """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split). Buffers and scalars as
+    matmul.matvec's of the same variant."""
+    if dtype not in DTYPES:
+        raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
+    if residual and (outputs > 1 or swiglu):
+        raise ValueError("mma_vec: a residual is added to one plain output only")
+    if swiglu and outputs > 1:
+        raise ValueError("mma_vec: swiglu writes one output")
+    n_sub = WORKGROUP // SUBGROUP
+    if n_sub % split:
+        raise ValueError(f"mma_vec: split {split} does not divide {n_sub} subgroups")
+    operand = mma_operand(dtype)
+    quant = dtype not in ("F16", "BF16")
+    matrices = ("gate", "up") if swiglu else ("w",)
+    name = f"mma_vec_{dtype.lower()}_u{unroll}" + f"_r{tiles}" * (tiles > 1)
+    name += f"_k{split}" * (split > 1)
+    name += "_norm" * norm + f"_split{outputs}" * (outputs > 1) + "_swiglu" * swiglu
+    name += "_residual" * residual
+    k = KernelBuilder(name, (WORKGROUP,))
+    planes = ("scales", "quants") if quant else ("values",)
+    bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in planes} for m in matrices]
+    x = k.buffer("x", F32)
+    gain = k.buffer("norm", F32) if norm else None
+    ys = [k.buffer("y" if outputs == 1 else f"y{i}", F32, "w") for i in range(outputs)]
+    res = k.buffer("residual", F32) if residual else None
+    rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
+    splits = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
+    eps = k.scalar("eps", F32) if norm else None
+
+    sub, lane = k.subgroup_id(), k.lane_id()
+    g, q = lane >> 2, lane & 3
+    slots = n_sub // split
+    slot, part = (sub / split, sub % split) if split > 1 else (sub, 0)
+    first = (k.block_id(0) * slots + slot) * (16 * tiles)
+    t0 = k.block_id(1) * TOKENS
+    # lanes of tokens past the step read the last token's x (same cache lines, nothing stored)
+    x_row = k.min(t0 + g, n_tokens - 1) * cols
+    # rows past the end read the last row again and store nothing
+    my_rows = [[k.min(first + 16 * r + 8 * h + g, rows - 1) for h in range(2)]
+               for r in range(tiles)]
+    acc = [[[k.var(F32, 0.0) for _ in range(4)] for _ in range(tiles)] for _ in matrices]
+    square = k.var(F32, 0.0) if norm else None
+    unit = 32 if quant else 8
+    n_units = cols / unit
+    word_rows = {p: reader(dtype).row_words(p, cols) for p in planes}
+
+    def pieces(G, check):
+        """Lane q's loads of column group G: [(units' weight words by matrix and tile and
+        half, scale and low words or None, x run positions, valid)] a piece (or a block of 4
+        or 2 pieces for quants)."""
+        out = []
+        units = [G * 4 + q] if quant else [G * 16 + 4 * i + q for i in range(4)]
+        for u in units:
+            valid = u < n_units if check else None
+            u = k.select(valid, u, 0) if check else u
+            words, scales = [], []
+            for buf in bufs:
+                w_m, s_m = [], []
+                for r in range(tiles):
+                    w_r, s_r = [], []
+                    for row in my_rows[r]:
+                        if dtype == "Q8_0":
+                            base = row * word_rows["quants"] + u * 8
+                            w_r.append(buf["quants"].load(base, 4) + buf["quants"].load(base + 4, 4))
+                        elif quant:
+                            w_r.append(buf["quants"].load(row * word_rows["quants"] + u * 4, 4))
+                        else:
+                            w_r.append(buf["values"].load(row * word_rows["values"] + u * 4, 4))
+                        if quant:
+                            at = u if dtype == "Q4_1" else u >> 1
+                            s_r.append(buf["scales"][row * word_rows["scales"] + at])
+                    w_m.append(w_r)
+                    s_m.append(s_r)
+                words.append(w_m)
+                scales.append(s_m)
+            out.append((u, words, scales, valid))
+        return out
+
+    def x_runs(u):
+        """Column offsets of the 4-value x runs of a unit's pieces, two a piece, in piece
+        order, and how each run pairs into B words: quant words pair values 0-2 and 1-3,
+        float words 0-1 and 2-3."""
+        if dtype == "Q8_0":
+            return [u * 32 + 4 * i for i in range(8)]
+        if quant:          # piece i: low nibbles (values 4i..) then high nibbles (16 + 4i..)
+            return [u * 32 + off for i in range(4) for off in (4 * i, 16 + 4 * i)]
+        return [u * 8, u * 8 + 4]
+
+    def b_words(run):
+        a, b, c, d = run
+        if quant:
+            return _pack(k, operand, a, c), _pack(k, operand, b, d)
+        return _pack(k, operand, a, b), _pack(k, operand, c, d)
+
+    def splat(word, high):
+        """The f16 half of a word in both halves."""
+        half = word >> 16 if high else word & 0xFFFF
+        return half | (half << 16)
+
+    def a_pairs(words, scale_word, u):
+        """A unit's f16 pairs, 2 a step, in step order, from its weight words (decoded and
+        scaled for quants)."""
+        if not quant:
+            return list(words)
+        if dtype == "Q4_1":
+            d, low = splat(scale_word, False), splat(scale_word, True)
+        else:
+            d = k.select((u & 1).eq(0), splat(scale_word, False), splat(scale_word, True))
+        if dtype == "Q8_0":
+            raw = [((w >> s) & 0x00FF00FF) ^ 0x00800080 for w in words for s in (0, 8)]
+        else:              # word i: low nibbles of bytes 0, 2 and 1, 3, then the high ones
+            raw = [(w >> s) & 0x000F000F for w in words for s in (0, 8, 4, 12)]
+        pairs = []
+        for bits in raw:
+            value = k.half2("sub", bits | EXPONENT, OFFSET[dtype])
+            pairs.append(k.half2("fma", value, d, low) if dtype == "Q4_1"
+                         else k.half2("mul", value, d))
+        return pairs
+
+    def accumulate(groups, check):
+        loaded = [piece for G in groups for piece in pieces(G, check)]
+        runs = []               # x (and gain) loads before any arithmetic
+        for u, _, _, valid in loaded:
+            for off in x_runs(u):
+                xs = x.load(x_row + off, 4)
+                if check:        # a missing unit (its loads clamped to unit 0) weighs zero
+                    xs = [k.select(valid, v, 0.0) for v in xs]
+                gs = gain.load(off, 4) if norm else None
+                runs.append((xs, gs))
+        totals = [[[a.get() for a in tile] for tile in m] for m in acc]
+        sq = square.get() if norm else None
+        b_all = []
+        for xs, gs in runs:
+            if norm:
+                for v in xs:
+                    sq = k.fma(v, v, sq)
+                xs = [v * gv for v, gv in zip(xs, gs)]
+            b_all += list(b_words(xs))
+        steps = []              # per step: its B words, and per matrix and tile its A words
+        for u, words, scales, _ in loaded:
+            per_mt = [[[a_pairs(words[m][r][h], scales[m][r][h] if quant else None, u)
+                        for h in range(2)] for r in range(tiles)] for m in range(len(matrices))]
+            n_steps = len(per_mt[0][0][0]) // 2
+            for s in range(n_steps):
+                b = b_all[len(steps) * 2:len(steps) * 2 + 2]
+                a = [[[per_mt[m][r][0][2 * s], per_mt[m][r][1][2 * s],
+                       per_mt[m][r][0][2 * s + 1], per_mt[m][r][1][2 * s + 1]]
+                      for r in range(tiles)] for m in range(len(matrices))]
+                steps.append((b, a))
+        for b, a in steps:
+            for m in range(len(matrices)):
+                for r in range(tiles):
+                    totals[m][r] = list(k.mma(operand, a[m][r], b, totals[m][r]))
+        for m in range(len(matrices)):
+            for r in range(tiles):
+                for var, total in zip(acc[m][r], totals[m][r]):
+                    var.set(total)
+        if norm:
+            square.set(sq)
+
+    # rounds of `unroll` consecutive groups (one run of each row, loads before arithmetic),
+    # every split-th round to a subgroup; the groups left, one at a time; then a part group
+    n_groups = cols / GROUP
+    rounds = n_groups / unroll
+    with k.for_(part, rounds, split) as i:
+        accumulate([i * unroll + u for u in range(unroll)], False)
+    if unroll > 1:
+        with k.for_(rounds * unroll + part, n_groups, split) as G:
+            accumulate([G], False)
+    last = (cols % GROUP).ne(0)
+    with k.if_(last & part.eq(0) if split > 1 else last):
+        accumulate([n_groups], True)
+
+    # each lane: 4 sums a matrix and tile (D: row g + 8 (j // 2), token 2q + j % 2), and its
+    # token's partial sum of squares
+    values = [v.get() for m in acc for tile in m for v in tile]
+    if norm:
+        sq = square.get()
+        sq = sq + k.shuffle_xor(sq, 1)
+        values.append(sq + k.shuffle_xor(sq, 2))
+    if split > 1:
+        shared = k.shared("sums", F32, n_sub * len(values) * SUBGROUP)
+        for i, v in enumerate(values):
+            shared[(sub * len(values) + i) * SUBGROUP + lane] = v
+        k.barrier()
+        base = (sub - part) * len(values)
+        values = [shared[(base + i) * SUBGROUP + lane] for i in range(len(values))]
+        for p in range(1, split):
+            values = [v + shared[((base + p * len(values)) + i) * SUBGROUP + lane]
+                      for i, v in enumerate(values)]
+    scales = None
+    if norm:
+        sq = values.pop()
+        scales = [k.rsqrt(k.shuffle(sq, (2 * q + e) * 4) / cols.to(F32) + eps) for e in range(2)]
+    it = iter(values)
+    sums = [[[next(it) for _ in range(4)] for _ in range(tiles)] for _ in matrices]
+    bounds = [None, *splits, rows]
+    ours = part.eq(0) if split > 1 else None
+    for r in range(tiles):
+        for j in range(4):
+            row = first + 16 * r + g + 8 * (j >> 1)
+            token = t0 + 2 * q + (j & 1)
+            got = [sums[m][r][j] * scales[j & 1] if norm else sums[m][r][j]
+                   for m in range(len(matrices))]
+            if swiglu:
+                gate, up = got
+                value = gate / (1.0 + k.exp(-gate)) * up
+            else:
+                value = got[0]
+            inside = (row < rows) & (token < n_tokens)
+            with k.if_(inside & ours if split > 1 else inside):
+                for i, y in enumerate(ys):
+                    if outputs == 1:
+                        at = token * rows + row
+                        y[at] = value + res[at] if residual else value
+                        continue
+                    start, end = bounds[i] or 0, bounds[i + 1]
+                    within = row < end if i == 0 else (row >= start) & (row < end)
+                    with k.if_(within):
+                        y[token * (end - start) + row - start] = value
+    return k.build()

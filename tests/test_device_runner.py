@@ -7,8 +7,7 @@ import poot
 from poot.backends.select import open_device
 from poot.codegen.ptx import PTX_CAPS
 from poot.engine import device_runner
-from poot.engine.device_runner import (MMA_MIN_TOKENS, MMA_VEC_MIN_TOKENS, MULTIPROCESSORS,
-                                       Allocation, DeviceRunner)
+from poot.engine.device_runner import MMA_MIN_TOKENS, MULTIPROCESSORS, Allocation, DeviceRunner
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.engine.sampling import choose, uniform
 from poot.errors import BackendUnavailable
@@ -307,19 +306,19 @@ class LaunchLog:
 
 
 @pytest.mark.parametrize("multiprocessors", [132, None, 1])
-@pytest.mark.parametrize("dtype", ["Q4_K", "Q4_0"])
+@pytest.mark.parametrize("dtype", ["Q4_K", "F32"])
 def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_path,
                                                                           multiprocessors, dtype):
     """On the host, every step length 1..max_tokens: each launch is of a kernel the runner
     builds, with its parameters' count of arguments; matmuls of MMA_MIN_TOKENS or more run
-    mma_tiled (Q4_K, which mma_vec does not decode), or from 2 to 16 tokens mma_vec and past
-    them mma_tiled (Q4_0), split where the tiles give fewer workgroups than multiprocessors
+    mma_tiled (F32, which mma_vec does not decode), or up to 16 tokens mma_vec and past them
+    mma_tiled (Q4_K), split where the tiles give fewer workgroups than multiprocessors
     (always in this small model, never with one multiprocessor); split ones write within
     mma_partials, which is as large as the largest needs."""
-    model = poot.load(tiny_model(tmp_path, dtype=dtype))         # rows and cols 256, 512
+    model = poot.load(tiny_model(tmp_path, dtype=dtype, shape="tiny-k"))   # rows, cols 256, 512
     log = LaunchLog(multiprocessors=multiprocessors)
     runner = DeviceRunner(model, log, num_blocks=16, max_tokens=200, max_seqs=16)
-    least = MMA_MIN_TOKENS if dtype == "Q4_K" else 17
+    least = MMA_MIN_TOKENS if dtype == "F32" else 17
     assert runner.mma_min_tokens == least
     runner.programs = {k.name: k for k in runner._kernels()}
     runner.buffers = {a.name: a for a in runner.allocations()}
@@ -336,7 +335,7 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
             n = args[[p.name for p in kernel.params].index("n_tokens")]
             assert kernel.name.startswith("mma_tiled") == (n >= least), kernel.name
             assert kernel.name.startswith("mma_vec") == (
-                dtype == "Q4_0" and MMA_VEC_MIN_TOKENS <= n < least), kernel.name
+                dtype == "Q4_K" and n < least), kernel.name
             if kernel.name.startswith("mma_tiled"):
                 matrix.add(split)
             if split:

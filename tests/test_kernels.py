@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from poot.errors import BackendUnavailable
-from poot.formats.quants import dequantize, quantize
+from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
 from poot.kernels import matmul, mma_vec, ops
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
@@ -368,8 +368,8 @@ def test_mma_vec(cuda_device, dtype, variant, n_tokens, rows, cols):
     """Every fused variant, as matvec's (the same arguments), against numpy with mma_tiled's
     error bounds (check_mma): x (normalised x for norm) and decoded quant weights rounded once
     to the operand type, f32 sums; swiglu, whose silu moves the bounds, in relative norm."""
-    if dtype in ("F16", "BF16") and cols % 8 or dtype not in ("F16", "BF16") and cols % 32:
-        pytest.skip(f"{dtype} rows are whole units")
+    if cols % QUANTS[dtype].block_elems:
+        pytest.skip(f"{dtype} rows are whole blocks of {QUANTS[dtype].block_elems}")
     eps, norm = 1e-5, variant.get("norm", False)
     matrices = 2 if variant.get("swiglu") else 1
     weights = [weight(dtype, rows, cols) for _ in range(matrices)]

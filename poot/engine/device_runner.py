@@ -63,7 +63,6 @@ def matvec_rows(dtype, group, matrices=1):
 # from two tokens on, 8B Q4_0 at 2, 4 and 8 tokens 96, 107, 106 tok/s against the split
 # mma_tiled's 183, 363, 715; mma_vec reads a matrix in about the same time for 1 to 8 tokens.
 MMA_MIN_TOKENS = 2
-MMA_VEC_MIN_TOKENS = 2
 MULTIPROCESSORS = 132           # an H100's or H200's, for a device that does not say its own
 SHARES_INPUT = ("reshape", "rope", "rope_store_kv")   # run in place
 # a tensor group reduces messages this long in two phases (reduce-scatter, then all-gather):
@@ -934,10 +933,10 @@ class DeviceRunner(StepRunner):
 
     def _matvec(self, w, group, variant):
         """(kernel, grid of n tokens) of weight w's matvec (its variant) for a token group:
-        from MMA_VEC_MIN_TOKENS on a device that runs it, mma_vec (mma_vec.shape); else
+        from mma_vec.least_tokens on a device that runs it, mma_vec (mma_vec.shape); else
         matmul.matvec, its rows a subgroup (matvec_rows), its subgroups a row (matvec_split)."""
         rows = w.shape[0]
-        if group >= MMA_VEC_MIN_TOKENS and self._mma_vec_runs(w.dtype):
+        if group >= mma_vec.least_tokens(w.dtype) and self._mma_vec_runs(w.dtype):
             tiles, split, unroll = mma_vec.shape(w.dtype, rows, self._multiprocessors())
             kernel = mma_vec.mma_vec(w.dtype, tiles=tiles, split=split, unroll=unroll,
                                      **variant)

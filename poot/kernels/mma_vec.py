@@ -20,7 +20,8 @@ units 16G + 4i + q. Each load gives a "piece" of 8 values = 2 mma steps (4 slots
 the order that turns them into f16 pairs with the fewest operations: a quant word's nibbles or
 bytes 0 and 2, then 1 and 3, OR-ed under the f16 exponent of 1024 (0x6400), so the pair holds
 1024 + q exactly; one f16x2 subtraction takes off 1024 and the bias, one multiplication applies
-the block's scale (rounded once to f16: mma_tiled's rounding of decoded weights). x takes the
+the block's scale (rounded once to f16: mma_tiled's rounding of decoded weights). Q4_1 and
+Q4_K, whose value q * d + low can cancel, are made in f32 and rounded once. x takes the
 same order: f32 loads of its 4-value runs, each pair rounded to f16 (bf16 for BF16 weights).
 
 Sums are f32 (the mma accumulators). With `split` > 1 that many subgroups of the workgroup
@@ -32,16 +33,16 @@ from functools import cache
 
 from .lang import BF16, F16, F32, I32, U32, KernelBuilder
 from .matmul import WORKGROUP, _pack, mma_operand
-from .quant import reader
+from .quant import _small_int, reader
 
 GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
 TOKENS = 8                       # the mma's n: tokens of one launch along grid y
-DTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+DTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 SUBGROUP = 32
 EXPONENT = 0x64006400            # two f16 1024s: OR-ed over bits below 1024, 1024 + those bits
 # f16x2 words subtracted from 1024 + bits: 1024 + the format's bias (Q8_0's bytes have their
 # sign bit flipped first, so they are 128 above the signed value)
-OFFSET = {"Q4_0": 0x64086408, "Q4_1": 0x64006400, "Q8_0": 0x64806480}
+OFFSET = {"Q4_0": 0x64086408, "Q8_0": 0x64806480, "Q6_K": 0x64206420}
 
 
 def supported(dtype):
@@ -52,6 +53,16 @@ def grid(rows, n_tokens, tiles=1, split=1):
     """The grid of an mma_vec launch over `rows` rows and n_tokens tokens."""
     per_group = WORKGROUP // SUBGROUP // split * 16 * tiles
     return (-(-rows // per_group), -(-n_tokens // TOKENS))
+
+
+def least_tokens(dtype):
+    """The shortest step a device that runs mma_vec should give it rather than matmul.matvec,
+    as measured on the H200 (docs/benchmarks.md): one token for Q4_0, Q8_0 and the K quants
+    (at one token, GB/s on the 28,672 x 4,096 gate/up: Q4_0 1,939 against matvec's 1,785, Q8_0
+    3,042 against 2,614, Q4_K 1,296 against 529, Q6_K 1,498 against 667; 8B Q4_0 decode 229.5
+    -> 279.3 tok/s, Q4_K 100.1 -> 226.9), two for F16, BF16 and Q4_1, whose one-token matvec
+    is ahead (F16 4,221 against 2,833, Q4_1 1,961 against 1,541)."""
+    return 2 if dtype in ("F16", "BF16", "Q4_1") else 1
 
 
 def most_tokens(dtype):
@@ -68,13 +79,23 @@ def shape(dtype, rows, multiprocessors):
     tokens on Llama shapes (docs/benchmarks.md): F16/BF16 one tile a subgroup, the columns
     split over all 8 subgroups, two groups a round; block quants two tiles, split while the
     launch has fewer than 1.5 workgroups a multiprocessor (more splits were slower on the
-    28,672-row gate/up: 1,340 GB/s at 2, 1,090 at 4)."""
+    28,672-row gate/up of Q4_0: 1,340 GB/s at 2, 1,090 at 4); Q4_1, Q4_K and Q6_K one tile."""
     if dtype in ("F16", "BF16"):
         return 1, 8, 2
+    # one tile where a unit's decoding takes the registers (Q6_K's 18 words a unit and row;
+    # Q4_1 and Q4_K decode in f32)
+    tiles = 1 if dtype in ("Q4_1", "Q4_K", "Q6_K") else 2
     split = 1
-    while split < WORKGROUP // SUBGROUP and grid(rows, 1, 2, split)[0] < 1.5 * multiprocessors:
+    while split < WORKGROUP // SUBGROUP and grid(rows, 1, tiles, split)[0] < 1.5 * multiprocessors:
         split *= 2
-    return 2, split, 2
+    return tiles, split, 2
+
+
+def _load(buffer, index, n):
+    """n consecutive u32 words from index (a multiple of 4 for n of 4 or more), in wide loads."""
+    if n == 1:
+        return [buffer[index]]
+    return [w for i in range(0, n, 4) for w in buffer.load(index + i, 4)]
 
 
 @cache
@@ -99,7 +120,7 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     name += "_norm" * norm + f"_split{outputs}" * (outputs > 1) + "_swiglu" * swiglu
     name += "_residual" * residual
     k = KernelBuilder(name, (WORKGROUP,))
-    planes = ("scales", "quants") if quant else ("values",)
+    planes = reader(dtype).plane_names
     bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in planes} for m in matrices]
     x = k.buffer("x", F32)
     gain = k.buffer("norm", F32) if norm else None
@@ -126,45 +147,43 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     n_units = cols / unit
     word_rows = {p: reader(dtype).row_words(p, cols) for p in planes}
 
+    def unit_loads(buf, row, u):
+        """The words of unit u of a row: (weight words, the words its scales come from)."""
+        at = lambda plane, first, n: _load(buf[plane], row * word_rows[plane] + first, n)  # noqa
+        if dtype in ("F16", "BF16"):
+            return at("values", u * 4, 4), []
+        if dtype == "Q8_0":
+            return at("quants", u * 8, 8), at("scales", u >> 1, 1)
+        if dtype in ("Q4_0", "Q4_1"):
+            return at("quants", u * 4, 4), at("scales", u if dtype == "Q4_1" else u >> 1, 1)
+        if dtype == "Q4_K":      # unit u: half u & 1 of sub-block pair (u >> 1) & 3
+            return at("quants", u * 4, 4), at("head", (u >> 3) * 4, 4)
+        b, h, g_ = u >> 3, (u >> 2) & 1, u & 3    # Q6_K: super-block, half, value group
+        words = at("ql", b * 32 + h * 16 + (g_ & 1) * 8, 8) + at("qh", b * 16 + h * 8, 8)
+        return words, at("scales", b * 4 + h * 2 + (g_ >> 1), 1) + at("d", b >> 1, 1)
+
     def pieces(G, check):
-        """Lane q's loads of column group G: [(units' weight words by matrix and tile and
-        half, scale and low words or None, x run positions, valid)] a piece (or a block of 4
-        or 2 pieces for quants)."""
+        """Lane q's loads of column group G, unit by unit: (unit, words and scale words by
+        matrix, tile and half, valid)."""
         out = []
         units = [G * 4 + q] if quant else [G * 16 + 4 * i + q for i in range(4)]
         for u in units:
             valid = u < n_units if check else None
             u = k.select(valid, u, 0) if check else u
-            words, scales = [], []
-            for buf in bufs:
-                w_m, s_m = [], []
-                for r in range(tiles):
-                    w_r, s_r = [], []
-                    for row in my_rows[r]:
-                        if dtype == "Q8_0":
-                            base = row * word_rows["quants"] + u * 8
-                            w_r.append(buf["quants"].load(base, 4) + buf["quants"].load(base + 4, 4))
-                        elif quant:
-                            w_r.append(buf["quants"].load(row * word_rows["quants"] + u * 4, 4))
-                        else:
-                            w_r.append(buf["values"].load(row * word_rows["values"] + u * 4, 4))
-                        if quant:
-                            at = u if dtype == "Q4_1" else u >> 1
-                            s_r.append(buf["scales"][row * word_rows["scales"] + at])
-                    w_m.append(w_r)
-                    s_m.append(s_r)
-                words.append(w_m)
-                scales.append(s_m)
-            out.append((u, words, scales, valid))
+            loads = [[[unit_loads(buf, row, u) for row in my_rows[r]] for r in range(tiles)]
+                     for buf in bufs]
+            out.append((u, loads, valid))
         return out
 
     def x_runs(u):
-        """Column offsets of the 4-value x runs of a unit's pieces, two a piece, in piece
-        order, and how each run pairs into B words: quant words pair values 0-2 and 1-3,
-        float words 0-1 and 2-3."""
-        if dtype == "Q8_0":
+        """Column offsets of the 4-value x runs of a unit, one a step, in step order; quant
+        words pair values 0-2 and 1-3 (b_words), float words 0-1 and 2-3."""
+        if dtype in ("Q8_0", "Q6_K"):
             return [u * 32 + 4 * i for i in range(8)]
-        if quant:          # piece i: low nibbles (values 4i..) then high nibbles (16 + 4i..)
+        if dtype == "Q4_K":      # low nibbles: values of sub-block 2p; high: of 2p + 1
+            base = (u >> 3) * 256 + ((u >> 1) & 3) * 64 + (u & 1) * 16
+            return [base + off for i in range(4) for off in (4 * i, 32 + 4 * i)]
+        if quant:                # low nibbles: values 4i.., high: 16 + 4i..
             return [u * 32 + off for i in range(4) for off in (4 * i, 16 + 4 * i)]
         return [u * 8, u * 8 + 4]
 
@@ -179,30 +198,80 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
         half = word >> 16 if high else word & 0xFFFF
         return half | (half << 16)
 
-    def a_pairs(words, scale_word, u):
-        """A unit's f16 pairs, 2 a step, in step order, from its weight words (decoded and
-        scaled for quants)."""
+    def f16_splat(value):
+        return k.pack_half2(value, value)
+
+    def a_pairs(loads, u):
+        """A unit's f16 pairs, 2 a step, in step order, from its words (decoded and scaled for
+        quants): 1024 + q under the f16 exponent, less OFFSET, times the scale (plus the low
+        or minus the minimum)."""
+        words, scale_words = loads
         if not quant:
             return list(words)
-        if dtype == "Q4_1":
-            d, low = splat(scale_word, False), splat(scale_word, True)
-        else:
-            d = k.select((u & 1).eq(0), splat(scale_word, False), splat(scale_word, True))
+        if dtype == "Q6_K":
+            return q6_k_pairs(words, scale_words, u)
+        nibbles = (0, 8, 4, 12)  # word i: low nibbles of bytes 0, 2 and 1, 3, then the high ones
+        if dtype in ("Q4_1", "Q4_K"):
+            # q * d + low cancels where the low is near -q * d: rounding d and low to f16
+            # apart would cost their error on the larger terms, so the value is made in f32
+            # and rounded once
+            if dtype == "Q4_1":
+                d, low = k.unpack_half2(scale_words[0])
+                d, low = (d, d), (low, low)
+            else:
+                d, low = q4_k_scales(scale_words, (u >> 1) & 3)
+            return [k.pack_half2(*[k.fma(_small_int(w >> (s + half), 0xF, 0), d[s % 8 == 4],
+                                         low[s % 8 == 4]) for half in (0, 16)])
+                    for w in words for s in nibbles]
         if dtype == "Q8_0":
             raw = [((w >> s) & 0x00FF00FF) ^ 0x00800080 for w in words for s in (0, 8)]
-        else:              # word i: low nibbles of bytes 0, 2 and 1, 3, then the high ones
-            raw = [(w >> s) & 0x000F000F for w in words for s in (0, 8, 4, 12)]
+        else:
+            raw = [(w >> s) & 0x000F000F for w in words for s in nibbles]
+        values = [k.half2("sub", bits | EXPONENT, OFFSET[dtype]) for bits in raw]
+        d = k.select((u & 1).eq(0), splat(scale_words[0], False), splat(scale_words[0], True))
+        return [k.half2("mul", v, d) for v in values]
+
+    def q4_k_scales(head, p):
+        """(d * sc, -dmin * m) in f32 of sub-blocks 2p and 2p + 1, from the head words (d and
+        dmin, then 12 bytes of 6-bit scales and minima: quant.py's _q4_k)."""
+        d, dmin = k.unpack_half2(head[0])
+        scales, lows = [], []
+        for j in (2 * p, 2 * p + 1):
+            shift = (j & 3) * 8
+            a, b, c = [(w >> shift) & 0xFF for w in head[1:]]   # bytes j%4, 4 + j%4, 8 + j%4
+            first = (j >> 2).eq(0)                              # j < 4
+            sc = k.select(first, a & 63, (c & 0xF) | ((a >> 6) << 4))
+            m = k.select(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+            scales.append(d * sc.to(F32))
+            lows.append(-(dmin * m.to(F32)))
+        return scales, lows
+
+    def q6_k_pairs(words, scale_words, u):
+        """Q6_K: 4 low bits from ql, 2 high from qh, x = d * sc * (q - 32), an int8 scale for
+        each 16 values (quant.py's _q6_k); word i of ql and of qh hold values 4i.. ."""
+        b, h, g_ = u >> 3, (u >> 2) & 1, u & 3
+        ql, qh = words[:8], words[8:]
+        low_shift, high_shift = (g_ >> 1) * 4, g_ * 2
+        pair = k.unpack_half2(scale_words[1])
+        d = k.select((b & 1).eq(0), pair[0], pair[1])
+        scales = []
+        for part in range(2):                        # values 0..15 and 16..31 of the unit
+            index = h * 8 + g_ * 2 + part
+            sc = ((scale_words[0].bitcast(I32) << (24 - 8 * (index & 3))) >> 24).to(F32)
+            scales.append(f16_splat(sc * d))
         pairs = []
-        for bits in raw:
-            value = k.half2("sub", bits | EXPONENT, OFFSET[dtype])
-            pairs.append(k.half2("fma", value, d, low) if dtype == "Q4_1"
-                         else k.half2("mul", value, d))
+        for i in range(8):
+            for s in (0, 8):
+                bits = ((ql[i] >> (low_shift + s)) & 0x000F000F) | \
+                    (((qh[i] >> (high_shift + s)) & 0x00030003) << 4)
+                value = k.half2("sub", bits | EXPONENT, OFFSET[dtype])
+                pairs.append(k.half2("mul", value, scales[i // 4]))
         return pairs
 
     def accumulate(groups, check):
         loaded = [piece for G in groups for piece in pieces(G, check)]
         runs = []               # x (and gain) loads before any arithmetic
-        for u, _, _, valid in loaded:
+        for u, _, valid in loaded:
             for off in x_runs(u):
                 xs = x.load(x_row + off, 4)
                 if check:        # a missing unit (its loads clamped to unit 0) weighs zero
@@ -219,9 +288,9 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
                 xs = [v * gv for v, gv in zip(xs, gs)]
             b_all += list(b_words(xs))
         steps = []              # per step: its B words, and per matrix and tile its A words
-        for u, words, scales, _ in loaded:
-            per_mt = [[[a_pairs(words[m][r][h], scales[m][r][h] if quant else None, u)
-                        for h in range(2)] for r in range(tiles)] for m in range(len(matrices))]
+        for u, loads, _ in loaded:
+            per_mt = [[[a_pairs(loads[m][r][h], u) for h in range(2)] for r in range(tiles)]
+                      for m in range(len(matrices))]
             n_steps = len(per_mt[0][0][0]) // 2
             for s in range(n_steps):
                 b = b_all[len(steps) * 2:len(steps) * 2 + 2]

@@ -59,9 +59,11 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     tiled = [matmul.mma_tiled(d, residual, tokens, split) for d in dtypes
              for tokens in matmul.MMA_TOKEN_TILES
              for split, residual in ((False, False), (False, True), (True, False))]
-    vec = [mma_vec.mma_vec(d, tiles=tiles, split=split, unroll=unroll, **v)
+    vec = [mma_vec.mma_vec(d, tiles=tiles, split=split, unroll=unroll, pipeline=pipeline, **v)
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
-           for tiles, split, unroll in {mma_vec.shape(d, rows, 132) for rows in (4096, 28672)}]
+           for tiles, split, unroll, pipeline in {mma_vec.shape(d, rows, cols, 132)
+                                                  for rows, cols in ((4096, 14336), (28672, 4096),
+                                                                     (2048, 2048))}]
     return tiled + vec
 
 

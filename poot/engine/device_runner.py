@@ -937,9 +937,10 @@ class DeviceRunner(StepRunner):
         matmul.matvec, its rows a subgroup (matvec_rows), its subgroups a row (matvec_split)."""
         rows = w.shape[0]
         if group >= mma_vec.least_tokens(w.dtype) and self._mma_vec_runs(w.dtype):
-            tiles, split, unroll = mma_vec.shape(w.dtype, rows, self._multiprocessors())
+            tiles, split, unroll, pipeline = mma_vec.shape(w.dtype, *w.shape,
+                                                           self._multiprocessors())
             kernel = mma_vec.mma_vec(w.dtype, tiles=tiles, split=split, unroll=unroll,
-                                     **variant)
+                                     pipeline=pipeline, **variant)
             return kernel, lambda n: mma_vec.grid(rows, n, tiles, split)
         sg = self.device.subgroup_size
         matrices = 2 if variant.get("swiglu") else 1

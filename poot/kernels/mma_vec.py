@@ -74,21 +74,45 @@ def most_tokens(dtype):
     return TOKENS if dtype in ("F16", "BF16") else 2 * TOKENS
 
 
-def shape(dtype, rows, multiprocessors):
-    """(tiles, split, unroll) of an mma_vec over `rows` rows, as measured on the H200 at 8
-    tokens on Llama shapes (docs/benchmarks.md): F16/BF16 one tile a subgroup, the columns
-    split over all 8 subgroups, two groups a round; block quants two tiles, split while the
-    launch has fewer than 1.5 workgroups a multiprocessor (more splits were slower on the
-    28,672-row gate/up of Q4_0: 1,340 GB/s at 2, 1,090 at 4); Q4_1, Q4_K and Q6_K one tile."""
+def shape(dtype, rows, cols, multiprocessors):
+    """(tiles, split, unroll, pipeline) of an mma_vec over `rows` rows, as measured on the H200
+    on Llama shapes (docs/benchmarks.md): F16/BF16 one tile a subgroup, the columns split over
+    all 8 subgroups, two groups a round, pipelined (28,672 x 4,096 at one token 2,782 -> 3,572
+    GB/s); block quants two tiles, split while the launch has fewer than 1.5 workgroups a
+    multiprocessor (more splits were slower on the 28,672-row gate/up of Q4_0: 1,340 GB/s at 2,
+    1,090 at 4), pipelined where the launch has fewer workgroups than multiprocessors (Q4_0
+    4,096 x 14,336 1,352 -> 1,604 GB/s; 6,144 x 4,096, 192 workgroups, 1,371 -> 1,224); Q4_1,
+    Q4_K and Q6_K one tile. Pipelined only where a subgroup has two rounds or more: with one
+    (1B F16's 2,048 columns) the prefetch only loads that round again (1B F16 batch 8 6,060 ->
+    5,521 tok/s)."""
+    rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
     if dtype in ("F16", "BF16"):
-        return 1, 8, 2
+        return 1, 8, 2, rounds(8) >= 2
     # one tile where a unit's decoding takes the registers (Q6_K's 18 words a unit and row;
     # Q4_1 and Q4_K decode in f32)
     tiles = 1 if dtype in ("Q4_1", "Q4_K", "Q6_K") else 2
     split = 1
     while split < WORKGROUP // SUBGROUP and grid(rows, 1, tiles, split)[0] < 1.5 * multiprocessors:
         split *= 2
-    return tiles, split, 2
+    return tiles, split, 2, grid(rows, 1, tiles, split)[0] < multiprocessors and rounds(split) >= 2
+
+
+def _flatten(tree):
+    """(the leaves of nested lists, in order; a function that puts new leaves in their place)."""
+    leaves = []
+
+    def walk(node):
+        if isinstance(node, (list, tuple)):
+            return [walk(child) for child in node]
+        leaves.append(node)
+        return len(leaves) - 1
+
+    shape = walk(tree)
+
+    def rebuild(new, node=shape):
+        return [rebuild(new, child) for child in node] if isinstance(node, list) else new[node]
+
+    return leaves, rebuild
 
 
 def _load(buffer, index, n):
@@ -100,7 +124,7 @@ def _load(buffer, index, n):
 
 @cache
 def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1, split=1,
-            unroll=1):
+            unroll=1, pipeline=False):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split). Buffers and scalars as
     matmul.matvec's of the same variant."""
     if dtype not in DTYPES:
@@ -115,7 +139,7 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     operand = mma_operand(dtype)
     quant = dtype not in ("F16", "BF16")
     matrices = ("gate", "up") if swiglu else ("w",)
-    name = f"mma_vec_{dtype.lower()}_u{unroll}" + f"_r{tiles}" * (tiles > 1)
+    name = f"mma_vec_{dtype.lower()}_u{unroll}" + f"_r{tiles}" * (tiles > 1) + "_p" * pipeline
     name += f"_k{split}" * (split > 1)
     name += "_norm" * norm + f"_split{outputs}" * (outputs > 1) + "_swiglu" * swiglu
     name += "_residual" * residual
@@ -162,18 +186,19 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
         words = at("ql", b * 32 + h * 16 + (g_ & 1) * 8, 8) + at("qh", b * 16 + h * 8, 8)
         return words, at("scales", b * 4 + h * 2 + (g_ >> 1), 1) + at("d", b >> 1, 1)
 
-    def pieces(G, check):
-        """Lane q's loads of column group G, unit by unit: (unit, words and scale words by
-        matrix, tile and half, valid)."""
+    def units_of(G, check):
+        """Lane q's units of column group G: [(unit, valid)] (a missing unit of the last,
+        part group clamped to unit 0, valid False)."""
         out = []
-        units = [G * 4 + q] if quant else [G * 16 + 4 * i + q for i in range(4)]
-        for u in units:
+        for u in [G * 4 + q] if quant else [G * 16 + 4 * i + q for i in range(4)]:
             valid = u < n_units if check else None
-            u = k.select(valid, u, 0) if check else u
-            loads = [[[unit_loads(buf, row, u) for row in my_rows[r]] for r in range(tiles)]
-                     for buf in bufs]
-            out.append((u, loads, valid))
+            out.append((k.select(valid, u, 0) if check else u, valid))
         return out
+
+    def weight_loads(units):
+        """Each unit's words and scale words, by matrix, tile and half."""
+        return [[[[unit_loads(buf, row, u) for row in my_rows[r]] for r in range(tiles)]
+                 for buf in bufs] for u, _ in units]
 
     def x_runs(u):
         """Column offsets of the 4-value x runs of a unit, one a step, in step order; quant
@@ -268,8 +293,12 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
                 pairs.append(k.half2("mul", value, scales[i // 4]))
         return pairs
 
-    def accumulate(groups, check):
-        loaded = [piece for G in groups for piece in pieces(G, check)]
+    def accumulate(groups, check, weights=None):
+        """Adds the products of column groups `groups` to acc; `weights`: their weight_loads,
+        made beforehand (pipelined), else loaded here before any arithmetic."""
+        units = [unit for G in groups for unit in units_of(G, check)]
+        weights = weights or weight_loads(units)
+        loaded = [(u, loads, valid) for (u, valid), loads in zip(units, weights)]
         runs = []               # x (and gain) loads before any arithmetic
         for u, _, valid in loaded:
             for off in x_runs(u):
@@ -313,8 +342,24 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     # every split-th round to a subgroup; the groups left, one at a time; then a part group
     n_groups = cols / GROUP
     rounds = n_groups / unroll
-    with k.for_(part, rounds, split) as i:
-        accumulate([i * unroll + u for u in range(unroll)], False)
+    round_groups = lambda i: [i * unroll + u for u in range(unroll)]  # noqa: E731
+    if pipeline:
+        # the next round's weights are loaded before this round's arithmetic, into
+        # registers carried round to round (the last round loads its own again)
+        with k.if_(part < rounds):
+            words, rebuild = _flatten(weight_loads(
+                [unit for G in round_groups(part) for unit in units_of(G, False)]))
+            carried = [k.var(U32, w) for w in words]
+            with k.for_(part, rounds, split) as i:
+                ahead = k.min(i + split, rounds - 1)
+                following, _ = _flatten(weight_loads(
+                    [unit for G in round_groups(ahead) for unit in units_of(G, False)]))
+                accumulate(round_groups(i), False, rebuild([v.get() for v in carried]))
+                for var, word in zip(carried, following):
+                    var.set(word)
+    else:
+        with k.for_(part, rounds, split) as i:
+            accumulate(round_groups(i), False)
     if unroll > 1:
         with k.for_(rounds * unroll + part, n_groups, split) as G:
             accumulate([G], False)

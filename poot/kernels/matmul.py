@@ -59,27 +59,14 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
     - `swiglu`: two matrices of the same shape, planes gate_* then up_*; a subgroup takes rows
       m.. of both and y[t, m] = silu(gate . x) * (up . x).
     """
-    if residual and (outputs > 1 or swiglu):
-        raise ValueError("matvec: a residual is added to one plain output only")
-    if swiglu and outputs > 1:
-        raise ValueError("matvec: swiglu writes one output")
     r = reader(dtype)
     matrices = ("gate", "up") if swiglu else ("w",)
     unroll = unroll or matvec_unroll(dtype, len(matrices) * rows_per)
     name = f"matvec_{dtype.lower()}_t{tokens}_u{unroll}_s{subgroup_size}"
     name += f"_r{rows_per}" * (rows_per > 1) + f"_k{split}" * (split > 1)
-    name += "_norm" * norm + f"_split{outputs}" * (outputs > 1) + "_swiglu" * swiglu
-    name += "_residual" * residual
-    k = KernelBuilder(name, (WORKGROUP,))
-    bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in r.plane_names} for m in matrices]
-    x = k.buffer("x", F32)
-    gain = k.buffer("norm", F32) if norm else None
-    ys = [k.buffer("y" if outputs == 1 else f"y{i}", F32, "w") for i in range(outputs)]
-    res = k.buffer("residual", F32) if residual else None
-
-    rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
-    splits = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
-    eps = k.scalar("eps", F32) if norm else None
+    k = KernelBuilder(name + variant_name(residual, norm, outputs, swiglu), (WORKGROUP,))
+    bufs, x, gain, ys, res, rows, cols, n_tokens, splits, eps = matvec_params(
+        k, dtype, residual, norm, outputs, swiglu)
     n_sub = WORKGROUP // subgroup_size
     if n_sub % split:
         raise ValueError(f"matvec: split {split} does not divide {n_sub} subgroups")
@@ -203,6 +190,32 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
                     with k.if_(inside):
                         y[(t0 + t) * (end - start) + row - start] = value
     return k.build()
+
+
+def variant_name(residual, norm, outputs, swiglu):
+    """The name suffix of a matvec variant (mma_vec's too), once checked."""
+    if residual and (outputs > 1 or swiglu):
+        raise ValueError("matvec: a residual is added to one plain output only")
+    if swiglu and outputs > 1:
+        raise ValueError("matvec: swiglu writes one output")
+    return "_norm" * norm + f"_split{outputs}" * (outputs > 1) + "_swiglu" * swiglu + \
+        "_residual" * residual
+
+
+def matvec_params(k, dtype, residual, norm, outputs, swiglu):
+    """A matvec variant's parameters, declared on k in their order (mma_vec takes the same):
+    (W's planes by matrix, x, norm gain, outputs, residual, rows, cols, n_tokens, splits, eps),
+    None where the variant has none."""
+    matrices = ("gate", "up") if swiglu else ("w",)
+    bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in reader(dtype).plane_names} for m in matrices]
+    x = k.buffer("x", F32)
+    gain = k.buffer("norm", F32) if norm else None
+    ys = [k.buffer("y" if outputs == 1 else f"y{i}", F32, "w") for i in range(outputs)]
+    res = k.buffer("residual", F32) if residual else None
+    rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
+    splits = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
+    eps = k.scalar("eps", F32) if norm else None
+    return bufs, x, gain, ys, res, rows, cols, n_tokens, splits, eps
 
 
 def matvec_grid(rows, n_tokens, subgroup_size, tokens=1, rows_per=1, split=1):

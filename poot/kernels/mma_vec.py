@@ -31,8 +31,8 @@ quants, 8 for floats): the last group's missing units weigh zero.
 """
 from functools import cache
 
-from .lang import BF16, F16, F32, I32, U32, KernelBuilder
-from .matmul import WORKGROUP, _pack, mma_operand
+from .lang import F32, I32, U32, KernelBuilder
+from .matmul import WORKGROUP, _pack, matvec_params, mma_operand, variant_name
 from .quant import _small_int, reader
 
 GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
@@ -129,10 +129,6 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     matmul.matvec's of the same variant."""
     if dtype not in DTYPES:
         raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
-    if residual and (outputs > 1 or swiglu):
-        raise ValueError("mma_vec: a residual is added to one plain output only")
-    if swiglu and outputs > 1:
-        raise ValueError("mma_vec: swiglu writes one output")
     n_sub = WORKGROUP // SUBGROUP
     if n_sub % split:
         raise ValueError(f"mma_vec: split {split} does not divide {n_sub} subgroups")
@@ -140,19 +136,11 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     quant = dtype not in ("F16", "BF16")
     matrices = ("gate", "up") if swiglu else ("w",)
     name = f"mma_vec_{dtype.lower()}_u{unroll}" + f"_r{tiles}" * (tiles > 1) + "_p" * pipeline
-    name += f"_k{split}" * (split > 1)
-    name += "_norm" * norm + f"_split{outputs}" * (outputs > 1) + "_swiglu" * swiglu
-    name += "_residual" * residual
+    name += f"_k{split}" * (split > 1) + variant_name(residual, norm, outputs, swiglu)
     k = KernelBuilder(name, (WORKGROUP,))
     planes = reader(dtype).plane_names
-    bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in planes} for m in matrices]
-    x = k.buffer("x", F32)
-    gain = k.buffer("norm", F32) if norm else None
-    ys = [k.buffer("y" if outputs == 1 else f"y{i}", F32, "w") for i in range(outputs)]
-    res = k.buffer("residual", F32) if residual else None
-    rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
-    splits = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
-    eps = k.scalar("eps", F32) if norm else None
+    bufs, x, gain, ys, res, rows, cols, n_tokens, splits, eps = matvec_params(
+        k, dtype, residual, norm, outputs, swiglu)
 
     sub, lane = k.subgroup_id(), k.lane_id()
     g, q = lane >> 2, lane & 3

@@ -61,8 +61,8 @@ import numpy as np
 from poot.codegen import bf16_bits, f16_bits, f32_bits
 from poot.errors import ModelRefused
 from poot.kernels.lang import (ASYNC_COPY, BF16, BINARY, BOOL, COMPARE, F16, F32, HALF2_ARITH,
-                               I32, SPECIAL, UNARY, Assign, Barrier, CopyAsync, CopyCommit, CopyWait, For, If,
-                               Let, Return, Store, VarDecl)
+                               I32, SPECIAL, UNARY, Assign, Barrier, CopyAsync, CopyCommit,
+                               CopyWait, For, If, Let, Return, Store, VarDecl)
 
 # What every sm_80+ device offers, in lang.py's capability names: the matrix operations are
 # ldmatrix (sm_75) and mma.sync m16n8k16 with f16 or bf16 operands (sm_80); cp.async (sm_80).

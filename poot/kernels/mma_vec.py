@@ -14,15 +14,22 @@ the subgroup's tiles.
 
 The columns: a dot product's terms may be added in any order, so the 16 k-slots of an mma
 need not be 16 consecutive columns, only the same ones for A and B. Lane q's k-slots, across a
-group of 128 columns (8 mma steps), are columns it loads whole: quant block 4G + q of group G
-(one 16-byte load of Q4_0/Q4_1 nibbles, two of Q8_0 bytes), or for F16/BF16 the four 8-value
-units 16G + 4i + q. Each load gives a "piece" of 8 values = 2 mma steps (4 slots a step), in
-the order that turns them into f16 pairs with the fewest operations: a quant word's nibbles or
-bytes 0 and 2, then 1 and 3, OR-ed under the f16 exponent of 1024 (0x6400), so the pair holds
-1024 + q exactly; one f16x2 subtraction takes off 1024 and the bias, one multiplication applies
-the block's scale (rounded once to f16: mma_tiled's rounding of decoded weights). Q4_1 and
-Q4_K, whose value q * d + low can cancel, are made in f32 and rounded once. x takes the
-same order: f32 loads of its 4-value runs, each pair rounded to f16 (bf16 for BF16 weights).
+group of 128 columns (8 mma steps), are columns it loads whole: the 32-value unit 4G + q of
+group G (a Q4_0/Q4_1 block's 16 bytes of nibbles, a Q8_0 block's 32 bytes, half of a Q4_K
+sub-block pair: 16 bytes whose low nibbles are one sub-block's values and high ones the next's,
+or a Q6_K value group: 8 words of ql and of qh), or for F16/BF16 the four 8-value units
+16G + 4i + q. Its values go in the order that turns them into f16 pairs with the fewest
+operations: a quant word's nibbles or bytes 0 and 2, then 1 and 3, OR-ed under the f16 exponent
+of 1024 (0x6400), so the pair holds 1024 + q exactly; one f16x2 subtraction takes off 1024 and
+the bias, one multiplication applies the scale (rounded once to f16: mma_tiled's rounding of
+decoded weights). Q4_1 and Q4_K, whose value q * d + low can cancel, are made in f32 and
+rounded once. x takes the same order: f32 loads of its 4-value runs, each pair rounded to f16
+(bf16 for BF16 weights).
+
+A round is `unroll` consecutive groups, their weights loaded before any arithmetic; with
+`pipeline` the next round's weights are loaded before this round's arithmetic (registers
+carried from round to round), for launches too small to hide a round's loads with other
+subgroups' work.
 
 Sums are f32 (the mma accumulators). With `split` > 1 that many subgroups of the workgroup
 share the rows, each taking every split-th group of columns, and add their tiles through shared
@@ -126,7 +133,9 @@ def _load(buffer, index, n):
 def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1, split=1,
             unroll=1, pipeline=False):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split). Buffers and scalars as
-    matmul.matvec's of the same variant."""
+    matmul.matvec's of the same variant. `tiles`: 16-row tiles a subgroup computes; `split`:
+    subgroups sharing a tile's columns; `unroll`: 128-column groups a round; `pipeline`: the
+    next round's weights loaded before this round's arithmetic."""
     if dtype not in DTYPES:
         raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
     n_sub = WORKGROUP // SUBGROUP

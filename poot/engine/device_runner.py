@@ -60,8 +60,9 @@ def matvec_rows(dtype, group, matrices=1):
 # or where the device runs mma_vec for every weight of the model, mma_vec up to
 # mma_vec.most_tokens and mma_tiled past them. Measured on the H200 (docs/benchmarks.md):
 # the grouped matvec's x loads (a lane's 8 to 32 consecutive values, 32 lanes touching as
-# many cache lines) bind it from two tokens on, 8B Q4_0 at 2, 4 and 8 tokens 96, 107, 106 tok/s against the split
-# mma_tiled's 183, 363, 715; mma_vec reads a matrix in about the same time for 1 to 8 tokens.
+# many cache lines) bind it from two tokens on, 8B Q4_0 at 2, 4 and 8 tokens 96, 107, 106
+# tok/s against the split mma_tiled's 183, 363, 715; mma_vec reads a matrix in about the same
+# time for 1 to 8 tokens.
 MMA_MIN_TOKENS = 2
 MULTIPROCESSORS = 132           # an H100's or H200's, for a device that does not say its own
 SHARES_INPUT = ("reshape", "rope", "rope_store_kv")   # run in place

@@ -9,10 +9,10 @@ each weight block once into shared memory for all 64 tokens. It is checked on ev
 the runner does not route to it yet: its first version measured slower than the grouped matvec
 on the H200 (docs/benchmarks.md), and this one is not yet timed there. `mma_tiled` is the
 kernel of devices with matrix instructions (lang.py's fragment_load and mma) for every step of
-the runner's mma_min_tokens or more (device_runner.py; shorter ones of 2 tokens or more run
-mma_vec.py's kernel where it decodes the model's weights): 128 x 128 tiles on the tensor
-cores, operands rounded to f16 (bf16 for BF16 weights). Where its tiles would not fill the device (decode-sized steps,
-small matrices) it is split along the columns (mma_launch): each slice writes a partial tile
+the runner's mma_min_tokens or more (device_runner.py; shorter ones run mma_vec.py's kernel
+where it decodes the model's weights, from mma_vec.least_tokens): 128 x 128 tiles on the
+tensor cores, operands rounded to f16 (bf16 for BF16 weights). Where its tiles would not fill
+the device (decode-sized steps, small matrices) it is split along the columns (mma_launch): each slice writes a partial tile
 and `split_sum` adds them, in a fixed order. Other pipelines of mma_tiled (MMA_VARIANTS: async
 copies a few steps ahead, x rounded once beforehand by `mma_x16`, deeper steps) are measured by
 scripts/bench-matmul; the runner picks one per weight format (device_runner.mma_choice).

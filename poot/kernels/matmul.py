@@ -12,10 +12,11 @@ kernel of devices with matrix instructions (lang.py's fragment_load and mma) for
 the runner's mma_min_tokens or more (device_runner.py; shorter ones run mma_vec.py's kernel
 where it decodes the model's weights, from mma_vec.least_tokens): 128 x 128 tiles on the
 tensor cores, operands rounded to f16 (bf16 for BF16 weights). Where its tiles would not fill
-the device (decode-sized steps, small matrices) it is split along the columns (mma_launch): each slice writes a partial tile
-and `split_sum` adds them, in a fixed order. Other pipelines of mma_tiled (MMA_VARIANTS: async
-copies a few steps ahead, x rounded once beforehand by `mma_x16`, deeper steps) are measured by
-scripts/bench-matmul; the runner picks one per weight format (device_runner.mma_choice).
+the device (decode-sized steps, small matrices) it is split along the columns (mma_launch):
+each slice writes a partial tile and `split_sum` adds them, in a fixed order. Other pipelines
+of mma_tiled (MMA_VARIANTS: async copies a few steps ahead, x rounded once beforehand by
+`mma_x16`, deeper steps) are measured by scripts/bench-matmul; the runner picks one per weight
+format (device_runner.mma_choice).
 """
 from dataclasses import dataclass
 from functools import cache

@@ -52,6 +52,12 @@ def runner_kernels(subgroup_size):
     return out
 
 
+# [rows, cols] of Llama matmuls (8B's down projection, its q/k/v, 1B's q/k/v and output) and,
+# for a SwiGLU's gate and up, of theirs (8B, 1B)
+MMA_VEC_SHAPES = {False: ((4096, 14336), (6144, 4096), (3072, 2048), (2048, 2048)),
+                  True: ((14336, 4096), (8192, 2048))}
+
+
 def mma_kernels(dtypes=DEVICE_DTYPES):
     """The matrix kernels, which only PTX renders (SPIR-V refuses them: test_codegen_spirv.py):
     mma_tiled in each token tile, whole (with and without the residual) or split; mma_vec in
@@ -62,8 +68,8 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     vec = [mma_vec.mma_vec(d, tiles=tiles, split=split, unroll=unroll, pipeline=pipeline, **v)
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
            for tiles, split, unroll, pipeline in {mma_vec.shape(d, rows, cols, 132)
-                                                  for rows, cols in ((4096, 14336), (28672, 4096),
-                                                                     (2048, 2048))}]
+                                                  for rows, cols in MMA_VEC_SHAPES[
+                                                      "swiglu" in v]}]
     return tiled + vec
 
 

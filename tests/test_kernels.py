@@ -353,7 +353,7 @@ def test_split_mma_tiled_matmul(cuda_device, dtype, variant, n_tokens):
 # -- mma_vec: the decode matmul on the tensor cores (PTX devices only) -----------------------------
 # (variant, n_tokens, rows, cols): tokens past one 8-token launch, rows that are not whole
 # 16-row tiles, columns that are not whole 128-column groups (576: SmolLM2's width), pipelined
-# rounds (with subgroups that have none: 576 columns split 8 ways)
+# rounds (with subgroups that have none: 576 columns split 8 ways), two accumulator chains
 MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 4096),
                  ({"split": 4}, 11, 200, 576), ({"residual": True, "tiles": 2, "split": 2}, 5,
                                                  1000, 1024),
@@ -363,7 +363,10 @@ MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 409
                  ({"norm": True, "swiglu": True, "tiles": 2, "split": 2}, 9, 200, 576),
                  ({"pipeline": True, "unroll": 2, "split": 2}, 8, 200, 4096),
                  ({"pipeline": True, "split": 8, "norm": True}, 3, 200, 576),
-                 ({"pipeline": True, "tiles": 2, "residual": True}, 1, 1000, 1024)]
+                 ({"pipeline": True, "tiles": 2, "residual": True}, 1, 1000, 1024),
+                 ({"chains": 2, "norm": True, "outputs": 3, "split": 2}, 5, 216, 576),
+                 ({"chains": 2, "norm": True, "swiglu": True, "pipeline": True, "unroll": 2}, 8,
+                  200, 4096)]
 
 
 @pytest.mark.parametrize("dtype", mma_vec.DTYPES)

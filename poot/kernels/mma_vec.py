@@ -104,6 +104,21 @@ def shape(dtype, rows, cols, multiprocessors):
     return tiles, split, 2, grid(rows, 1, tiles, split)[0] < multiprocessors and rounds(split) >= 2
 
 
+def _tree_sum(values):
+    """The sum of values added pairwise (a dependency chain of log2(n) additions)."""
+    while len(values) > 1:
+        values = [a + b for a, b in zip(values[::2], values[1::2])] + values[len(values) & ~1:]
+    return values[0]
+
+
+def _chain_sum(chains):
+    """Accumulators of parallel chains, [chain][j], added in chain order: [j]."""
+    out = chains[0]
+    for chain in chains[1:]:
+        out = [a + b for a, b in zip(out, chain)]
+    return out
+
+
 def _flatten(tree):
     """(the leaves of nested lists, in order; a function that puts new leaves in their place)."""
     leaves = []
@@ -131,11 +146,13 @@ def _load(buffer, index, n):
 
 @cache
 def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1, split=1,
-            unroll=1, pipeline=False):
+            unroll=1, pipeline=False, chains=1):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split). Buffers and scalars as
     matmul.matvec's of the same variant. `tiles`: 16-row tiles a subgroup computes; `split`:
     subgroups sharing a tile's columns; `unroll`: 128-column groups a round; `pipeline`: the
-    next round's weights loaded before this round's arithmetic."""
+    next round's weights loaded before this round's arithmetic; `chains` (2: under measurement,
+    docs/benchmarks.md): a tile's mma steps alternate between that many accumulators (added
+    at the end), and the round's squares (norm) add as a tree, not one after another."""
     if dtype not in DTYPES:
         raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
     n_sub = WORKGROUP // SUBGROUP
@@ -145,7 +162,8 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     quant = dtype not in ("F16", "BF16")
     matrices = ("gate", "up") if swiglu else ("w",)
     name = f"mma_vec_{dtype.lower()}_u{unroll}" + f"_r{tiles}" * (tiles > 1) + "_p" * pipeline
-    name += f"_k{split}" * (split > 1) + variant_name(residual, norm, outputs, swiglu)
+    name += f"_k{split}" * (split > 1) + f"_c{chains}" * (chains > 1)
+    name += variant_name(residual, norm, outputs, swiglu)
     k = KernelBuilder(name, (WORKGROUP,))
     planes = reader(dtype).plane_names
     bufs, x, gain, ys, res, rows, cols, n_tokens, splits, eps = matvec_params(
@@ -162,7 +180,9 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     # rows past the end read the last row again and store nothing
     my_rows = [[k.min(first + 16 * r + 8 * h + g, rows - 1) for h in range(2)]
                for r in range(tiles)]
-    acc = [[[k.var(F32, 0.0) for _ in range(4)] for _ in range(tiles)] for _ in matrices]
+    # [matrix][tile][chain]: the 4 accumulators of each mma dependency chain
+    acc = [[[[k.var(F32, 0.0) for _ in range(4)] for _ in range(chains)] for _ in range(tiles)]
+           for _ in matrices]
     square = k.var(F32, 0.0) if norm else None
     unit = 32 if quant else 8
     n_units = cols / unit
@@ -304,15 +324,20 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
                     xs = [k.select(valid, v, 0.0) for v in xs]
                 gs = gain.load(off, 4) if norm else None
                 runs.append((xs, gs))
-        totals = [[[a.get() for a in tile] for tile in m] for m in acc]
+        totals = [[[[a.get() for a in chain] for chain in tile] for tile in m] for m in acc]
         sq = square.get() if norm else None
-        b_all = []
+        b_all, run_squares = [], []
         for xs, gs in runs:
-            if norm:
+            if norm and chains == 1:
                 for v in xs:
                     sq = k.fma(v, v, sq)
+            elif norm:
+                run_squares.append(_tree_sum([v * v for v in xs]))
+            if norm:
                 xs = [v * gv for v, gv in zip(xs, gs)]
             b_all += list(b_words(xs))
+        if run_squares:
+            sq = sq + _tree_sum(run_squares)
         steps = []              # per step: its B words, and per matrix and tile its A words
         for u, loads, _ in loaded:
             per_mt = [[[a_pairs(loads[m][r][h], u) for h in range(2)] for r in range(tiles)]
@@ -324,14 +349,16 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
                        per_mt[m][r][0][2 * s + 1], per_mt[m][r][1][2 * s + 1]]
                       for r in range(tiles)] for m in range(len(matrices))]
                 steps.append((b, a))
-        for b, a in steps:
+        for i, (b, a) in enumerate(steps):
             for m in range(len(matrices)):
                 for r in range(tiles):
-                    totals[m][r] = list(k.mma(operand, a[m][r], b, totals[m][r]))
+                    chain = totals[m][r][i % chains]
+                    chain[:] = k.mma(operand, a[m][r], b, chain)
         for m in range(len(matrices)):
             for r in range(tiles):
-                for var, total in zip(acc[m][r], totals[m][r]):
-                    var.set(total)
+                for c in range(chains):
+                    for var, total in zip(acc[m][r][c], totals[m][r][c]):
+                        var.set(total)
         if norm:
             square.set(sq)
 
@@ -366,7 +393,8 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
 
     # each lane: 4 sums a matrix and tile (D: row g + 8 (j // 2), token 2q + j % 2), and its
     # token's partial sum of squares
-    values = [v.get() for m in acc for tile in m for v in tile]
+    values = [v for m in acc for tile in m
+              for v in _chain_sum([[v.get() for v in chain] for chain in tile])]
     if norm:
         sq = square.get()
         sq = sq + k.shuffle_xor(sq, 1)

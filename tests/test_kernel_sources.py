@@ -52,10 +52,14 @@ def runner_kernels(subgroup_size):
     return out
 
 
-# [rows, cols] of Llama matmuls (8B's down projection, its q/k/v, 1B's q/k/v and output) and,
-# for a SwiGLU's gate and up, of theirs (8B, 1B)
-MMA_VEC_SHAPES = {False: ((4096, 14336), (6144, 4096), (3072, 2048), (2048, 2048)),
-                  True: ((14336, 4096), (8192, 2048))}
+def mma_vec_shapes(variant):
+    """[rows, cols] of the Llama-8B and 1B matmuls of a matvec variant: gate and up (swiglu),
+    q/k/v and the output head (norm), the output and down projections (the others)."""
+    if variant.get("swiglu"):
+        return (14336, 4096), (8192, 2048)
+    if variant.get("norm"):
+        return (6144, 4096), (3072, 2048), (128256, 4096), (128256, 2048)
+    return (4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192)
 
 
 def mma_kernels(dtypes=DEVICE_DTYPES):
@@ -68,8 +72,7 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     vec = [mma_vec.mma_vec(d, tiles=tiles, split=split, unroll=unroll, pipeline=pipeline, **v)
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
            for tiles, split, unroll, pipeline in {mma_vec.shape(d, rows, cols, 132)
-                                                  for rows, cols in MMA_VEC_SHAPES[
-                                                      "swiglu" in v]}]
+                                                  for rows, cols in mma_vec_shapes(v)}]
     return tiled + vec
 
 
@@ -83,10 +86,19 @@ def mma_variant_kernels(dtypes=DEVICE_DTYPES):
             for split, residual in ((False, False), (False, True), (True, False))]
 
 
+def mma_vec_variant_kernels():
+    """mma_vec with two accumulator chains (under measurement), in the runner's shapes."""
+    return [mma_vec.mma_vec(d, tiles=tiles, split=split, unroll=unroll, pipeline=pipeline,
+                            chains=2, **v)
+            for d in mma_vec.DTYPES for v in MATVEC_VARIANTS
+            for tiles, split, unroll, pipeline in {mma_vec.shape(d, rows, cols, 132)
+                                                  for rows, cols in mma_vec_shapes(v)}]
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("sm", [80, 90])
 def test_every_runner_kernel_assembles_with_ptxas(tmp_path, sm):
-    for kernel in runner_kernels(32) + mma_kernels():
+    for kernel in runner_kernels(32) + mma_kernels() + mma_vec_variant_kernels():
         source = tmp_path / f"{kernel.name}.ptx"
         source.write_text(render_ptx(kernel, sm))
         result = subprocess.run(["ptxas", f"-arch=sm_{sm}", str(source), "-o", "/dev/null"],

@@ -73,11 +73,12 @@ def least_tokens(dtype):
 
 
 def most_tokens(dtype):
-    """The longest step a device that runs mma_vec should give it rather than mma_tiled: one
-    launch (8 tokens) of F16/BF16; two along grid y of block quants, whose tiled kernel is
-    far slower per step (H200, 8B Q4_0: 790 tok/s at 9 tokens and 1,394 at 16 on mma_tiled,
-    1,839 at 8 on mma_vec, so about 1,800 at 16 on two mma_vec passes; 1B F16: 4,900 at 9
-    tokens on mma_tiled, 6,060 at 8 on mma_vec, about 3,400 at 9 on two passes)."""
+    """The longest step a device that runs mma_vec should give it rather than mma_tiled, as
+    measured on the H200 (docs/benchmarks.md): one launch (8 tokens) of F16/BF16 (1B F16 at 9
+    tokens: 4,900 tok/s on mma_tiled, about 3,400 on two mma_vec launches); two along grid y
+    of block quants (8B Q4_0 at 16 tokens: 2,292 on two mma_vec launches, 1,394 on mma_tiled;
+    at 17 tokens mma_tiled is ahead, 1,440 against 1,337 on three, and at 64, 4,871 against
+    2,716)."""
     return TOKENS if dtype in ("F16", "BF16") else 2 * TOKENS
 
 

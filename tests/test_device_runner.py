@@ -9,7 +9,7 @@ from poot.codegen.ptx import PTX_CAPS
 from poot.engine import device_runner
 from poot.engine.device_runner import MMA_MIN_TOKENS, MULTIPROCESSORS, Allocation, DeviceRunner
 from poot.engine.batch import SamplingRows, StepBatch
-from poot.engine.sampling import choose, uniform
+from poot.engine.sampling import choose, sample, uniform
 from poot.errors import BackendUnavailable
 from poot.kernels import matmul, ops
 from poot.kernels.quant import DEVICE_DTYPES
@@ -132,6 +132,46 @@ def test_sampled_rows_choose_from_candidates(device, monkeypatch):
                        float(rows.top_p[r]), float(rows.min_p[r]),
                        uniform(rows.seed[r], rows.step[r])) for r in range(n)]
         assert got.tolist() == want
+
+
+def test_logprob_steps_take_sample_s_rows_from_candidates(device, monkeypatch):
+    """Steps that report log probabilities (the chosen token's and the 5 best) give sample()'s
+    output on the same step's full logits: greedy rows and rows at temperature 1 with top-k
+    cuts (always decided) from the device's candidates without reading the logits back; with a
+    row at another temperature beside them, from the logits."""
+    model = poot.load(default_model())
+    runner = model.runner(device, num_blocks=64)
+    if not runner._has_candidates():
+        pytest.skip(f"{device.backend}: no device candidates")
+    rng = np.random.default_rng()
+    n = 6
+    tables = np.array([list(range(i * 8, i * 8 + 8)) for i in range(n)], np.int32)
+    for i in range(n):
+        runner.logits(step(rng.integers(3, 3000, 5 + i).tolist(), 0, tables[i]))
+    full, reader, read = runner.logits, runner._read, []
+
+    def recorded(name, nbytes):
+        read.append(name)
+        return reader(name, nbytes)
+    monkeypatch.setattr(runner, "_read", recorded)
+    for decode, temperature in enumerate(([0, 1, 1, 0, 1, 1], [0, 1, 0.7, 1, 1, 0])):
+        rows = SamplingRows(temperature=np.array(temperature, np.float32),
+                            top_k=np.array([0, 5, 40, 0, ops.TOP_KEEP, 3], np.int32),
+                            top_p=np.array([1, .9, 1, 1, 1, 1], np.float32),
+                            min_p=np.array([0, 0, 0, 0, .05, 0], np.float32),
+                            seed=rng.integers(0, 2**63, n).astype(np.uint64),
+                            step=np.arange(n, dtype=np.int64), n_logprobs=5, logprobs=True)
+        batch = StepBatch(rng.integers(3, 3000, n).astype(np.int32),
+                          np.array([5 + i + decode for i in range(n)], np.int32),
+                          np.arange(n, dtype=np.int32), tables, np.arange(n, dtype=np.int32), rows)
+        read.clear()
+        got = runner.step(batch)
+        assert (runner._output_name() in read) == (decode == 1), read
+        want = sample(full(batch), rows)    # the same step again: the same cache and logits
+        assert got.tokens.tolist() == want.tokens.tolist()
+        assert got.top_ids.tolist() == want.top_ids.tolist()
+        assert np.allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
+        assert np.allclose(got.top_logprobs, want.top_logprobs, rtol=0, atol=1e-4)
 
 
 def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):

@@ -2,7 +2,7 @@ import numpy as np
 
 from poot.engine.batch import SamplingRows
 from poot.engine.sampling import (FIRST_CANDIDATES, SUM_MARGIN, best, choose, choose_among,
-                                  choose_fast, log_softmax, sample, uniform)
+                                  choose_fast, log_softmax, logprobs_among, sample, uniform)
 
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, n_logprobs=0):
@@ -134,6 +134,34 @@ def test_choose_among_gives_choose_s_token_or_nothing():
             decided += 1
             assert got == choose(logits, *args), (vocab, chunk, keep, args)
     assert decided > 900, decided
+
+
+def test_logprobs_among_gives_sample_s_row_or_nothing():
+    """From candidates with sums at temperature 1: choose()'s token, its log probability and the
+    n best ids (best()'s order) and theirs, within what the sums' margin moves them, wherever
+    logprobs_among decides; None for rows sampled at another temperature and for n past a
+    chunk's keep. It decides most of the rest."""
+    rng = np.random.default_rng(21)
+    decided = possible = 0
+    for _ in range(800):
+        logits, args = random_row(rng, [5, 300, 3000, 20000], [0, 0, 1, 3, 16, 50])
+        vocab, n = len(logits), int(rng.choice([0, 1, 5, 20]))
+        chunk, keep = int(rng.choice([64, 256, 2048])), int(rng.choice([8, 16, 64]))
+        got = logprobs_among(*candidates(logits, chunk, keep, 1.0, rng), vocab, *args, n)
+        if args[0] not in (0.0, 1.0) or n > keep:
+            assert got is None
+            continue
+        possible += 1
+        if got is None:
+            continue
+        decided += 1
+        token, chosen, top, top_lp = got
+        exact = log_softmax(logits.astype(np.float64))
+        assert token == choose(logits, *args)
+        assert abs(chosen - exact[token]) < SUM_MARGIN
+        assert top.tolist() == best(logits, n).tolist()[:n]
+        assert np.allclose(top_lp, exact[top], rtol=0, atol=SUM_MARGIN)
+    assert decided > 0.8 * possible, (decided, possible)
 
 
 def test_sample_takes_choose_s_tokens_and_the_sorted_top_logprobs():

@@ -24,7 +24,7 @@ from ..kernels import matmul, mma_vec, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from . import placement
 from .batch import StepBatch, StepOutput
-from .sampling import choose_among, choose_fast, sample, uniform
+from .sampling import choose_among, choose_fast, logprobs_among, sample, uniform
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
@@ -180,12 +180,12 @@ class StepRunner:
     def step(self, batch):
         """Steps without logprobs read back only the device's argmax (all rows greedy) or each
         row's candidates (ops.top_candidates: each chunk's best logits and sum), from which
-        sampling.choose_among takes the definition's token; a row they cannot decide, and
-        steps that report logprobs, read the logits and sample on the host
-        (engine/sampling.py)."""
+        sampling.choose_among takes the definition's token; steps that report logprobs, the
+        candidates with sums at temperature 1 (_step_with_logprobs); a row they cannot decide
+        reads the logits and samples on the host (engine/sampling.py)."""
         rows = batch.sampling
         if rows.logprobs or rows.n_logprobs:
-            return sample(self.logits(batch), rows)
+            return self._step_with_logprobs(batch)
         if not np.any(rows.temperature > 0):
             R = self.run(batch)
             tokens = np.frombuffer(self._read("argmax", R * 4), np.int32)
@@ -204,6 +204,30 @@ class StepRunner:
             for r in undecided:
                 tokens[r] = choose_fast(logits[r], *params[r])
         return _tokens_only(np.array(tokens, np.int32))
+
+    def _step_with_logprobs(self, batch):
+        """A step that reports log probabilities (of the raw logits): from the rows' candidates
+        with sums at temperature 1 (sampling.logprobs_among) where every row's can tell them,
+        else from the logits read back (sample)."""
+        rows = batch.sampling
+        if not self._has_candidates():
+            return sample(self.logits(batch), rows)
+        R = self.run(batch)
+        candidates = self._candidates(R, np.ones(R, np.float32))
+        got = []
+        for r in range(R):
+            got.append(logprobs_among(
+                *(part[r] for part in candidates), self.vocab_size, float(rows.temperature[r]),
+                int(rows.top_k[r]), float(rows.top_p[r]), float(rows.min_p[r]),
+                uniform(rows.seed[r], rows.step[r]), rows.n_logprobs))
+            if got[-1] is None:
+                return sample(self._logits_of(R), rows)
+        k = rows.n_logprobs
+        tokens, chosen, top, top_lp = zip(*got)
+        return StepOutput(tokens=np.array(tokens, np.int32),
+                          logprobs=np.array(chosen, np.float32),
+                          top_ids=np.array(top, np.int32).reshape(R, k),
+                          top_logprobs=np.array(top_lp, np.float32).reshape(R, k))
 
     def _has_candidates(self):
         """Whether the runner leaves its rows' top_candidates on the device (_candidates)."""
@@ -1043,6 +1067,30 @@ class DeviceRunner(StepRunner):
 
     def _replay(self, graph):
         self.device.replay(graph)
+
+    def _step_with_logprobs(self, batch):
+        """A step that reports log probabilities (of the raw logits): from the rows' candidates
+        with sums at temperature 1 (sampling.logprobs_among) where every row's can tell them,
+        else from the logits read back (sample)."""
+        rows = batch.sampling
+        if not self._has_candidates():
+            return sample(self.logits(batch), rows)
+        R = self.run(batch)
+        candidates = self._candidates(R, np.ones(R, np.float32))
+        got = []
+        for r in range(R):
+            got.append(logprobs_among(
+                *(part[r] for part in candidates), self.vocab_size, float(rows.temperature[r]),
+                int(rows.top_k[r]), float(rows.top_p[r]), float(rows.min_p[r]),
+                uniform(rows.seed[r], rows.step[r]), rows.n_logprobs))
+            if got[-1] is None:
+                return sample(self._logits_of(R), rows)
+        k = rows.n_logprobs
+        tokens, chosen, top, top_lp = zip(*got)
+        return StepOutput(tokens=np.array(tokens, np.int32),
+                          logprobs=np.array(chosen, np.float32),
+                          top_ids=np.array(top, np.int32).reshape(R, k),
+                          top_logprobs=np.array(top_lp, np.float32).reshape(R, k))
 
     def _has_candidates(self):
         return self.has_logits

@@ -180,6 +180,26 @@ def choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, mi
     return int(ids[order[at.pop()]])
 
 
+def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u, n):
+    """sample()'s row from a device's candidates (choose_among's arguments, sums at temperature
+    1): (token, its log probability, the n best ids and theirs), the log probabilities those of
+    the raw logits, log(sum of exp) from the chunks' sums. None where choose_among cannot decide
+    the token, where the row samples at another temperature (its sums would be another's), or
+    where n is more than a chunk keeps (a row's best n are among its chunks' best n)."""
+    if temperature > 0 and temperature != 1.0 or n > values.shape[1]:
+        return None
+    token = choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u)
+    if token is None:
+        return None
+    real = ids < vocab
+    values, ids = values[real].astype(np.float64), ids[real]
+    order = np.lexsort((ids, -values))[:n]          # best() of the row: lower id on ties
+    peak = values.max()
+    total = np.sum(np.asarray(sums, np.float64) * np.exp(np.asarray(maxima, np.float64) - peak))
+    norm = peak + np.log(total)
+    return token, values[ids == token][0] - norm, ids[order], values[order] - norm
+
+
 def sample(logits, rows):
     """StepOutput for logits [R, V] under SamplingRows `rows` (choose_fast for each row)."""
     logits = np.asarray(logits, np.float32)

@@ -9,7 +9,7 @@ from poot.codegen.ptx import PTX_CAPS
 from poot.engine import device_runner
 from poot.engine.device_runner import MMA_MIN_TOKENS, MULTIPROCESSORS, Allocation, DeviceRunner
 from poot.engine.batch import SamplingRows, StepBatch
-from poot.engine.sampling import choose, sample, uniform
+from poot.engine.sampling import choice_args, choose, sample
 from poot.errors import BackendUnavailable
 from poot.kernels import matmul, ops
 from poot.kernels.quant import DEVICE_DTYPES
@@ -92,24 +92,36 @@ def test_batched_decode_replays_equal_single_steps(tmp_path, device):
     assert np.linalg.norm(together - want) / np.linalg.norm(want) < 2e-3
 
 
-def test_sampled_rows_choose_from_candidates(device, monkeypatch):
-    """Sampled rows (greedy rows beside them) take the tokens choose() gives on the same step's
-    full logits: from the device's candidates (top-k cuts of 1 to TOP_KEEP, top-p, min-p,
-    temperature alone), and from the logits where those cannot decide a row. A 49k vocabulary
-    (24 chunks); the first step's rows all have short top-k cuts, and read no logits."""
-    model = poot.load(default_model())
-    runner = model.runner(device, num_blocks=64)
+def decoding(device, n, monkeypatch):
+    """The default model (a 49k vocabulary: 24 candidate chunks) on `device` with n sequences
+    prefilled: (its runner, a random generator, a function giving the StepBatch of decode step
+    `decode` under SamplingRows, the names of the buffers the runner reads back, as it reads)."""
+    runner = poot.load(default_model()).runner(device, num_blocks=64)
     rng = np.random.default_rng()
-    n = 8
     tables = np.array([list(range(i * 8, i * 8 + 8)) for i in range(n)], np.int32)
     for i in range(n):
         runner.logits(step(rng.integers(3, 3000, 5 + i).tolist(), 0, tables[i]))
-    full, reader, read = runner.logits, runner._read, []
+    reader, read = runner._read, []
 
     def recorded(name, nbytes):
         read.append(name)
         return reader(name, nbytes)
     monkeypatch.setattr(runner, "_read", recorded)
+
+    def batch(decode, rows):
+        return StepBatch(rng.integers(3, 3000, n).astype(np.int32),
+                         np.array([5 + i + decode for i in range(n)], np.int32),
+                         np.arange(n, dtype=np.int32), tables, np.arange(n, dtype=np.int32), rows)
+    return runner, rng, batch, read
+
+
+def test_sampled_rows_choose_from_candidates(device, monkeypatch):
+    """Sampled rows (greedy rows beside them) take the tokens choose() gives on the same step's
+    full logits: from the device's candidates (top-k cuts of 1 to TOP_KEEP, top-p, min-p,
+    temperature alone), and from the logits where those cannot decide a row. A 49k vocabulary
+    (24 chunks); the first step's rows all have short top-k cuts, and read no logits."""
+    n = 8
+    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
     cuts = [dict(top_k=[1, 5, 0, 40, ops.TOP_KEEP, 64, 2, 3]),
             dict(top_k=[0, 0, 0, 0, 0, 0, 0, 90], top_p=[1, .9, .5, 1, .95, 1, 1, .9],
                  min_p=[0, 0, 0, .05, 0, .1, 0, 0])]
@@ -120,17 +132,13 @@ def test_sampled_rows_choose_from_candidates(device, monkeypatch):
                             min_p=np.array(cut.get("min_p", [0] * n), np.float32),
                             seed=rng.integers(0, 2**63, n).astype(np.uint64),
                             step=np.arange(n, dtype=np.int64))
-        batch = StepBatch(rng.integers(3, 3000, n).astype(np.int32),
-                          np.array([5 + i + decode for i in range(n)], np.int32),
-                          np.arange(n, dtype=np.int32), tables, np.arange(n, dtype=np.int32), rows)
+        batch = batch_of(decode, rows)
         read.clear()
         got = runner.step(batch).tokens
         if decode == 0:
             assert runner._output_name() not in read, "the logits were read back"
-        logits = full(batch)            # the same step again: the same cache, the same logits
-        want = [choose(logits[r], float(rows.temperature[r]), int(rows.top_k[r]),
-                       float(rows.top_p[r]), float(rows.min_p[r]),
-                       uniform(rows.seed[r], rows.step[r])) for r in range(n)]
+        logits = runner.logits(batch)   # the same step again: the same cache, the same logits
+        want = [choose(logits[r], *choice_args(rows, r)) for r in range(n)]
         assert got.tolist() == want
 
 
@@ -139,21 +147,8 @@ def test_logprob_steps_take_sample_s_rows_from_candidates(device, monkeypatch):
     output on the same step's full logits: greedy rows and rows at temperature 1 with top-k
     cuts (always decided) from the device's candidates without reading the logits back; with a
     row at another temperature beside them, from the logits."""
-    model = poot.load(default_model())
-    runner = model.runner(device, num_blocks=64)
-    if not runner._has_candidates():
-        pytest.skip(f"{device.backend}: no device candidates")
-    rng = np.random.default_rng()
     n = 6
-    tables = np.array([list(range(i * 8, i * 8 + 8)) for i in range(n)], np.int32)
-    for i in range(n):
-        runner.logits(step(rng.integers(3, 3000, 5 + i).tolist(), 0, tables[i]))
-    full, reader, read = runner.logits, runner._read, []
-
-    def recorded(name, nbytes):
-        read.append(name)
-        return reader(name, nbytes)
-    monkeypatch.setattr(runner, "_read", recorded)
+    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
     for decode, temperature in enumerate(([0, 1, 1, 0, 1, 1], [0, 1, 0.7, 1, 1, 0])):
         rows = SamplingRows(temperature=np.array(temperature, np.float32),
                             top_k=np.array([0, 5, 40, 0, ops.TOP_KEEP, 3], np.int32),
@@ -161,13 +156,11 @@ def test_logprob_steps_take_sample_s_rows_from_candidates(device, monkeypatch):
                             min_p=np.array([0, 0, 0, 0, .05, 0], np.float32),
                             seed=rng.integers(0, 2**63, n).astype(np.uint64),
                             step=np.arange(n, dtype=np.int64), n_logprobs=5, logprobs=True)
-        batch = StepBatch(rng.integers(3, 3000, n).astype(np.int32),
-                          np.array([5 + i + decode for i in range(n)], np.int32),
-                          np.arange(n, dtype=np.int32), tables, np.arange(n, dtype=np.int32), rows)
+        batch = batch_of(decode, rows)
         read.clear()
         got = runner.step(batch)
         assert (runner._output_name() in read) == (decode == 1), read
-        want = sample(full(batch), rows)    # the same step again: the same cache and logits
+        want = sample(runner.logits(batch), rows)   # the same step again: the same logits
         assert got.tokens.tolist() == want.tokens.tolist()
         assert got.top_ids.tolist() == want.top_ids.tolist()
         assert np.allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-4)

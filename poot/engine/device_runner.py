@@ -24,7 +24,7 @@ from ..kernels import matmul, mma_vec, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from . import placement
 from .batch import StepBatch, StepOutput
-from .sampling import choose_among, choose_fast, logprobs_among, sample, uniform
+from .sampling import choice_args, choose_among, choose_fast, logprobs_among, sample
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
@@ -194,8 +194,7 @@ class StepRunner:
             return sample(self.logits(batch), rows)
         R = self.run(batch)
         candidates = self._candidates(R, rows.temperature)
-        params = [(float(rows.temperature[r]), int(rows.top_k[r]), float(rows.top_p[r]),
-                   float(rows.min_p[r]), uniform(rows.seed[r], rows.step[r])) for r in range(R)]
+        params = [choice_args(rows, r) for r in range(R)]
         tokens = [choose_among(*(part[r] for part in candidates), self.vocab_size, *params[r])
                   for r in range(R)]
         undecided = [r for r, token in enumerate(tokens) if token is None]
@@ -216,10 +215,8 @@ class StepRunner:
         candidates = self._candidates(R, np.ones(R, np.float32))
         got = []
         for r in range(R):
-            got.append(logprobs_among(
-                *(part[r] for part in candidates), self.vocab_size, float(rows.temperature[r]),
-                int(rows.top_k[r]), float(rows.top_p[r]), float(rows.min_p[r]),
-                uniform(rows.seed[r], rows.step[r]), rows.n_logprobs))
+            got.append(logprobs_among(*(part[r] for part in candidates), self.vocab_size,
+                                      *choice_args(rows, r), rows.n_logprobs))
             if got[-1] is None:
                 return sample(self._logits_of(R), rows)
         k = rows.n_logprobs
@@ -1067,30 +1064,6 @@ class DeviceRunner(StepRunner):
 
     def _replay(self, graph):
         self.device.replay(graph)
-
-    def _step_with_logprobs(self, batch):
-        """A step that reports log probabilities (of the raw logits): from the rows' candidates
-        with sums at temperature 1 (sampling.logprobs_among) where every row's can tell them,
-        else from the logits read back (sample)."""
-        rows = batch.sampling
-        if not self._has_candidates():
-            return sample(self.logits(batch), rows)
-        R = self.run(batch)
-        candidates = self._candidates(R, np.ones(R, np.float32))
-        got = []
-        for r in range(R):
-            got.append(logprobs_among(
-                *(part[r] for part in candidates), self.vocab_size, float(rows.temperature[r]),
-                int(rows.top_k[r]), float(rows.top_p[r]), float(rows.min_p[r]),
-                uniform(rows.seed[r], rows.step[r]), rows.n_logprobs))
-            if got[-1] is None:
-                return sample(self._logits_of(R), rows)
-        k = rows.n_logprobs
-        tokens, chosen, top, top_lp = zip(*got)
-        return StepOutput(tokens=np.array(tokens, np.int32),
-                          logprobs=np.array(chosen, np.float32),
-                          top_ids=np.array(top, np.int32).reshape(R, k),
-                          top_logprobs=np.array(top_lp, np.float32).reshape(R, k))
 
     def _has_candidates(self):
         return self.has_logits

@@ -200,15 +200,18 @@ def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, 
     return token, values[ids == token][0] - norm, ids[order], values[order] - norm
 
 
+def choice_args(rows, r):
+    """choose()'s arguments after the logits for row r of SamplingRows `rows`."""
+    return (float(rows.temperature[r]), int(rows.top_k[r]), float(rows.top_p[r]),
+            float(rows.min_p[r]), uniform(rows.seed[r], rows.step[r]))
+
+
 def sample(logits, rows):
     """StepOutput for logits [R, V] under SamplingRows `rows` (choose_fast for each row)."""
     logits = np.asarray(logits, np.float32)
     n_rows = logits.shape[0]
-    tokens = np.array([
-        choose_fast(logits[r], float(rows.temperature[r]), int(rows.top_k[r]),
-                    float(rows.top_p[r]), float(rows.min_p[r]),
-                    uniform(rows.seed[r], rows.step[r]))
-        for r in range(n_rows)], dtype=np.int32)
+    tokens = np.array([choose_fast(logits[r], *choice_args(rows, r)) for r in range(n_rows)],
+                      dtype=np.int32)
     k = rows.n_logprobs
     if not (rows.logprobs or k):        # nobody reports them: left out (batch.SamplingRows)
         return StepOutput(tokens=tokens, logprobs=np.zeros(n_rows, np.float32),

@@ -166,7 +166,6 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
             totals.append(total)
         it = iter(totals)
         sums = [[[next(it) for _ in per_row] for per_row in per_token] for per_token in sums]
-    bounds = [None, *splits, rows]
     for t in range(tokens):
         scale = None
         if norm:
@@ -176,21 +175,29 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
             row_sums = [v * scale for v in sums[t][q]] if norm else sums[t][q]
             ours = lane.eq(0) if split == 1 else lane.eq(0) & part.eq(0)
             with k.if_(ours & (t0 + t < n_tokens) & (row < rows)):
-                if swiglu:
-                    gate, up = row_sums
-                    value = gate / (1.0 + k.exp(-gate)) * up
-                else:
-                    value = row_sums[0]
-                for i, y in enumerate(ys):
-                    if outputs == 1:
-                        at = (t0 + t) * rows + row
-                        y[at] = value + res[at] if residual else value
-                        continue
-                    start, end = bounds[i] or 0, bounds[i + 1]
-                    inside = row < end if i == 0 else (row >= start) & (row < end)
-                    with k.if_(inside):
-                        y[(t0 + t) * (end - start) + row - start] = value
+                store_row(k, ys, res, splits, rows, t0 + t, row, row_sums, swiglu)
     return k.build()
+
+
+def store_row(k, ys, res, splits, rows, token, row, sums, swiglu):
+    """Stores a matvec variant's value (mma_vec's too) of one row and token: silu(gate) * up of
+    the row's two sums with swiglu, else its sum; plus the residual (res, read at y's index),
+    or into the stacked output its row falls in (splits)."""
+    if swiglu:
+        gate, up = sums
+        value = gate / (1.0 + k.exp(-gate)) * up
+    else:
+        value = sums[0]
+    bounds = [None, *splits, rows]
+    for i, y in enumerate(ys):
+        if len(ys) == 1:
+            at = token * rows + row
+            y[at] = value + res[at] if res is not None else value
+            continue
+        start, end = bounds[i] or 0, bounds[i + 1]
+        inside = row < end if i == 0 else (row >= start) & (row < end)
+        with k.if_(inside):
+            y[token * (end - start) + row - start] = value
 
 
 def variant_name(residual, norm, outputs, swiglu):

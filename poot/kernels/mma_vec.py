@@ -39,7 +39,7 @@ quants, 8 for floats): the last group's missing units weigh zero.
 from functools import cache
 
 from .lang import F32, I32, U32, KernelBuilder
-from .matmul import WORKGROUP, _pack, matvec_params, mma_operand, variant_name
+from .matmul import WORKGROUP, _pack, matvec_params, mma_operand, store_row, variant_name
 from .quant import _small_int, reader
 
 GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
@@ -418,7 +418,6 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
         scales = [k.rsqrt(k.shuffle(sq, (2 * q + e) * 4) / cols.to(F32) + eps) for e in range(2)]
     it = iter(values)
     sums = [[[next(it) for _ in range(4)] for _ in range(tiles)] for _ in matrices]
-    bounds = [None, *splits, rows]
     ours = part.eq(0) if split > 1 else None
     for r in range(tiles):
         for j in range(4):
@@ -426,20 +425,7 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
             token = t0 + 2 * q + (j & 1)
             got = [sums[m][r][j] * scales[j & 1] if norm else sums[m][r][j]
                    for m in range(len(matrices))]
-            if swiglu:
-                gate, up = got
-                value = gate / (1.0 + k.exp(-gate)) * up
-            else:
-                value = got[0]
             inside = (row < rows) & (token < n_tokens)
             with k.if_(inside & ours if split > 1 else inside):
-                for i, y in enumerate(ys):
-                    if outputs == 1:
-                        at = token * rows + row
-                        y[at] = value + res[at] if residual else value
-                        continue
-                    start, end = bounds[i] or 0, bounds[i + 1]
-                    within = row < end if i == 0 else (row >= start) & (row < end)
-                    with k.if_(within):
-                        y[token * (end - start) + row - start] = value
+                store_row(k, ys, res, splits, rows, token, row, got, swiglu)
     return k.build()

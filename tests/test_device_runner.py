@@ -347,7 +347,8 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
     mma_tiled (F32, which mma_vec does not decode), or up to 16 tokens mma_vec and past them
     mma_tiled (Q4_K), split where the tiles give fewer workgroups than multiprocessors
     (always in this small model, never with one multiprocessor); split ones write within
-    mma_partials, which is as large as the largest needs."""
+    mma_partials, which is as large as the largest needs. The norms before mma_vec (Q4_K)
+    are norm_x16 launches that write within norm_x16, read by the x16 mma_vec after them."""
     model = poot.load(tiny_model(tmp_path, dtype=dtype, shape="tiny-k"))   # rows, cols 256, 512
     log = LaunchLog(multiprocessors=multiprocessors)
     runner = DeviceRunner(model, log, num_blocks=16, max_tokens=200, max_seqs=16)
@@ -356,12 +357,18 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
     runner.programs = {k.name: k for k in runner._kernels()}
     runner.buffers = {a.name: a for a in runner.allocations()}
     partials = runner.buffers.get("mma_partials")
-    largest, matrix = 0, set()
+    largest, matrix, normed = 0, set(), 0
+    x16 = runner.buffers.get("norm_x16")
     for T in range(1, 201):
         log.launched.clear()
         for _ in runner.launches(T, min(T, 16)):
             pass
-        for kernel, grid, args in log.launched:
+        for i, (kernel, grid, args) in enumerate(log.launched):
+            if kernel.name.startswith("norm_x16"):
+                normed += 1
+                assert args[2] is x16 and grid[0] * args[3] * 2 <= x16.nbytes
+                assert log.launched[i + 1][0].name.startswith("mma_vec") and \
+                    "_x16" in log.launched[i + 1][0].name and x16 in log.launched[i + 1][2]
             if not kernel.name.startswith(("mma_tiled", "matvec", "mma_vec")):
                 continue
             split = kernel.name.endswith("_split")
@@ -379,6 +386,7 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
                 largest = max(largest, want.partial_floats(rows, n))
     assert matrix == ({False} if multiprocessors == 1 else {True})
     assert partials == (Allocation("mma_partials", largest * 4, "arenas") if largest else None)
+    assert (normed > 0) == (dtype == "Q4_K") and (x16 is not None) == (dtype == "Q4_K")
 
 
 def test_no_partials_without_matrix_instructions(tmp_path):

@@ -65,15 +65,24 @@ def mma_vec_shapes(variant):
 def mma_kernels(dtypes=DEVICE_DTYPES):
     """The matrix kernels, which only PTX renders (SPIR-V refuses them: test_codegen_spirv.py):
     mma_tiled in each token tile, whole (with and without the residual) or split; mma_vec in
-    every fused variant, in the shapes the runner picks for few and many rows."""
+    every fused variant (a norm one as the runner launches it: on x from norm_x16), in the
+    shapes the runner picks for few and many rows, and norm_x16."""
     tiled = [matmul.mma_tiled(d, residual, tokens, split) for d in dtypes
              for tokens in matmul.MMA_TOKEN_TILES
              for split, residual in ((False, False), (False, True), (True, False))]
-    vec = [mma_vec.mma_vec(d, tiles=tiles, split=split, unroll=unroll, pipeline=pipeline, **v)
+    vec = [mma_vec.mma_vec(d, **dict(shape), **mma_vec_variant(v))
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
-           for tiles, split, unroll, pipeline in {mma_vec.shape(d, rows, cols, 132)
-                                                  for rows, cols in mma_vec_shapes(v)}]
-    return tiled + vec
+           for shape in {tuple(mma_vec.shape(d, rows, cols, 132).items())
+                         for rows, cols in mma_vec_shapes(v)}]
+    prep = list({k.name: k for k in (mma_vec.norm_x16(d) for d in mma_vec.DTYPES
+                                      if d in dtypes)}.values())
+    return tiled + vec + prep
+
+
+def mma_vec_variant(variant):
+    """A matvec variant as the runner launches it on mma_vec: a norm one reads norm_x16's x
+    (mma_vec has no norm variant)."""
+    return dict(variant, norm=False, x16=True) if variant.get("norm") else variant
 
 
 def mma_variant_kernels(dtypes=DEVICE_DTYPES):
@@ -86,19 +95,10 @@ def mma_variant_kernels(dtypes=DEVICE_DTYPES):
             for split, residual in ((False, False), (False, True), (True, False))]
 
 
-def mma_vec_variant_kernels():
-    """mma_vec with two accumulator chains (under measurement), in the runner's shapes."""
-    return [mma_vec.mma_vec(d, tiles=tiles, split=split, unroll=unroll, pipeline=pipeline,
-                            chains=2, **v)
-            for d in mma_vec.DTYPES for v in MATVEC_VARIANTS
-            for tiles, split, unroll, pipeline in {mma_vec.shape(d, rows, cols, 132)
-                                                  for rows, cols in mma_vec_shapes(v)}]
-
-
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("sm", [80, 90])
 def test_every_runner_kernel_assembles_with_ptxas(tmp_path, sm):
-    for kernel in runner_kernels(32) + mma_kernels() + mma_vec_variant_kernels():
+    for kernel in runner_kernels(32) + mma_kernels():
         source = tmp_path / f"{kernel.name}.ptx"
         source.write_text(render_ptx(kernel, sm))
         result = subprocess.run(["ptxas", f"-arch=sm_{sm}", str(source), "-o", "/dev/null"],

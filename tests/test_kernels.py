@@ -353,36 +353,43 @@ def test_split_mma_tiled_matmul(cuda_device, dtype, variant, n_tokens):
 # -- mma_vec: the decode matmul on the tensor cores (PTX devices only) -----------------------------
 # (variant, n_tokens, rows, cols): tokens past one 8-token launch, rows that are not whole
 # 16-row tiles, columns that are not whole 128-column groups (576: SmolLM2's width), pipelined
-# rounds (with subgroups that have none: 576 columns split 8 ways), two accumulator chains
+# rounds (with subgroups that have none: 576 columns split 8 ways), two accumulator chains, x
+# normed beforehand (x16: norm_x16, as the runner launches a norm variant)
 MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 4096),
                  ({"split": 4}, 11, 200, 576), ({"residual": True, "tiles": 2, "split": 2}, 5,
                                                  1000, 1024),
-                 ({"norm": True, "outputs": 3}, 1, 216, 576),
-                 ({"norm": True, "outputs": 3, "split": 8}, 8, 216, 4096),
+                 ({"x16": True, "outputs": 3}, 1, 216, 576),
+                 ({"x16": True, "outputs": 3, "split": 8}, 8, 216, 4096),
                  ({"swiglu": True}, 2, 200, 512),
-                 ({"norm": True, "swiglu": True, "tiles": 2, "split": 2}, 9, 200, 576),
+                 ({"x16": True, "swiglu": True, "tiles": 2, "split": 2}, 9, 200, 576),
                  ({"pipeline": True, "unroll": 2, "split": 2}, 8, 200, 4096),
-                 ({"pipeline": True, "split": 8, "norm": True}, 3, 200, 576),
+                 ({"pipeline": True, "split": 8, "x16": True}, 3, 200, 576),
                  ({"pipeline": True, "tiles": 2, "residual": True}, 1, 1000, 1024),
-                 ({"chains": 2, "norm": True, "outputs": 3, "split": 2}, 5, 216, 576),
-                 ({"chains": 2, "norm": True, "swiglu": True, "pipeline": True, "unroll": 2}, 8,
-                  200, 4096)]
+                 ({"chains": 2, "x16": True, "outputs": 3, "split": 2}, 5, 216, 576),
+                 ({"chains": 2, "x16": True, "swiglu": True, "pipeline": True, "unroll": 2}, 8,
+                  200, 4096),
+                 ({"x16": True, "pipeline": True, "unroll": 2, "split": 2}, 8, 200, 4096)]
 
 
 @pytest.mark.parametrize("dtype", mma_vec.DTYPES)
 @pytest.mark.parametrize("variant,n_tokens,rows,cols", MMA_VEC_CASES)
 def test_mma_vec(cuda_device, dtype, variant, n_tokens, rows, cols):
-    """Every fused variant, as matvec's (the same arguments), against numpy with mma_tiled's
-    error bounds (check_mma): x (normalised x for norm) and decoded quant weights rounded once
-    to the operand type, f32 sums; swiglu, whose silu moves the bounds, in relative norm."""
+    """Every fused variant, as matvec's (the same arguments but a norm's), against numpy with
+    mma_tiled's error bounds (check_mma): x (normalised x for x16, normed by norm_x16 on the
+    device) and decoded quant weights rounded once to the operand type, f32 sums; swiglu,
+    whose silu moves the bounds, in relative norm."""
     if cols % QUANTS[dtype].block_elems:
         pytest.skip(f"{dtype} rows are whole blocks of {QUANTS[dtype].block_elems}")
-    eps, norm = 1e-5, variant.get("norm", False)
+    eps, x16 = 1e-5, variant.get("x16", False)
     matrices = 2 if variant.get("swiglu") else 1
     weights = [weight(dtype, rows, cols) for _ in range(matrices)]
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
     g = rng.standard_normal(cols).astype(np.float32)
-    h = ref.rms_norm(x, g, eps) if norm else x
+    h = ref.rms_norm(x, g, eps) if x16 else x
+    x_in = x
+    if x16:
+        x_in = run(cuda_device, mma_vec.norm_x16(dtype), (n_tokens,), x, g,
+                   np.zeros((n_tokens, cols // 2), np.uint32), cols, eps)["x16"]
     outputs = variant.get("outputs", 1)
     sizes = (rows - 80, 40, 40)[:outputs] if outputs > 1 else (rows,)
     splits = list(np.cumsum(sizes)[:-1])
@@ -390,10 +397,9 @@ def test_mma_vec(cuda_device, dtype, variant, n_tokens, rows, cols):
     k = mma_vec.mma_vec(dtype, **variant)
     got = run(cuda_device, k, mma_vec.grid(rows, n_tokens, variant.get("tiles", 1),
                                            variant.get("split", 1)),
-              *[p for planes_, _ in weights for p in planes_], x, *([g] if norm else []),
+              *[p for planes_, _ in weights for p in planes_], x_in,
               *[np.zeros((n_tokens, n), np.float32) for n in sizes],
-              *([r] if variant.get("residual") else []), rows, cols, n_tokens, *splits,
-              *([eps] if norm else []))
+              *([r] if variant.get("residual") else []), rows, cols, n_tokens, *splits)
     where = f"{k.name} T={n_tokens} {rows}x{cols}"
     if matrices == 2:
         gate, up = (ref.matmul(h, dense) for _, dense in weights)
@@ -403,6 +409,31 @@ def test_mma_vec(cuda_device, dtype, variant, n_tokens, rows, cols):
     want_r = r if variant.get("residual") else None
     for name, dense in zip(names, np.split(weights[0][1], splits)):
         check_mma(got[name], h, dense, want_r, dtype, f"{where} {name}")
+
+
+@pytest.mark.parametrize("dtype", ["Q4_0", "F16", "BF16"])
+@pytest.mark.parametrize("n_tokens,cols", [(1, 576), (5, 4096), (16, 2048)])
+def test_norm_x16(cuda_device, dtype, n_tokens, cols):
+    """norm_x16: each token's RMSNorm times the gain, rounded once to the operand type (within
+    its unit roundoff of the f64 norm, plus f32's, or half f16's least subnormal), each 4-value run paired as mma_vec's B words
+    take it: (a, c), (b, d) for block quants, (a, b), (c, d) for floats."""
+    eps = 1e-5
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
+    g = rng.standard_normal(cols).astype(np.float32)
+    got = run(cuda_device, mma_vec.norm_x16(dtype), (n_tokens,), x, g,
+              np.zeros((n_tokens, cols // 2), np.uint32), cols, eps)["x16"]
+    halves = np.ascontiguousarray(got).view(np.uint16).reshape(n_tokens, cols // 4, 4)
+    if mma_vec.quant_pairs(dtype):
+        halves = halves[..., [0, 2, 1, 3]]
+    if dtype == "BF16":
+        values, u = (halves.astype(np.uint32) << 16).view(np.float32), 2.0 ** -8
+    else:
+        values, u = halves.view(np.float16).astype(np.float32), 2.0 ** -11
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + eps) * g
+    error = np.abs(values.reshape(n_tokens, cols) - want)
+    assert np.all(error <= (u + 2.0 ** -18) * np.abs(want) + 2.0 ** -25), \
+        f"{dtype} T={n_tokens} cols={cols}: worst {np.max(error / np.abs(want))}"
 
 
 @pytest.mark.parametrize("rows", [1, 96, 512, 2048, 4096, 14336, 128256])

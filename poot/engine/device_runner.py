@@ -461,7 +461,8 @@ class DeviceRunner(StepRunner):
 
     def _kernels_of(self, op, sg, cfg, long=False):
         if op.kind == "matmul":
-            matvecs = [self._matvec(op.weight, n, op.variant)[0] for n in TOKEN_GROUPS]
+            matvecs = [kernel for n in TOKEN_GROUPS
+                       for kernel in self._matvec(op.weight, n, op.variant)[::2] if kernel]
             if not long:
                 return matvecs
             x16 = [matmul.mma_x16(op.weight.dtype)] if self._mma_launches(op) and \
@@ -640,6 +641,8 @@ class DeviceRunner(StepRunner):
             out.append(Allocation("mma_partials", partials * 4, "arenas"))
         if self._mma_x16_words():           # x rounded for the tensor cores, [T, cols / 2]
             out.append(Allocation("mma_x16", self._mma_x16_words() * 4, "arenas"))
+        if self._norm_x16_words():          # x normed and rounded for mma_vec, [T, cols / 2]
+            out.append(Allocation("norm_x16", self._norm_x16_words() * 4, "arenas"))
         return out
 
     def _mma_partials(self):
@@ -815,10 +818,11 @@ class DeviceRunner(StepRunner):
                         words = rows * self.table_width if name == "block_tables" else None
                         self.device.write(self.buffers[name], host[:words])
         rounded = None              # (x, operand) that mma_x16 holds, until another op runs
+        normed = None               # (x, gain, kernel) that norm_x16 holds, the same way
         for op in self.steps_long if long else self.steps:
             ins, out = op.inputs, op.outputs[0]
             if op.kind != "matmul":
-                rounded = None
+                rounded = normed = None
             if op.kind == "embedding":
                 table = ins[0]
                 self._launch(ops.embedding(table.dtype), (T,),
@@ -853,20 +857,20 @@ class DeviceRunner(StepRunner):
                     tile, = self._mma_kernels(w, op.residual is not None, launch)
                     self._launch(tile, launch.grid(w.shape[0], n), *args)
                 else:
-                    self._launch_matvec(w, n, op.variant, args)
+                    self._launch_matvec(w, n, op.variant, self._weight_planes(w), x_in,
+                                        (B(out), *residual, *w.shape, n))
             elif op.kind == "matmul":
                 w = op.weight
                 n = self._shape(op.x, T, R)[0]
                 rows, cols = w.shape
                 planes_ = self._weight_planes(w) + (self._weight_planes(op.up) if op.up else [])
-                norm = [] if op.norm is None else [B(op.norm)]
+                norm = None if op.norm is None else (B(op.norm), op.eps)
                 residual = [] if op.residual is None else [B(op.residual)]
                 parts = self.stacked.get(w.name, (w, (w,)))[1]
                 splits = [int(s) for s in np.cumsum([p.shape[0] for p in parts])[:-1]]
-                eps = [] if op.norm is None else [op.eps]
-                args = (*planes_, B(op.x), *norm, *map(B, op.outputs), *residual, rows, cols, n,
-                        *splits, *eps)
-                self._launch_matvec(w, n, op.variant, args)
+                normed = self._launch_matvec(
+                    w, n, op.variant, planes_, B(op.x),
+                    (*map(B, op.outputs), *residual, rows, cols, n, *splits), norm, normed)
             elif op.kind == "add":
                 n = int(np.prod(self._shape(out, T, R)))
                 nb = int(np.prod(self._shape(ins[1], T, R)))
@@ -954,30 +958,58 @@ class DeviceRunner(StepRunner):
                                    self.device.subgroup_size)
 
     def _matvec(self, w, group, variant):
-        """(kernel, grid of n tokens) of weight w's matvec (its variant) for a token group:
-        from mma_vec.least_tokens on a device that runs it, mma_vec (mma_vec.shape); else
-        matmul.matvec, its rows a subgroup (matvec_rows), its subgroups a row (matvec_split)."""
+        """(kernel, grid of n tokens, its norm_x16 or None) of weight w's matvec (its variant)
+        for a token group: from mma_vec.least_tokens on a device that runs it, mma_vec
+        (mma_vec.shape; columns a multiple of 8), whose norm a norm_x16 launch makes
+        beforehand; else matmul.matvec, its rows a subgroup (matvec_rows), its subgroups a row
+        (matvec_split)."""
         rows = w.shape[0]
-        if group >= mma_vec.least_tokens(w.dtype) and self._mma_vec_runs(w.dtype):
-            tiles, split, unroll, pipeline = mma_vec.shape(w.dtype, *w.shape,
-                                                           self._multiprocessors())
-            kernel = mma_vec.mma_vec(w.dtype, tiles=tiles, split=split, unroll=unroll,
-                                     pipeline=pipeline, **variant)
-            return kernel, lambda n: mma_vec.grid(rows, n, tiles, split)
+        if group >= mma_vec.least_tokens(w.dtype) and self._mma_vec_runs(w.dtype) and \
+                w.shape[1] % 8 == 0:
+            shape = mma_vec.shape(w.dtype, *w.shape, self._multiprocessors())
+            prep = None
+            if variant["norm"]:
+                variant, prep = dict(variant, norm=False, x16=True), mma_vec.norm_x16(w.dtype)
+            kernel = mma_vec.mma_vec(w.dtype, **shape, **variant)
+            return kernel, lambda n: mma_vec.grid(rows, n, shape["tiles"], shape["split"]), prep
         sg = self.device.subgroup_size
         matrices = 2 if variant.get("swiglu") else 1
         rows_per = matvec_rows(w.dtype, group, matrices)
         split = matmul.matvec_split(w.dtype, *w.shape, sg, rows_per, self._multiprocessors(),
                                     matrices)
         kernel = matmul.matvec(w.dtype, sg, group, rows_per=rows_per, split=split, **variant)
-        return kernel, lambda n: matmul.matvec_grid(rows, n, sg, group, rows_per, split)
+        return kernel, lambda n: matmul.matvec_grid(rows, n, sg, group, rows_per, split), None
 
-    def _launch_matvec(self, w, n, variant, args):
+    def _norm_x16_words(self):
+        """The words of the largest x a step's norm_x16 makes (0: none does): its matmul's
+        tokens on the steps that do not run the tensor-core lowering, times cols / 2."""
+        short = self.mma_min_tokens - 1 if self.steps_long is not None else self.max_tokens
+        return max((min(self._elements(op.x.shape[:1]), short) * op.weight.shape[1] // 2
+                    for op in self.steps if op.kind == "matmul" for n in TOKEN_GROUPS
+                    if self._matvec(op.weight, n, op.variant)[2] is not None), default=0)
+
+    def _launch_matvec(self, w, n, variant, planes, x, rest, norm=None, normed=None):
         """The matvec of weight w (its variant) over n tokens: the smallest token group that
-        holds them, further launches along grid y for more."""
+        holds them, further launches along grid y for more. Its arguments: the weight planes,
+        x, (norm's gain,) `rest` (outputs, residual and the scalars but eps) (, eps), `norm`
+        being (gain, eps) for a norm variant. A norm variant on mma_vec reads x from norm_x16,
+        launched first unless `normed` says its buffer holds that x already. Returns what the
+        buffer holds after: (x, gain, norm_x16 kernel) or `normed`."""
         group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-        kernel, grid = self._matvec(w, group, variant)
+        kernel, grid, prep = self._matvec(w, group, variant)
+        if prep is not None:
+            gain, eps = norm
+            x16 = self.buffers["norm_x16"]
+            if normed != (x, gain, prep.name):
+                normed = (x, gain, prep.name)
+                self._launch(prep, (n,), x, gain, x16, w.shape[1], eps)
+            args = (*planes, x16, *rest)
+        elif norm is not None:
+            args = (*planes, x, norm[0], *rest, norm[1])
+        else:
+            args = (*planes, x, *rest)
         self._launch(kernel, grid(n), *args)
+        return normed
 
     def _all_reduce(self, op, T, R):
         """The sum of the group's partials, plus the residual, into this rank's output; a

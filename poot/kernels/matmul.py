@@ -210,13 +210,13 @@ def variant_name(residual, norm, outputs, swiglu):
         "_residual" * residual
 
 
-def matvec_params(k, dtype, residual, norm, outputs, swiglu):
+def matvec_params(k, dtype, residual, norm, outputs, swiglu, x16=False):
     """A matvec variant's parameters, declared on k in their order (mma_vec takes the same):
     (W's planes by matrix, x, norm gain, outputs, residual, rows, cols, n_tokens, splits, eps),
-    None where the variant has none."""
+    None where the variant has none; with x16 (mma_vec's) x is u32 words of rounded pairs."""
     matrices = ("gate", "up") if swiglu else ("w",)
     bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in reader(dtype).plane_names} for m in matrices]
-    x = k.buffer("x", F32)
+    x = k.buffer("x16", U32) if x16 else k.buffer("x", F32)
     gain = k.buffer("norm", F32) if norm else None
     ys = [k.buffer("y" if outputs == 1 else f"y{i}", F32, "w") for i in range(outputs)]
     res = k.buffer("residual", F32) if residual else None

@@ -40,6 +40,7 @@ from functools import cache
 
 from .lang import F32, I32, U32, KernelBuilder
 from .matmul import WORKGROUP, _pack, matvec_params, mma_operand, store_row, variant_name
+from .ops import block_reduce
 from .quant import _small_int, reader
 
 GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
@@ -50,6 +51,9 @@ EXPONENT = 0x64006400            # two f16 1024s: OR-ed over bits below 1024, 10
 # f16x2 words subtracted from 1024 + bits: 1024 + the format's bias (Q8_0's bytes have their
 # sign bit flipped first, so they are 128 above the signed value)
 OFFSET = {"Q4_0": 0x64086408, "Q8_0": 0x64806480, "Q6_K": 0x64206420}
+# two f16 64s: a unit of their mantissa is 1/16, so bits 4-7 OR-ed over them make 64 + those
+# bits as a nibble (Q4_0's high nibbles, no shift); less 72, the nibble less Q4_0's bias of 8
+HIGH_NIBBLES, HIGH_OFFSET = 0x54005400, 0x54805480
 
 
 def supported(dtype):
@@ -85,8 +89,8 @@ def most_tokens(dtype):
 
 
 def shape(dtype, rows, cols, multiprocessors):
-    """(tiles, split, unroll, pipeline) of an mma_vec over `rows` rows, as measured on the H200
-    on Llama shapes (docs/benchmarks.md): F16/BF16 one tile a subgroup, the columns split over
+    """The tiles, split, unroll, pipeline and chains (mma_vec's keywords) of an mma_vec over
+    `rows` rows, as measured on the H200 on Llama shapes (docs/benchmarks.md): F16/BF16 one tile a subgroup, the columns split over
     all 8 subgroups, two groups a round, pipelined (28,672 x 4,096 at one token 2,782 -> 3,572
     GB/s); block quants two tiles, split while the launch has fewer than 1.5 workgroups a
     multiprocessor (more splits were slower on the 28,672-row gate/up of Q4_0: 1,340 GB/s at 2,
@@ -94,24 +98,52 @@ def shape(dtype, rows, cols, multiprocessors):
     4,096 x 14,336 1,352 -> 1,604 GB/s; 6,144 x 4,096, 192 workgroups, 1,371 -> 1,224); Q4_1,
     Q4_K and Q6_K one tile. Pipelined only where a subgroup has two rounds or more: with one
     (1B F16's 2,048 columns) the prefetch only loads that round again (1B F16 batch 8 6,060 ->
-    5,521 tok/s)."""
+    5,521 tok/s). Two accumulator chains for Q4_0 (8B decode at batch 1 345.8 -> 359.6 tok/s,
+    batch 8 2,134 -> 2,230), one for the rest (8B Q4_K 240.2 -> 227.4 with two; 1B F16 even)."""
     rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
     if dtype in ("F16", "BF16"):
-        return 1, 8, 2, rounds(8) >= 2
+        return dict(tiles=1, split=8, unroll=2, pipeline=rounds(8) >= 2, chains=1)
     # one tile where a unit's decoding takes the registers (Q6_K's 18 words a unit and row;
     # Q4_1 and Q4_K decode in f32)
     tiles = 1 if dtype in ("Q4_1", "Q4_K", "Q6_K") else 2
     split = 1
     while split < WORKGROUP // SUBGROUP and grid(rows, 1, tiles, split)[0] < 1.5 * multiprocessors:
         split *= 2
-    return tiles, split, 2, grid(rows, 1, tiles, split)[0] < multiprocessors and rounds(split) >= 2
+    return dict(tiles=tiles, split=split, unroll=2, chains=2 if dtype == "Q4_0" else 1,
+                pipeline=grid(rows, 1, tiles, split)[0] < multiprocessors and rounds(split) >= 2)
 
 
-def _tree_sum(values):
-    """The sum of values added pairwise (a dependency chain of log2(n) additions)."""
-    while len(values) > 1:
-        values = [a + b for a, b in zip(values[::2], values[1::2])] + values[len(values) & ~1:]
-    return values[0]
+def quant_pairs(dtype):
+    """Whether mma_vec pairs a 4-value run (a, b, c, d) of x as (a, c), (b, d) in its B words
+    (block quants: a quant word's nibbles or bytes 0 and 2 make one f16 pair), else (a, b),
+    (c, d)."""
+    return dtype not in ("F16", "BF16")
+
+
+@cache
+def norm_x16(dtype, subgroup_size=SUBGROUP):
+    """x16[t] (u32 [T, cols / 2]) = x[t] / sqrt(mean(x[t]^2) + eps) * gain, rounded to the
+    operand of dtype's mma and paired as mma_vec's B words take them (quant_pairs): the RMSNorm
+    before an mma_vec, made once a step instead of in each of its subgroups (8B Q4_0, one token:
+    the 28,672 x 4,096 gate/up with the norm folded in 53.0 us, without it 34.1 us). One
+    workgroup a token; grid (T). cols a multiple of 8."""
+    operand, pairs = mma_operand(dtype), quant_pairs(dtype)
+    k = KernelBuilder(f"norm_x16_{operand.name}" + "_pairs" * pairs, (WORKGROUP,))
+    x, gain, x16 = k.buffer("x", F32), k.buffer("norm", F32), k.buffer("x16", U32, "w")
+    cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
+    scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
+    base, first = k.block_id() * cols, k.thread_id() * 4
+    square = k.var(F32, 0.0)
+    with k.for_(first, cols, WORKGROUP * 4) as i:
+        for v in x.load(base + i, 4):
+            square.set(k.fma(v, v, square.get()))
+    total = block_reduce(k, square.get(), subgroup_size, scratch)
+    scale = k.rsqrt(total / cols.to(F32) + eps)
+    with k.for_(first, cols, WORKGROUP * 4) as i:
+        a, b, c, d = [v * scale * w for v, w in zip(x.load(base + i, 4), gain.load(i, 4))]
+        lo, hi = ((a, c), (b, d)) if pairs else ((a, b), (c, d))
+        x16.store((base + i) >> 1, _pack(k, operand, *lo), _pack(k, operand, *hi))
+    return k.build()
 
 
 def _chain_sum(chains):
@@ -149,28 +181,31 @@ def _load(buffer, index, n):
 
 @cache
 def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1, split=1,
-            unroll=1, pipeline=False, chains=1):
+            unroll=1, pipeline=False, chains=1, x16=False):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split). Buffers and scalars as
-    matmul.matvec's of the same variant. `tiles`: 16-row tiles a subgroup computes; `split`:
-    subgroups sharing a tile's columns; `unroll`: 128-column groups a round; `pipeline`: the
-    next round's weights loaded before this round's arithmetic; `chains` (2: under measurement,
-    docs/benchmarks.md): a tile's mma steps alternate between that many accumulators (added
-    at the end), and the round's squares (norm) add as a tree, not one after another."""
+    matmul.matvec's of the same variant but norm: a norm comes before, from norm_x16, and
+    `x16` reads its words (u32 [T, cols / 2]: x normed, rounded and paired as the B operand
+    takes it) for x. `tiles`: 16-row tiles a subgroup computes; `split`: subgroups sharing a
+    tile's columns; `unroll`: 128-column groups a round; `pipeline`: the next round's weights
+    loaded before this round's arithmetic; `chains`: a tile's mma steps alternate between that
+    many accumulators (independent dependency chains), added at the end."""
     if dtype not in DTYPES:
         raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
     n_sub = WORKGROUP // SUBGROUP
     if n_sub % split:
         raise ValueError(f"mma_vec: split {split} does not divide {n_sub} subgroups")
+    if norm:
+        raise ValueError("mma_vec: the norm is norm_x16's, launched before (x16)")
     operand = mma_operand(dtype)
     quant = dtype not in ("F16", "BF16")
     matrices = ("gate", "up") if swiglu else ("w",)
     name = f"mma_vec_{dtype.lower()}_u{unroll}" + f"_r{tiles}" * (tiles > 1) + "_p" * pipeline
-    name += f"_k{split}" * (split > 1) + f"_c{chains}" * (chains > 1)
-    name += variant_name(residual, norm, outputs, swiglu)
+    name += f"_k{split}" * (split > 1) + f"_c{chains}" * (chains > 1) + "_x16" * x16
+    name += variant_name(residual, False, outputs, swiglu)
     k = KernelBuilder(name, (WORKGROUP,))
     planes = reader(dtype).plane_names
-    bufs, x, gain, ys, res, rows, cols, n_tokens, splits, eps = matvec_params(
-        k, dtype, residual, norm, outputs, swiglu)
+    bufs, x, _, ys, res, rows, cols, n_tokens, splits, _ = matvec_params(
+        k, dtype, residual, False, outputs, swiglu, x16)
 
     sub, lane = k.subgroup_id(), k.lane_id()
     g, q = lane >> 2, lane & 3
@@ -179,14 +214,13 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     first = (k.block_id(0) * slots + slot) * (16 * tiles)
     t0 = k.block_id(1) * TOKENS
     # lanes of tokens past the step read the last token's x (same cache lines, nothing stored)
-    x_row = k.min(t0 + g, n_tokens - 1) * cols
+    x_row = k.min(t0 + g, n_tokens - 1) * (cols >> 1 if x16 else cols)
     # rows past the end read the last row again and store nothing
     my_rows = [[k.min(first + 16 * r + 8 * h + g, rows - 1) for h in range(2)]
                for r in range(tiles)]
     # [matrix][tile][chain]: the 4 accumulators of each mma dependency chain
     acc = [[[[k.var(F32, 0.0) for _ in range(4)] for _ in range(chains)] for _ in range(tiles)]
            for _ in matrices]
-    square = k.var(F32, 0.0) if norm else None
     unit = 32 if quant else 8
     n_units = cols / unit
     word_rows = {p: reader(dtype).row_words(p, cols) for p in planes}
@@ -221,16 +255,30 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
                  for buf in bufs] for u, _ in units]
 
     def x_runs(u):
-        """Column offsets of the 4-value x runs of a unit, one a step, in step order; quant
-        words pair values 0-2 and 1-3 (b_words), float words 0-1 and 2-3."""
+        """(base, offsets): the columns of the 4-value x runs of a unit, base + each offset,
+        one run a step, in step order (a multiple of 8 and that plus 4 always both among them);
+        quant words pair values 0-2 and 1-3 (b_words), float words 0-1 and 2-3."""
         if dtype in ("Q8_0", "Q6_K"):
-            return [u * 32 + 4 * i for i in range(8)]
+            return u * 32, [4 * i for i in range(8)]
         if dtype == "Q4_K":      # low nibbles: values of sub-block 2p; high: of 2p + 1
             base = (u >> 3) * 256 + ((u >> 1) & 3) * 64 + (u & 1) * 16
-            return [base + off for i in range(4) for off in (4 * i, 32 + 4 * i)]
+            return base, [off for i in range(4) for off in (4 * i, 32 + 4 * i)]
         if quant:                # low nibbles: values 4i.., high: 16 + 4i..
-            return [u * 32 + off for i in range(4) for off in (4 * i, 16 + 4 * i)]
-        return [u * 8, u * 8 + 4]
+            return u * 32, [off for i in range(4) for off in (4 * i, 16 + 4 * i)]
+        return u * 8, [0, 4]
+
+    def x16_words(u, valid):
+        """The B words of a unit's steps from x16: its runs' word pairs, loaded 4 words at a
+        time (two runs of 8 aligned columns)."""
+        base, offsets = x_runs(u)
+        at = base >> 1
+        words = {}
+        for off in sorted(offsets):
+            if off not in words:
+                loaded = x.load(x_row + at + off // 2, 4)
+                words[off], words[off + 4] = loaded[:2], loaded[2:]
+        out = [w for off in offsets for w in words[off]]
+        return [k.select(valid, w, 0) for w in out] if valid is not None else out
 
     def b_words(run):
         a, b, c, d = run
@@ -270,9 +318,15 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
                     for w in words for s in nibbles]
         if dtype == "Q8_0":
             raw = [((w >> s) & 0x00FF00FF) ^ 0x00800080 for w in words for s in (0, 8)]
-        else:
-            raw = [(w >> s) & 0x000F000F for w in words for s in nibbles]
-        values = [k.half2("sub", bits | EXPONENT, OFFSET[dtype]) for bits in raw]
+            values = [k.half2("sub", bits | EXPONENT, OFFSET[dtype]) for bits in raw]
+        else:   # Q4_0: the high nibbles (bits 4-7) under 64's exponent, unshifted (HIGH_NIBBLES)
+            values = []
+            for w in words:
+                shifted = w >> 8
+                values += [k.half2("sub", (v & 0x000F000F) | EXPONENT, OFFSET[dtype])
+                           for v in (w, shifted)]
+                values += [k.half2("sub", (v & 0x00F000F0) | HIGH_NIBBLES, HIGH_OFFSET)
+                           for v in (w, shifted)]
         d = k.select((u & 1).eq(0), splat(scale_words[0], False), splat(scale_words[0], True))
         return [k.half2("mul", v, d) for v in values]
 
@@ -319,28 +373,19 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
         units = [unit for G in groups for unit in units_of(G, check)]
         weights = weights or weight_loads(units)
         loaded = [(u, loads, valid) for (u, valid), loads in zip(units, weights)]
-        runs = []               # x (and gain) loads before any arithmetic
-        for u, _, valid in loaded:
-            for off in x_runs(u):
-                xs = x.load(x_row + off, 4)
-                if check:        # a missing unit (its loads clamped to unit 0) weighs zero
-                    xs = [k.select(valid, v, 0.0) for v in xs]
-                gs = gain.load(off, 4) if norm else None
-                runs.append((xs, gs))
+        # the x loads before any arithmetic (a missing unit, its loads clamped to unit 0,
+        # weighs zero)
+        if x16:
+            b_all = [w for u, _, valid in loaded for w in x16_words(u, valid if check else None)]
+        else:
+            runs = []
+            for u, _, valid in loaded:
+                base, offsets = x_runs(u)
+                for off in offsets:
+                    xs = x.load(x_row + base + off, 4)
+                    runs.append([k.select(valid, v, 0.0) for v in xs] if check else xs)
+            b_all = [w for xs in runs for w in b_words(xs)]
         totals = [[[[a.get() for a in chain] for chain in tile] for tile in m] for m in acc]
-        sq = square.get() if norm else None
-        b_all, run_squares = [], []
-        for xs, gs in runs:
-            if norm and chains == 1:
-                for v in xs:
-                    sq = k.fma(v, v, sq)
-            elif norm:
-                run_squares.append(_tree_sum([v * v for v in xs]))
-            if norm:
-                xs = [v * gv for v, gv in zip(xs, gs)]
-            b_all += list(b_words(xs))
-        if run_squares:
-            sq = sq + _tree_sum(run_squares)
         steps = []              # per step: its B words, and per matrix and tile its A words
         for u, loads, _ in loaded:
             per_mt = [[[a_pairs(loads[m][r][h], u) for h in range(2)] for r in range(tiles)]
@@ -362,8 +407,6 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
                 for c in range(chains):
                     for var, total in zip(acc[m][r][c], totals[m][r][c]):
                         var.set(total)
-        if norm:
-            square.set(sq)
 
     # rounds of `unroll` consecutive groups (one run of each row, loads before arithmetic),
     # every split-th round to a subgroup; the groups left, one at a time; then a part group
@@ -394,14 +437,9 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     with k.if_(last & part.eq(0) if split > 1 else last):
         accumulate([n_groups], True)
 
-    # each lane: 4 sums a matrix and tile (D: row g + 8 (j // 2), token 2q + j % 2), and its
-    # token's partial sum of squares
+    # each lane: 4 sums a matrix and tile (D: row g + 8 (j // 2), token 2q + j % 2)
     values = [v for m in acc for tile in m
               for v in _chain_sum([[v.get() for v in chain] for chain in tile])]
-    if norm:
-        sq = square.get()
-        sq = sq + k.shuffle_xor(sq, 1)
-        values.append(sq + k.shuffle_xor(sq, 2))
     if split > 1:
         shared = k.shared("sums", F32, n_sub * len(values) * SUBGROUP)
         for i, v in enumerate(values):
@@ -412,10 +450,6 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
         for p in range(1, split):
             values = [v + shared[((base + p * len(values)) + i) * SUBGROUP + lane]
                       for i, v in enumerate(values)]
-    scales = None
-    if norm:
-        sq = values.pop()
-        scales = [k.rsqrt(k.shuffle(sq, (2 * q + e) * 4) / cols.to(F32) + eps) for e in range(2)]
     it = iter(values)
     sums = [[[next(it) for _ in range(4)] for _ in range(tiles)] for _ in matrices]
     ours = part.eq(0) if split > 1 else None
@@ -423,8 +457,7 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
         for j in range(4):
             row = first + 16 * r + g + 8 * (j >> 1)
             token = t0 + 2 * q + (j & 1)
-            got = [sums[m][r][j] * scales[j & 1] if norm else sums[m][r][j]
-                   for m in range(len(matrices))]
+            got = [sums[m][r][j] for m in range(len(matrices))]
             inside = (row < rows) & (token < n_tokens)
             with k.if_(inside & ours if split > 1 else inside):
                 store_row(k, ys, res, splits, rows, token, row, got, swiglu)

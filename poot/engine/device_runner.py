@@ -241,8 +241,12 @@ def _tokens_only(tokens):
 
 class DeviceRunner(StepRunner):
     def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16,
-                 part=None, split_tokens=None):
+                 part=None, split_tokens=None, check=True):
+        """check=False: a runner only for its allocation list (a plan's candidate, of which the
+        plan builds dozens), whose kernels are not checked against the device's capabilities:
+        the runner of the chosen candidate does that."""
         self.model, self.device, self.part = model, device, part
+        self._chosen = {}           # kernel choices by weight shape (_matvec, _mma_launches)
         self.backend = device.backend
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
@@ -275,7 +279,8 @@ class DeviceRunner(StepRunner):
         if self._has_mma_vec():
             self.mma_min_tokens = 1 + min(mma_vec.most_tokens(op.weight.dtype)
                                           for op in self.steps if op.kind == "matmul")
-        self._check_supported()
+        if check:
+            self._check_supported()
         self._lowerings = {False: self._assign_slots(self.steps)}
         if self.steps_long is not None:
             self._lowerings[True] = self._assign_slots(self.steps_long)
@@ -531,10 +536,12 @@ class DeviceRunner(StepRunner):
         cores (matmul.mma_launches; {} without them): what _kernels builds and the partials
         buffer holds."""
         w, most = op.weight, self._elements(op.x.shape[:1])
-        if self._mma_launch(w, most) is None:
-            return {}
-        return matmul.mma_launches(*w.shape, self.mma_min_tokens, most, self._multiprocessors(),
-                                   **mma_choice(w.dtype)[1])
+        key = ("mma_launches", w.dtype, w.shape, most)
+        if key not in self._chosen:
+            self._chosen[key] = {} if self._mma_launch(w, most) is None else \
+                matmul.mma_launches(*w.shape, self.mma_min_tokens, most, self._multiprocessors(),
+                                    **mma_choice(w.dtype)[1])
+        return self._chosen[key]
 
     def _multiprocessors(self):
         return getattr(self.device, "multiprocessors", None) or MULTIPROCESSORS
@@ -962,7 +969,14 @@ class DeviceRunner(StepRunner):
         for a token group: from mma_vec.least_tokens on a device that runs it, mma_vec
         (mma_vec.shape; columns a multiple of 8), whose norm a norm_x16 launch makes
         beforehand; else matmul.matvec, its rows a subgroup (matvec_rows), its subgroups a row
-        (matvec_split)."""
+        (matvec_split). Chosen once a runner for each weight shape and variant (the layers'
+        matmuls repeat them: a plan builds a runner for each of its candidates)."""
+        key = ("matvec", w.dtype, w.shape, group, tuple(sorted(variant.items())))
+        if key not in self._chosen:
+            self._chosen[key] = self._choose_matvec(w, group, variant)
+        return self._chosen[key]
+
+    def _choose_matvec(self, w, group, variant):
         rows = w.shape[0]
         if group >= mma_vec.least_tokens(w.dtype) and self._mma_vec_runs(w.dtype) and \
                 w.shape[1] % 8 == 0:

@@ -161,10 +161,11 @@ def candidates(model_context, max_seqs=None, context=None):
     return sorted(shapes, key=lambda c: c.rank)
 
 
-def runner_for(model, device, candidate):
-    """The device runner of a candidate, nothing allocated (it has read the device's caps)."""
+def runner_for(model, device, candidate, check=True):
+    """The device runner of a candidate, nothing allocated (it has read the device's caps, and
+    with `check` refused a model whose kernels need what the device lacks)."""
     return DeviceRunner(model, device, candidate.kv_blocks, BLOCK_SIZE, candidate.step_tokens,
-                        candidate.max_seqs)
+                        candidate.max_seqs, check=check)
 
 
 def footprint(runner):
@@ -189,8 +190,9 @@ def fits(footprint, free, max_buffer):
 def plan(model, device, free, source, max_seqs=None, context=None):
     """Every candidate's footprint against `free` bytes (None when unknown), and the largest
     that fits chosen; Plan.require() stops when none does."""
-    table = tuple((c, footprint(runner_for(model, device, c)))
-                  for c in candidates(model.context_length, max_seqs, context))
+    # the kernels' needs are checked once, on the first candidate (they are the same kernels)
+    table = tuple((c, footprint(runner_for(model, device, c, check=i == 0)))
+                  for i, c in enumerate(candidates(model.context_length, max_seqs, context)))
     fitting = [i for i, (_, f) in enumerate(table) if fits(f, free, device.max_buffer)]
     return Plan(f"{device.backend}: {device.name}", free, source, device.max_buffer, table,
                 fitting[-1] if fitting else None)

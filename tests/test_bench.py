@@ -56,3 +56,20 @@ def test_pooled_random_models_draw_their_rows_from_the_pool(tmp_path):
         np.array([5, 80, 9], np.int32), np.arange(3, dtype=np.int32), np.zeros(3, np.int32),
         np.array([[0, 1, 2, 3]], np.int32), np.array([2], np.int32), SamplingRows.greedy(1)))
     assert np.all(np.isfinite(logits)) and logits.std() > 0
+
+
+def test_compare_reference_reports_agreement_per_model(tmp_path):
+    """scripts/compare-reference on the Vulkan device: a line per model with its count of equal
+    greedy tokens, status 0 when all agree."""
+    try:
+        open_device("vulkan")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compare-reference"), "--backend", "vulkan",
+         "--models", "tiny:Q4_0:6,tiny:F16:4", "--cache", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("tiny:")]
+    assert [line.split(":", 3)[-1].split(",")[0].strip() for line in lines] == \
+        ["6/6 greedy tokens equal", "4/4 greedy tokens equal"], result.stdout

@@ -108,10 +108,11 @@ def test_every_runner_kernel_assembles_with_ptxas(tmp_path, sm):
 
 @pytest.mark.skipif(shutil.which("spirv-val") is None, reason="spirv-val is not installed")
 @pytest.mark.parametrize("subgroup_size", [8, 32, 64])
-def test_every_runner_kernel_validates_with_spirv_val(tmp_path, subgroup_size):
+@pytest.mark.parametrize("vector_loads", [False, True])     # wgpu's modules, and vulkan's
+def test_every_runner_kernel_validates_with_spirv_val(tmp_path, subgroup_size, vector_loads):
     for kernel in runner_kernels(subgroup_size):
         module = tmp_path / f"{kernel.name}.spv"
-        module.write_bytes(render_spirv(kernel, subgroup_size))
+        module.write_bytes(render_spirv(kernel, subgroup_size, vector_loads))
         result = subprocess.run(["spirv-val", "--target-env", "vulkan1.1", str(module)],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{kernel.name}: {result.stderr}"

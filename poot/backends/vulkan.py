@@ -566,7 +566,7 @@ class VulkanDevice:
 
     def _pipeline(self, kernel, layout):
         lib, dev = self.lib, self.device
-        code = render_spirv(kernel, self.subgroup_size)
+        code = render_spirv(kernel, self.subgroup_size, vector_loads=True)
         module = ffi.new("VkShaderModule *")
         vk.check(lib.vkCreateShaderModule(dev, vk.new(
             "VkShaderModuleCreateInfo", codeSize=len(code),

@@ -140,13 +140,17 @@ def binding_layout(kernel):
     return BindingLayout(tuple(buffers), tuple(scalars))
 
 
-def render_spirv(kernel, subgroup_size=None):
+def render_spirv(kernel, subgroup_size=None, vector_loads=False):
     """The SPIR-V module of `kernel` as little-endian bytes.
 
     `subgroup_size`, when the device's is known, is checked against the kernel: a shuffle_xor
-    mask must name a lane inside the subgroup.
+    mask must name a lane inside the subgroup. `vector_loads`: a load of 2 or 4 consecutive
+    32-bit elements of a read-only buffer is one load of a vector, through a second variable
+    of the same binding whose elements are those vectors (Vulkan allows descriptors to alias;
+    NVIDIA's driver issues 4 scalar loads as 4 loads); else one scalar load an element (naga,
+    wgpu's translator, has each binding declared once).
     """
-    words = _Renderer(kernel, subgroup_size).render()
+    words = _Renderer(kernel, subgroup_size, vector_loads).render()
     return struct.pack(f"<{len(words)}I", *words)
 
 
@@ -201,12 +205,13 @@ UNRENDERED_CAPS = frozenset({"fragment_load", *MMA_CAPS.values(), ASYNC_COPY, HA
 
 
 class _Renderer:
-    def __init__(self, kernel, subgroup_size):
+    def __init__(self, kernel, subgroup_size, vector_loads=False):
         unrendered = kernel.caps & UNRENDERED_CAPS
         if unrendered:
             raise ModelRefused(f"kernel {kernel.name} needs {', '.join(sorted(unrendered))}, "
                                f"which the SPIR-V renderer does not render")
-        self.kernel, self.subgroup_size = kernel, subgroup_size
+        self.kernel, self.subgroup_size, self.vector_loads = kernel, subgroup_size, vector_loads
+        self.vector_views = {}     # (buffer, width) -> (variable, pointer type) of its vectors
         self.lang_caps = kernel.caps
         buffer_bits = {p.dtype.bits for p in kernel.params if p.kind == "buffer"}
         self.caps = {"Shader"}
@@ -222,7 +227,7 @@ class _Renderer:
         self.dtype_of = {}         # SPIR-V id -> SPIR-V-level dtype, for every value produced
         self.values = {}           # lang value id -> SPIR-V id (a tuple for a load of width > 1)
         self.vars = {}             # lang var id -> (pointer id, dtype held in it)
-        self.buffers, self.shared = {}, {}
+        self.buffers, self.shared, self.bindings = {}, {}, {}
         self.push = None
         self.terminated = False
 
@@ -455,6 +460,7 @@ class _Renderer:
             if buffer.access == "r":
                 self.decorations += _inst(OP["Decorate"], var, NON_WRITABLE)
             self.buffers[buffer.name] = (var, self.pointer(STORAGE_BUFFER, elem))
+            self.bindings[buffer.name] = buffer
         if layout.push_constants:
             members = [self.ty(p.dtype) for p in layout.push_constants]
             block = self.new_id()
@@ -687,8 +693,45 @@ class _Renderer:
         return [index] + [self.op("IAdd", I32, index, self.const(lane, I32))
                           for lane in range(1, width)]
 
+    def vector_view(self, name, width):
+        """(variable, element pointer type) of a read-only buffer seen as `width`-vectors: a
+        second block variable at the buffer's binding, its runtime array strided width * 4."""
+        if (name, width) not in self.vector_views:
+            buffer = self.bindings[name]
+            elem = self.ty(buffer.dtype)
+            vector = self.type_id(("vec", elem, width), elem, width, opcode=OP["TypeVector"])
+            array = self.type_id(("rta", vector), vector, opcode=OP["TypeRuntimeArray"],
+                                 decorate=[(ARRAY_STRIDE, 4 * width)])
+            block = self.new_id()
+            self.globals += _inst(OP["TypeStruct"], block, array)
+            self.decorations += _inst(OP["Decorate"], block, BLOCK)
+            self.decorations += _inst(OP["MemberDecorate"], block, 0, OFFSET, 0)
+            var = self.new_id()
+            self.globals += _inst(OP["Variable"], self.pointer(STORAGE_BUFFER, block), var,
+                                  STORAGE_BUFFER)
+            self.names += _inst(OP["Name"], var, f"{name}_x{width}")
+            for decoration in ((DESCRIPTOR_SET, buffer.set), (BINDING, buffer.binding),
+                               (NON_WRITABLE,)):
+                self.decorations += _inst(OP["Decorate"], var, *decoration)
+            self.vector_views[name, width] = (var, self.pointer(STORAGE_BUFFER, vector), vector)
+        return self.vector_views[name, width]
+
     def load(self, let, index):
         target, shared, width = let.attr("target"), let.attr("shared"), let.attr("width")
+        if self.vector_loads and width in (2, 4) and not shared and \
+                self.bindings[target].access == "r" and self.bindings[target].dtype.bits == 32:
+            var, pointer, vector = self.vector_view(target, width)
+            at = self.op("ShiftRightArithmetic", I32, index, self.const(width // 2, I32))
+            whole = self.new_id()
+            self.emit(OP["Load"], vector, whole,
+                      self.chain(pointer, var, self.const(0, U32), at))
+            loaded = []
+            for lane in range(width):
+                rid = self.new_id()
+                self.emit(OP["CompositeExtract"], self.ty(let.dtype), rid, whole, lane)
+                self.dtype_of[rid] = let.dtype
+                loaded.append(rid)
+            return tuple(loaded)
         loaded = []
         for lane_index in self.lanes(index, width):
             loaded.append(self.op("Load", let.dtype, self.access(target, shared, lane_index)))

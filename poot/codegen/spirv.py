@@ -147,8 +147,8 @@ def render_spirv(kernel, subgroup_size=None, vector_loads=False):
     mask must name a lane inside the subgroup. `vector_loads`: a load of 2 or 4 consecutive
     32-bit elements of a read-only buffer is one load of a vector, through a second variable
     of the same binding whose elements are those vectors (Vulkan allows descriptors to alias;
-    NVIDIA's driver issues 4 scalar loads as 4 loads); else one scalar load an element (naga,
-    wgpu's translator, has each binding declared once).
+    NVIDIA's driver issues 4 scalar loads as 4 loads); else one scalar load an element (wgpu's
+    modules, until the aliased variables, which naga takes on lavapipe, have run on a GPU).
     """
     words = _Renderer(kernel, subgroup_size, vector_loads).render()
     return struct.pack(f"<{len(words)}I", *words)

@@ -55,13 +55,14 @@ class GroupRunner(StepRunner):
     backend = "ptx"
 
     def __init__(self, model, group, kind, num_blocks, block_size=16, max_tokens=256,
-                 max_seqs=16, micro_batches=None):
+                 max_seqs=16, micro_batches=None, check=True):
+        """check=False: for a plan's candidate (DeviceRunner's check)."""
         if kind not in ("pipeline", "tensor"):
             raise ValueError(f"placement {kind!r}")
         self.model, self.group, self.placement = model, group, kind
         self.parts = parts(model, kind, len(group.devices), num_blocks, block_size)
         self.runners = [DeviceRunner(model, device, num_blocks, block_size, max_tokens,
-                                     max_seqs, part)
+                                     max_seqs, part, check=check)
                         for device, part in zip(group.devices, self.parts)]
         if kind == "tensor":
             for runner in self.runners:

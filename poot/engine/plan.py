@@ -293,9 +293,9 @@ def plan_group(model, group, kind, frees, source, max_seqs=None, context=None):
     bytes; the largest candidate that fits on all of them chosen."""
     from .group import GroupRunner
     table = []
-    for c in candidates(model.context_length, max_seqs, context):
+    for i, c in enumerate(candidates(model.context_length, max_seqs, context)):
         runner = GroupRunner(model, group, kind, c.kv_blocks, BLOCK_SIZE, c.step_tokens,
-                             c.max_seqs)
+                             c.max_seqs, check=i == 0)        # as plan(): checked once
         table.append((c, tuple(footprint(r) for r in runner.runners)))
     fitting = [i for i, (_, fs) in enumerate(table)
                if all(fits(f, free, None) for f, free in zip(fs, frees))]

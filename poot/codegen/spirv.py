@@ -443,18 +443,7 @@ class _Renderer:
         layout = binding_layout(self.kernel)
         for buffer in layout.buffers:
             elem = self.ty(buffer.dtype)
-            array = self.type_id(("rta", elem), elem, opcode=OP["TypeRuntimeArray"],
-                                 decorate=[(ARRAY_STRIDE, buffer.dtype.bytes)])
-            block = self.new_id()
-            self.globals += _inst(OP["TypeStruct"], block, array)
-            self.decorations += _inst(OP["Decorate"], block, BLOCK)
-            self.decorations += _inst(OP["MemberDecorate"], block, 0, OFFSET, 0)
-            var = self.new_id()
-            self.globals += _inst(OP["Variable"], self.pointer(STORAGE_BUFFER, block), var,
-                                  STORAGE_BUFFER)
-            self.names += _inst(OP["Name"], var, buffer.name)
-            self.decorations += _inst(OP["Decorate"], var, DESCRIPTOR_SET, buffer.set)
-            self.decorations += _inst(OP["Decorate"], var, BINDING, buffer.binding)
+            var = self.block_variable(buffer, buffer.name, elem, buffer.dtype.bytes)
             # Read-only buffers are NonWritable. Write-only ones are not marked NonReadable:
             # naga refuses write-only storage buffers, and drivers gain nothing from it.
             if buffer.access == "r":
@@ -693,6 +682,23 @@ class _Renderer:
         return [index] + [self.op("IAdd", I32, index, self.const(lane, I32))
                           for lane in range(1, width)]
 
+    def block_variable(self, buffer, name, elem, stride):
+        """A storage-buffer variable at `buffer`'s binding: a block of one runtime array of
+        `elem` strided `stride` bytes."""
+        array = self.type_id(("rta", elem), elem, opcode=OP["TypeRuntimeArray"],
+                             decorate=[(ARRAY_STRIDE, stride)])
+        block = self.new_id()
+        self.globals += _inst(OP["TypeStruct"], block, array)
+        self.decorations += _inst(OP["Decorate"], block, BLOCK)
+        self.decorations += _inst(OP["MemberDecorate"], block, 0, OFFSET, 0)
+        var = self.new_id()
+        self.globals += _inst(OP["Variable"], self.pointer(STORAGE_BUFFER, block), var,
+                              STORAGE_BUFFER)
+        self.names += _inst(OP["Name"], var, name)
+        self.decorations += _inst(OP["Decorate"], var, DESCRIPTOR_SET, buffer.set)
+        self.decorations += _inst(OP["Decorate"], var, BINDING, buffer.binding)
+        return var
+
     def vector_view(self, name, width):
         """(variable, element pointer type) of a read-only buffer seen as `width`-vectors: a
         second block variable at the buffer's binding, its runtime array strided width * 4."""
@@ -700,19 +706,8 @@ class _Renderer:
             buffer = self.bindings[name]
             elem = self.ty(buffer.dtype)
             vector = self.type_id(("vec", elem, width), elem, width, opcode=OP["TypeVector"])
-            array = self.type_id(("rta", vector), vector, opcode=OP["TypeRuntimeArray"],
-                                 decorate=[(ARRAY_STRIDE, 4 * width)])
-            block = self.new_id()
-            self.globals += _inst(OP["TypeStruct"], block, array)
-            self.decorations += _inst(OP["Decorate"], block, BLOCK)
-            self.decorations += _inst(OP["MemberDecorate"], block, 0, OFFSET, 0)
-            var = self.new_id()
-            self.globals += _inst(OP["Variable"], self.pointer(STORAGE_BUFFER, block), var,
-                                  STORAGE_BUFFER)
-            self.names += _inst(OP["Name"], var, f"{name}_x{width}")
-            for decoration in ((DESCRIPTOR_SET, buffer.set), (BINDING, buffer.binding),
-                               (NON_WRITABLE,)):
-                self.decorations += _inst(OP["Decorate"], var, *decoration)
+            var = self.block_variable(buffer, f"{name}_x{width}", vector, 4 * width)
+            self.decorations += _inst(OP["Decorate"], var, NON_WRITABLE)
             self.vector_views[name, width] = (var, self.pointer(STORAGE_BUFFER, vector), vector)
         return self.vector_views[name, width]
 

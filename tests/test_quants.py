@@ -323,3 +323,22 @@ def test_bad_arguments_are_value_errors():
         quantize("Q4_0", np.full(32, np.nan, np.float32))
     with pytest.raises(ValueError, match="overflows float16"):
         quantize("Q8_0", np.full(32, 1e10, np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q4_0", "Q4_K"])
+def test_device_planes_hold_the_file_bytes(dtype):
+    """kernels.quant.planes: each plane the file's bytes of its part of every block, whole words
+    a row (zero-padded); an F16 weight's one plane is a view of the file's bytes (no copy of
+    gigabytes at startup), read-only ones included."""
+    from poot.kernels.quant import LAYOUTS, planes
+    rows, cols = 6, 512
+    raw = quantize(dtype, np.random.default_rng().standard_normal((rows, cols), np.float32))
+    raw = np.frombuffer(raw.tobytes(), np.uint8)             # read-only, as a mapped file's
+    got = planes(dtype, raw, (rows, cols))
+    blocks = raw.reshape(rows, -1, QUANTS[dtype].block_bytes)
+    for name, start, end in LAYOUTS[dtype][0]:
+        part = blocks[:, :, start:end].reshape(rows, -1)
+        words = got[name].view(np.uint8).reshape(rows, -1)
+        assert np.array_equal(words[:, :part.shape[1]], part) and not words[:, part.shape[1]:].any()
+    if dtype == "F16":
+        assert np.shares_memory(got["values"], raw)

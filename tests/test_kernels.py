@@ -415,8 +415,9 @@ def test_mma_vec(cuda_device, dtype, variant, n_tokens, rows, cols):
 @pytest.mark.parametrize("n_tokens,cols", [(1, 576), (5, 4096), (16, 2048)])
 def test_norm_x16(cuda_device, dtype, n_tokens, cols):
     """norm_x16: each token's RMSNorm times the gain, rounded once to the operand type (within
-    its unit roundoff of the f64 norm, plus f32's, or half f16's least subnormal), each 4-value run paired as mma_vec's B words
-    take it: (a, c), (b, d) for block quants, (a, b), (c, d) for floats."""
+    its unit roundoff of the f64 norm, plus f32's, or half f16's least subnormal), each 4-value
+    run paired as mma_vec's B words take it: (a, c), (b, d) for block quants, (a, b), (c, d)
+    for floats."""
     eps = 1e-5
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
     g = rng.standard_normal(cols).astype(np.float32)

@@ -466,8 +466,8 @@ class DeviceRunner(StepRunner):
 
     def _kernels_of(self, op, sg, cfg, long=False):
         if op.kind == "matmul":
-            matvecs = [kernel for n in TOKEN_GROUPS
-                       for kernel in self._matvec(op.weight, n, op.variant)[::2] if kernel]
+            chosen = [self._matvec(op.weight, n, op.variant) for n in TOKEN_GROUPS]
+            matvecs = [k for kernel, _, prep in chosen for k in (kernel, prep) if k is not None]
             if not long:
                 return matvecs
             x16 = [matmul.mma_x16(op.weight.dtype)] if self._mma_launches(op) and \

@@ -1,7 +1,7 @@
 """mma_vec: the decode matmul on the tensor cores, y[t, m] = x[t, :] . W[m, :] for steps of up
 to 8 tokens (further launches along grid y for more), with matmul.matvec's buffers, scalars and
-fused variants (norm, stacked outputs, swiglu, residual), for devices with mma and f16x2
-arithmetic (ptx).
+fused variants (stacked outputs, swiglu, residual; a norm is norm_x16's, launched before), for
+devices with mma and f16x2 arithmetic (ptx).
 
 Why: matvec's lanes each take whole weight units (a 32-value quant block), so the x values of
 neighbouring lanes lie 128 bytes apart and each 16-byte load of x touches as many cache lines as
@@ -24,7 +24,7 @@ of 1024 (0x6400), so the pair holds 1024 + q exactly; one f16x2 subtraction take
 the bias, one multiplication applies the scale (rounded once to f16: mma_tiled's rounding of
 decoded weights). Q4_1 and Q4_K, whose value q * d + low can cancel, are made in f32 and
 rounded once. x takes the same order: f32 loads of its 4-value runs, each pair rounded to f16
-(bf16 for BF16 weights).
+(bf16 for BF16 weights), or with `x16` the words norm_x16 stored in that order.
 
 A round is `unroll` consecutive groups, their weights loaded before any arithmetic; with
 `pipeline` the next round's weights are loaded before this round's arithmetic (registers
@@ -89,16 +89,16 @@ def most_tokens(dtype):
 
 
 def shape(dtype, rows, cols, multiprocessors):
-    """The tiles, split, unroll, pipeline and chains (mma_vec's keywords) of an mma_vec over
-    `rows` rows, as measured on the H200 on Llama shapes (docs/benchmarks.md): F16/BF16 one tile a subgroup, the columns split over
-    all 8 subgroups, two groups a round, pipelined (28,672 x 4,096 at one token 2,782 -> 3,572
-    GB/s); block quants two tiles, split while the launch has fewer than 1.5 workgroups a
-    multiprocessor (more splits were slower on the 28,672-row gate/up of Q4_0: 1,340 GB/s at 2,
-    1,090 at 4), pipelined where the launch has fewer workgroups than multiprocessors (Q4_0
-    4,096 x 14,336 1,352 -> 1,604 GB/s; 6,144 x 4,096, 192 workgroups, 1,371 -> 1,224); Q4_1,
-    Q4_K and Q6_K one tile. Pipelined only where a subgroup has two rounds or more: with one
-    (1B F16's 2,048 columns) the prefetch only loads that round again (1B F16 batch 8 6,060 ->
-    5,521 tok/s). Two accumulator chains for Q4_0 (8B decode at batch 1 345.8 -> 359.6 tok/s,
+    """The tiles, split, unroll, pipeline and chains (mma_vec's keywords) of an mma_vec over `rows`
+    rows, as measured on the H200 on Llama shapes (docs/benchmarks.md): F16/BF16 one tile a
+    subgroup, the columns split over all 8 subgroups, two groups a round, pipelined (28,672 x 4,096
+    at one token 2,782 -> 3,572 GB/s); block quants two tiles, split while the launch has fewer than
+    1.5 workgroups a multiprocessor (more splits were slower on the 28,672-row gate/up of Q4_0:
+    1,340 GB/s at 2, 1,090 at 4), pipelined where the launch has fewer workgroups than
+    multiprocessors (Q4_0 4,096 x 14,336 1,352 -> 1,604 GB/s; 6,144 x 4,096, 192 workgroups, 1,371
+    -> 1,224); Q4_1, Q4_K and Q6_K one tile. Pipelined only where a subgroup has two rounds or more:
+    with one (1B F16's 2,048 columns) the prefetch only loads that round again (1B F16 batch 8 6,060
+    -> 5,521 tok/s). Two accumulator chains for Q4_0 (8B decode at batch 1 345.8 -> 359.6 tok/s,
     batch 8 2,134 -> 2,230), one for the rest (8B Q4_K 240.2 -> 227.4 with two; 1B F16 even)."""
     rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
     if dtype in ("F16", "BF16"):

@@ -17,6 +17,8 @@ post-allocation check runs on each device.
 Not here: where the free memory comes from (serve/cli.py reads the driver's figure, capped by
 --memory-limit), and the reference backend, which plans nothing against host memory.
 """
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import CapacityError, ModelRefused, PlanMismatch
@@ -187,12 +189,28 @@ def fits(footprint, free, max_buffer):
             and (max_buffer is None or footprint.largest <= max_buffer))
 
 
+@contextmanager
+def _collected_after():
+    """The garbage collector held off until the block ends: a plan's runners (one for each of a
+    hundred-odd candidates) make many short-lived objects, and collecting them as they go,
+    each time walking the loaded model's long-lived ones, took half an 8B plan's 2 s."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan(model, device, free, source, max_seqs=None, context=None):
     """Every candidate's footprint against `free` bytes (None when unknown), and the largest
     that fits chosen; Plan.require() stops when none does."""
     # the kernels' needs are checked once, on the first candidate (they are the same kernels)
-    table = tuple((c, footprint(runner_for(model, device, c, check=i == 0)))
-                  for i, c in enumerate(candidates(model.context_length, max_seqs, context)))
+    with _collected_after():
+        table = tuple((c, footprint(runner_for(model, device, c, check=i == 0)))
+                      for i, c in enumerate(candidates(model.context_length, max_seqs,
+                                                       context)))
     fitting = [i for i, (_, f) in enumerate(table) if fits(f, free, device.max_buffer)]
     return Plan(f"{device.backend}: {device.name}", free, source, device.max_buffer, table,
                 fitting[-1] if fitting else None)
@@ -293,10 +311,11 @@ def plan_group(model, group, kind, frees, source, max_seqs=None, context=None):
     bytes; the largest candidate that fits on all of them chosen."""
     from .group import GroupRunner
     table = []
-    for i, c in enumerate(candidates(model.context_length, max_seqs, context)):
-        runner = GroupRunner(model, group, kind, c.kv_blocks, BLOCK_SIZE, c.step_tokens,
-                             c.max_seqs, check=i == 0)        # as plan(): checked once
-        table.append((c, tuple(footprint(r) for r in runner.runners)))
+    with _collected_after():
+        for i, c in enumerate(candidates(model.context_length, max_seqs, context)):
+            runner = GroupRunner(model, group, kind, c.kv_blocks, BLOCK_SIZE, c.step_tokens,
+                                 c.max_seqs, check=i == 0)        # as plan(): checked once
+            table.append((c, tuple(footprint(r) for r in runner.runners)))
     fitting = [i for i, (_, fs) in enumerate(table)
                if all(fits(f, free, None) for f, free in zip(fs, frees))]
     return GroupPlan(tuple(f"{d.backend}: {d.name}" for d in group.devices), tuple(frees),

@@ -217,3 +217,31 @@ def test_poot_plan_on_a_backend_that_cannot_open_exits_3(tiny, capsys, backend, 
 def test_poot_plan_on_the_reference_backend_says_it_plans_nothing(tiny, capsys):
     status, out, _ = run_plan(capsys, "--model", str(tiny.path), "--backend", "reference")
     assert status == 0 and "plans nothing against host memory" in out
+
+
+def test_a_plan_refuses_kernels_the_device_lacks_and_checks_them_once(tiny, monkeypatch):
+    """plan() checks the kernels' needs against the device on its first candidate (a device
+    without subgroup arithmetic: ModelRefused naming a kernel and the capability), and builds
+    its other candidates unchecked; the chosen candidate's runner checks again."""
+    from poot.engine.device_runner import DeviceRunner
+    from poot.errors import ModelRefused
+    from tests.test_device_runner import LaunchLog
+
+    class Lacking(LaunchLog):
+        allocation_bytes = staticmethod(lambda n: n)
+        max_buffer = None
+
+    lacking = Lacking()
+    lacking.caps = lacking.caps - {"subgroup_arith"}
+    with pytest.raises(ModelRefused, match=r"kernel \w+ needs subgroup_arith, which the "
+                                           r"device lacks"):
+        plan.plan(tiny, lacking, 1 << 30, "test")
+    checks = []
+    check = DeviceRunner._check_supported
+    monkeypatch.setattr(DeviceRunner, "_check_supported",
+                        lambda runner: checks.append(runner) or check(runner))
+    device = Lacking()
+    chosen = plan.plan(tiny, device, 1 << 30, "test").require()
+    assert len(checks) == 1 and len(plan.candidates(tiny.context_length)) > 1
+    plan.runner_for(tiny, device, chosen.candidate)
+    assert len(checks) == 2

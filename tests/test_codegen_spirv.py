@@ -218,9 +218,11 @@ def _trunc_div(x, y):
 
 
 def _ulp(x):
-    """The spacing of |x| in its own float dtype, as float64."""
+    """The spacing of |x| in its own float dtype, as float64 (inf past the largest finite value,
+    whose spacing overflows)."""
     x = np.abs(np.asarray(x))
-    return np.spacing(x).astype(np.float64)
+    with np.errstate(over="ignore"):
+        return np.spacing(x).astype(np.float64)
 
 
 MATH = {  # op: (low, high, ulps(x), absolute tolerance for f32, for f16)

@@ -1,7 +1,7 @@
 """A model over two CUDA devices (engine/group.py on backends/ptx.PtxGroup) against the same
-model on one: prefill, decode replays and batched decode (pipeline micro-batches) give the one-
-device logits and greedy tokens, for both placements. Needs two CUDA devices with peer access;
-skips with the reason elsewhere.
+model on one: prefill, decode replays, batched decode and a pipeline's lanes under the engine
+give the one-device logits and greedy tokens, for both placements. Needs two CUDA devices with
+peer access; skips with the reason elsewhere.
 
 Where there is one device (lavapipe in CI), OneDeviceGroup puts both ranks (or three) on it: the
 runners of each part, their lockstep, the reduction kernel reading the other rank's partial
@@ -43,7 +43,9 @@ def same_greedy(one, two, n):
     want_ids, want = greedy(one, [5, 80, 9, 41], n, table)
     got_ids, got = greedy(two, [5, 80, 9, 41], n, table)
     assert got_ids == want_ids
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+    # a shard's matmul may take another kernel than the whole one (mma_vec rounds its x to f16
+    # where a shard's columns allow it, the whole matrix's may not, or the reverse)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
 CASES = [("tiny", "F16", "llama"), ("tiny-odd", "Q4_0", "llama"), ("tiny-odd", "F16", "llama"),
@@ -71,12 +73,10 @@ def test_group_greedy_equals_one_device(tmp_path, group, kind, case):
 
 @pytest.mark.parametrize("kind", ["tensor", "pipeline"])
 def test_group_batched_decode_equals_one_device(tmp_path, group, kind):
-    """128 sequences decoding together: one graph over both devices (pipeline: in micro-batches
-    of at least the tensor-core kernel's 64 tokens)."""
+    """128 sequences decoding together: one graph over both devices."""
     model = poot.load(tiny_model(tmp_path, dtype="F16", shape="tiny-odd"))
     n, per_seq = 128, 4
     one, two = runners(model, group, kind, n * per_seq, max_tokens=n, max_seqs=n)
-    assert kind == "tensor" or n // two.runners[0].decode_piece() >= 2
     rng = np.random.default_rng()
     tables = rng.permutation(n * per_seq).astype(np.int32).reshape(n, per_seq)
     for runner in (one, two):                       # the same 5-token prompt in every row
@@ -197,7 +197,7 @@ ONE_DEVICE_CASES = CASES[:4] + CASES[-1:]
 def test_parts_on_one_device_equal_the_whole_model(tmp_path, one_device, kind, case):
     model = load(tmp_path, case)
     one = model.runner(one_device.devices[0], num_blocks=32)
-    two = GroupRunner(model, one_device, kind, 32, micro_batches=1)
+    two = GroupRunner(model, one_device, kind, 32)
     two.allocate()
     two.upload()
     assert [r.part for r in two.runners] == two.parts and len(two.runners) == 2
@@ -271,3 +271,109 @@ def test_tensor_ranks_share_kv_heads_in_long_steps(tmp_path, one_device, monkeyp
                for r in two.runners)
     got = two.logits(batch)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def engine_tokens(runner, model, requests, **kw):
+    """The greedy tokens of each (prompt, max_tokens) request, run together by an Engine over
+    `runner`."""
+    from poot.engine.request import SamplingParams
+    from poot.engine.scheduler import Engine
+    engine = Engine(runner, model.tokenizer, **kw)
+    handles = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+               for p, n in requests]
+    engine.run_until_idle()
+    assert engine.idle and engine.kv.num_used == 0
+    return [[t for out in h for t in out.token_ids] for h in handles], engine
+
+
+def lane_requests(model, lengths, tokens):
+    rng = np.random.default_rng(7)
+    return [(rng.integers(3, model.config.vocab_size, int(n)).tolist(), int(t))
+            for n, t in zip(lengths, tokens)]
+
+
+def counting_launches(runner, monkeypatch):
+    """Counts the steps each of a group runner's lanes launches (their own launch, counted)."""
+    counts = [0] * len(runner.lanes)
+    for i, lane in enumerate(runner.lanes):
+        def launch(batch, i=i, real=lane.launch):
+            counts[i] += 1
+            return real(batch)
+        monkeypatch.setattr(lane, "launch", launch)
+    return counts
+
+
+LANE_CASES = {"plenty": (64, [14, 3, 9, 14, 29, 1, 14, 12], [22, 30, 25, 4, 19, 33, 9, 24]),
+              # eight sequences growing to 3 blocks each in 14: preempted in their lane
+              "short": (14, [14, 13, 15, 14, 12, 15, 14, 13], [30, 31, 29, 33, 30, 28, 34, 30]),
+              # one sequence a lane, 3 blocks each in 4: the first, out of blocks, can only
+              # preempt the other lane's, whose step is in flight: it collects that step first
+              "drain": (4, [14, 14], [30, 30])}
+
+
+def same_tokens_through_lanes(tmp_path, group, monkeypatch, case):
+    """An Engine over a pipeline with two lanes: each lane's step in flight while the other's
+    is scheduled, the sequences shared between the lanes, the tokens those of one device."""
+    num_blocks, lengths, max_tokens = LANE_CASES[case]
+    model = load(tmp_path, CASES[0])
+    requests = lane_requests(model, lengths, max_tokens)
+    shape = dict(max_tokens=64, max_seqs=8)
+    want, _ = engine_tokens(model.runner(group.devices[0], num_blocks=64, **shape), model,
+                            requests, max_seqs=8, step_tokens=64)
+    two = GroupRunner(model, group, "pipeline", num_blocks, **shape)
+    assert len(two.lanes) == 2
+    two.allocate()
+    two.upload()
+    launches = counting_launches(two, monkeypatch)
+    got, engine = engine_tokens(two, model, requests, max_seqs=8, step_tokens=64)
+    assert got == want
+    assert min(launches) > 5, launches
+    assert (engine.stats().preemptions_total > 0) == (case != "plenty")
+    return two
+
+
+@pytest.mark.parametrize("case", LANE_CASES)
+def test_pipeline_lanes_through_the_engine_equal_one_device(tmp_path, one_device, monkeypatch,
+                                                           case):
+    same_tokens_through_lanes(tmp_path, one_device, monkeypatch, case)
+
+
+@pytest.mark.parametrize("case", LANE_CASES)
+def test_pipeline_lanes_on_two_devices_through_the_engine(tmp_path, group, monkeypatch, case):
+    """As above on two CUDA devices: the lanes' steps, replayed graphs on streams of their own,
+    run at once on the same weights and KV cache."""
+    two = same_tokens_through_lanes(tmp_path, group, monkeypatch, case)
+    assert all(lane.graphs for lane in two.lanes)
+    assert two.lanes[1].runners[0].device.stream != two.runners[0].device.stream
+
+
+def test_a_request_cancelled_while_its_lane_runs_frees_its_blocks_after(tmp_path, one_device):
+    """Cancelling a sequence whose lane's step is in flight collects that step first (its
+    kernels still write the sequence's KV blocks), then frees the blocks; the other sequences
+    go on with the tokens they would have had."""
+    from poot.engine.request import SamplingParams
+    from poot.engine.scheduler import Engine
+    model = load(tmp_path, CASES[0])
+    requests = lane_requests(model, [9, 12, 7, 10], [20, 20, 20, 20])
+    want, _ = engine_tokens(model.runner(one_device.devices[0], num_blocks=32), model, requests)
+    two = GroupRunner(model, one_device, "pipeline", 32)
+    two.allocate()
+    two.upload()
+    engine = Engine(two, model.tokenizer)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    handles = [engine.submit(p, params) for p, _ in requests]
+    for _ in range(6):
+        engine.step()
+    victim = next(seq for flight in engine._flight if flight for seq, _ in flight[0])
+    assert victim.seq_id in engine._in_flight()
+    handles[victim.seq_id].cancel()
+    assert victim.seq_id not in engine._in_flight() and victim not in engine._running
+    assert victim.blocks == [] or all(b not in victim.blocks for s in engine._running
+                                      for b in s.blocks)
+    engine.run_until_idle()
+    assert engine.kv.num_used == 0
+    outs = [[out for out in h] for h in handles]
+    assert outs[victim.seq_id][-1].finish_reason == "abort"
+    for i, h in enumerate(outs):
+        if i != victim.seq_id:
+            assert [t for out in h for t in out.token_ids] == want[i]

@@ -66,7 +66,7 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     """The matrix kernels, which only PTX renders (SPIR-V refuses them: test_codegen_spirv.py):
     mma_tiled in each token tile, whole (with and without the residual) or split; mma_vec in
     every fused variant (a norm one as the runner launches it: on x from norm_x16), in the
-    shapes the runner picks for few and many rows, and norm_x16."""
+    shapes the runner picks for few and many rows, norm_x16 and reduce_norm_x16."""
     tiled = [matmul.mma_tiled(d, residual, tokens, split) for d in dtypes
              for tokens in matmul.MMA_TOKEN_TILES
              for split, residual in ((False, False), (False, True), (True, False))]
@@ -74,8 +74,9 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
            for shape in {tuple(mma_vec.shape(d, rows, cols, 132).items())
                          for rows, cols in mma_vec_shapes(v)}]
-    prep = list({k.name: k for k in (mma_vec.norm_x16(d) for d in mma_vec.DTYPES
-                                      if d in dtypes)}.values())
+    prep = list({k.name: k for d in mma_vec.DTYPES if d in dtypes
+                 for k in (mma_vec.norm_x16(d), mma_vec.reduce_norm_x16(d, 2),
+                           mma_vec.reduce_norm_x16(d, 8))}.values())
     return tiled + vec + prep
 
 

@@ -423,6 +423,36 @@ def test_norm_x16(cuda_device, dtype, n_tokens, cols):
     g = rng.standard_normal(cols).astype(np.float32)
     got = run(cuda_device, mma_vec.norm_x16(dtype), (n_tokens,), x, g,
               np.zeros((n_tokens, cols // 2), np.uint32), cols, eps)["x16"]
+    check_x16(got, x, g, eps, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["Q4_0", "F16", "BF16"])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("n_tokens,cols", [(1, 4096), (5, 2048), (3, 576)])
+def test_reduce_norm_x16(cuda_device, dtype, world, n_tokens, cols):
+    """reduce_norm_x16: out = residual + (the ranks' partials summed in rank order), the same
+    bits as all_reduce's, and norm_x16 of it."""
+    eps = 1e-5
+    parts = [rng.standard_normal((n_tokens, cols)).astype(np.float32) for _ in range(world)]
+    residual = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
+    g = rng.standard_normal(cols).astype(np.float32)
+    got = run(cuda_device, mma_vec.reduce_norm_x16(dtype, world), (n_tokens,), *parts, residual,
+              np.full((n_tokens, cols), np.nan, np.float32), g,
+              np.zeros((n_tokens, cols // 2), np.uint32), cols, eps)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    want = residual + total
+    assert np.array_equal(got["out"], want)
+    reduced = run(cuda_device, ops.all_reduce(world, residual=True), (-(-want.size // 1024),),
+                  *parts, residual, np.zeros_like(want), 0, want.size)["out"]
+    assert np.array_equal(got["out"], reduced)
+    check_x16(got["x16"], want, g, eps, dtype)
+
+
+def check_x16(got, x, g, eps, dtype):
+    """x16 words against the f64 RMSNorm of x times g (see test_norm_x16)."""
+    n_tokens, cols = x.shape
     halves = np.ascontiguousarray(got).view(np.uint16).reshape(n_tokens, cols // 4, 4)
     if mma_vec.quant_pairs(dtype):
         halves = halves[..., [0, 2, 1, 3]]

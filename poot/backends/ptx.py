@@ -9,6 +9,7 @@ PtxGroup opens several devices in one process for a placement over them (engine/
 peer access between every pair, peer copies on the streams, cross-device ordering by events
 (never a host round trip), and one CUDA graph capturing a step over all of them.
 """
+import copy
 import threading
 from dataclasses import dataclass
 
@@ -81,6 +82,15 @@ class PtxDevice:
         self._programs = {}
         self._pinned = []           # host_array memory
         self._timed = None
+
+    def lane(self):
+        """The device with a stream of its own (a pipeline lane, engine/group.py): work issued
+        to it runs beside the work of the device's other streams; the context, programs and
+        page-locked memory are shared."""
+        self._current()
+        other = copy.copy(self)
+        other.stream = self.cu.stream_create()
+        return other
 
     def _current(self):
         """Makes the device's context current on the calling thread (the engine runs steps on a
@@ -263,6 +273,17 @@ class PtxGroup:
         for d in self.devices:
             d._current()
             self.events.append(d.cu.event_create(cuda.CU_EVENT_DISABLE_TIMING))
+
+    def lane(self):
+        """The group over lanes of its devices (PtxDevice.lane) with events of its own: a
+        pipeline lane's steps run beside the other lanes' (engine/group.py)."""
+        other = copy.copy(self)
+        other.devices = [d.lane() for d in self.devices]
+        other.events = []
+        for d in other.devices:
+            d._current()
+            other.events.append(d.cu.event_create(cuda.CU_EVENT_DISABLE_TIMING))
+        return other
 
     def signal(self, i):
         """Records device i's event after the work issued so far on its stream."""

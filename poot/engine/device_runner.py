@@ -11,6 +11,7 @@ arrays, issues the launches in graph order, and reads back the logits of the sam
 sampling follows engine/sampling.py. The runner knows kernels and devices only through the
 Device interface (backends/__init__.py), so the same lowering serves every backend.
 """
+import copy
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -178,21 +179,34 @@ class StepRunner:
         return np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
 
     def step(self, batch):
-        """Steps without logprobs read back only the device's argmax (all rows greedy) or each
+        """Runs a step and returns its tokens (launch, then collect)."""
+        self.launch(batch)
+        return self.collect()
+
+    def launch(self, batch):
+        """Issues a step without waiting for it; collect() returns its tokens. A pipeline's
+        lanes (engine/group.py) each have a step in flight this way."""
+        self._launched = (batch, self.run(batch))
+
+    def collect(self):
+        """The tokens of the step launch() issued, once the device has done it.
+
+        Steps without logprobs read back only the device's argmax (all rows greedy) or each
         row's candidates (ops.top_candidates: each chunk's best logits and sum), from which
         sampling.choose_among takes the definition's token; steps that report logprobs, the
         candidates with sums at temperature 1 (_step_with_logprobs); a row they cannot decide
         reads the logits and samples on the host (engine/sampling.py)."""
+        batch, R = self._launched
+        self._launched = None
         rows = batch.sampling
+        if not self._has_candidates() and (rows.logprobs or rows.n_logprobs
+                                           or np.any(rows.temperature > 0)):
+            return sample(self._logits_of(R), rows)
         if rows.logprobs or rows.n_logprobs:
-            return self._step_with_logprobs(batch)
+            return self._step_with_logprobs(R, rows)
         if not np.any(rows.temperature > 0):
-            R = self.run(batch)
             tokens = np.frombuffer(self._read("argmax", R * 4), np.int32)
             return _tokens_only(tokens.copy())
-        if not self._has_candidates():
-            return sample(self.logits(batch), rows)
-        R = self.run(batch)
         candidates = self._candidates(R, rows.temperature)
         params = [choice_args(rows, r) for r in range(R)]
         tokens = [choose_among(*(part[r] for part in candidates), self.vocab_size, *params[r])
@@ -204,14 +218,10 @@ class StepRunner:
                 tokens[r] = choose_fast(logits[r], *params[r])
         return _tokens_only(np.array(tokens, np.int32))
 
-    def _step_with_logprobs(self, batch):
-        """A step that reports log probabilities (of the raw logits): from the rows' candidates
-        with sums at temperature 1 (sampling.logprobs_among) where every row's can tell them,
-        else from the logits read back (sample)."""
-        rows = batch.sampling
-        if not self._has_candidates():
-            return sample(self.logits(batch), rows)
-        R = self.run(batch)
+    def _step_with_logprobs(self, R, rows):
+        """The tokens and log probabilities (of the raw logits) of the last step's R rows: from
+        the rows' candidates with sums at temperature 1 (sampling.logprobs_among) where every
+        row's can tell them, else from the logits read back (sample)."""
         candidates = self._candidates(R, np.ones(R, np.float32))
         got = []
         for r in range(R):
@@ -246,6 +256,7 @@ class DeviceRunner(StepRunner):
         plan builds dozens), whose kernels are not checked against the device's capabilities:
         the runner of the chosen candidate does that."""
         self.model, self.device, self.part = model, device, part
+        self.base = None            # a lane's runner whose weights and KV cache it uses
         self._chosen = {}           # kernel choices by weight shape (_matvec, _mma_launches)
         self.backend = device.backend
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -264,8 +275,6 @@ class DeviceRunner(StepRunner):
         self.peers = [self]         # the runners of a tensor group, in rank order (group.py)
         self.two_phase_floats = TWO_PHASE_FLOATS
         self.long = False           # this step splits its attention (run() decides)
-        self._offsets = (0, 0)      # (token, row) of a pipeline micro-batch (group.py)
-        self._step_tokens = None    # and the tokens of its whole step
         self._shared = self._shared_buffers()
         self.steps, self.stacked = self._lower(fuse=True)
         self._part_of = {}          # part of a stacked weight -> (stacked weight, first row)
@@ -291,6 +300,16 @@ class DeviceRunner(StepRunner):
         self.buffers, self.graphs = {}, {}
         self._host = {}             # staged: step input or output -> its host_array int32s
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
+
+    def lane(self):
+        """A runner of the same step on this one's weights and KV cache, with step inputs and
+        arenas of its own, so that its steps may run while this one's do (a pipeline's lane,
+        engine/group.py)."""
+        other = copy.copy(self)
+        other.base = self
+        other.buffers, other.graphs, other._host = {}, {}, {}
+        other.kernel_times = None
+        return other
 
     # -- the plan ------------------------------------------------------------------------------
     def _shared_buffers(self):
@@ -455,8 +474,14 @@ class DeviceRunner(StepRunner):
         sg, cfg = self.device.subgroup_size, self.model.config
         seen = {}
         for long, steps in ((False, self.steps), (True, self.steps_long or ())):
-            for step in steps:
+            for i, step in enumerate(steps):
                 for kernel in self._kernels_of(step, sg, cfg, long):
+                    seen.setdefault(kernel.name, kernel)
+                after = None if long or step.kind != "all_reduce" else \
+                    self._normed_after(steps, i)
+                if after is not None and any(self._matvec(after.weight, n, after.variant)[2]
+                                             for n in TOKEN_GROUPS):
+                    kernel = mma_vec.reduce_norm_x16(after.weight.dtype, step.attrs["world"])
                     seen.setdefault(kernel.name, kernel)
         if self.has_logits:
             seen.setdefault("argmax_chunks", ops.argmax_chunks(sg))
@@ -504,12 +529,6 @@ class DeviceRunner(StepRunner):
         if op.kind == "all_gather":
             return [ops.all_gather(op.attrs["world"])]
         return []
-
-    def decode_piece(self):
-        """The fewest tokens a pipeline micro-batch holds (engine/group.py): the matrix-vector
-        kernel's pass (8 tokens), or the tensor-core kernel's threshold where the device runs
-        it, so cutting a step never moves its matmuls to a slower kernel."""
-        return self.mma_min_tokens if self.steps_long is not None else TOKEN_GROUPS[-1]
 
     def _has_mma_vec(self):
         """Whether the device runs mma_vec for every matmul weight of the graph."""
@@ -609,7 +628,13 @@ class DeviceRunner(StepRunner):
         return uses, slot_of, sizes
 
     def allocations(self):
-        """Every device buffer the runner will hold, in allocation order."""
+        """Every device buffer the runner will hold, in allocation order (a lane's: only the
+        arenas, its base holds the rest)."""
+        if self.base is not None:
+            return [a for a in self._allocations() if a.kind == "arenas"]
+        return self._allocations()
+
+    def _allocations(self):
         out = []
         for t in self._device_weights():
             if len(t.shape) == 2:
@@ -690,6 +715,9 @@ class DeviceRunner(StepRunner):
     def allocate(self):
         """Allocates every buffer of allocations(), and nothing else: what the device holds
         afterwards is what the plan counted (engine/plan.py checks it)."""
+        if self.base is not None:
+            self.buffers.update((a.name, self.base.buffers[a.name]) for a in
+                                self._allocations() if a.kind != "arenas")
         for a in self.allocations():
             self.buffers[a.name] = self.device.alloc(a.nbytes)
         if self._staged():
@@ -724,8 +752,12 @@ class DeviceRunner(StepRunner):
         return self._staged() and hasattr(self.device, "view")
 
     def upload(self):
-        """Writes weights and constants into their buffers and builds every kernel's program."""
+        """Writes weights and constants into their buffers and builds every kernel's program
+        (a lane: only the programs, its base wrote the weights)."""
         dev = self.device
+        if self.base is not None:
+            self.programs = {k.name: dev.program(k) for k in self._kernels()}
+            return
         for t in self._device_weights():
             if len(t.shape) == 2:
                 for plane, words in self._file_planes(t).items():
@@ -754,20 +786,13 @@ class DeviceRunner(StepRunner):
         return {plane: np.concatenate([e[plane] for e in each]) for plane in each[0]}
 
     # -- a step --------------------------------------------------------------------------------
-    def _buffer(self, tensor, offset=True):
-        """The buffer of a tensor; in a pipeline micro-batch, a view from its first row."""
+    def _buffer(self, tensor):
+        """The buffer of a tensor."""
         if tensor.name in self._shared:
-            buffer = self.buffers[self._shared[tensor.name][0]]
-        elif tensor.kind == "value":
-            buffer = self.buffers[f"arena.{self._slot_of[tensor.name]}"]
-        else:
-            buffer = self.buffers[tensor.name]
-        t0, r0 = self._offsets
-        axis = tensor.shape[0] if tensor.shape else None
-        row = {"T": t0, "R": r0}.get(axis, 0) if offset else 0
-        if row == 0:
-            return buffer
-        return self.device.view(buffer, row * math.prod(tensor.shape[1:]) * 4)
+            return self.buffers[self._shared[tensor.name][0]]
+        if tensor.kind == "value":
+            return self.buffers[f"arena.{self._slot_of[tensor.name]}"]
+        return self.buffers[tensor.name]
 
     def _shape(self, tensor, n_tokens, n_rows):
         return tuple({"T": n_tokens, "R": n_rows}.get(d, d) for d in tensor.shape)
@@ -814,8 +839,7 @@ class DeviceRunner(StepRunner):
         self._use(long)
         if self._staged():
             # the inputs up to the block tables of as many sequences as the step has tokens
-            # (a pipeline's micro-batch: as its whole step)
-            rows = min(self._step_tokens or T, self.max_seqs)
+            rows = min(T, self.max_seqs)
             if self._packed():
                 words = len(self._host_inputs) - (self.max_seqs - rows) * self.table_width
                 self.device.write(self.buffers["inputs"], self._host_inputs[:words])
@@ -826,7 +850,8 @@ class DeviceRunner(StepRunner):
                         self.device.write(self.buffers[name], host[:words])
         rounded = None              # (x, operand) that mma_x16 holds, until another op runs
         normed = None               # (x, gain, kernel) that norm_x16 holds, the same way
-        for op in self.steps_long if long else self.steps:
+        steps = self.steps_long if long else self.steps
+        for i, op in enumerate(steps):
             ins, out = op.inputs, op.outputs[0]
             if op.kind != "matmul":
                 rounded = normed = None
@@ -928,10 +953,11 @@ class DeviceRunner(StepRunner):
                                  B(q), B(out), *cache)
             elif op.kind == "gather":       # indices count from the step's first token
                 x, index = ins
-                self._launch(ops.gather_rows(), (R,), B(x, offset=False), B(index), B(out),
+                self._launch(ops.gather_rows(), (R,), B(x), B(index), B(out),
                              x.shape[-1])
             elif op.kind == "all_reduce":
-                yield from self._all_reduce(op, T, R)
+                after = None if long else self._normed_after(steps, i)
+                normed = yield from self._all_reduce(op, T, R, after)
             elif op.kind == "all_gather":
                 yield from self._all_gather(op, T, R)
             elif op.kind == "reshape":
@@ -941,17 +967,14 @@ class DeviceRunner(StepRunner):
         # the greedy choice of every row, so greedy steps read back tokens, not logits
         if self.has_logits:
             logits = self.graph.outputs["logits"]
-            rows = self.graph.inputs["sample_tokens"]       # R rows, as the argmax buffers
             chunks = ARGMAX_CHUNKS
-            values, indices = (self._buffer_named(name, rows, chunks)
-                               for name in ("argmax_values", "argmax_indices"))
+            values, indices = (self.buffers[name] for name in ("argmax_values",
+                                                               "argmax_indices"))
             self._launch(ops.argmax_chunks(sg), (R, chunks), B(logits), values, indices,
                          self.vocab_size, -(-self.vocab_size // chunks))
-            self._launch(ops.argmax(sg), (R,), values, indices,
-                         self._buffer_named("argmax", rows), chunks)
-            if self._staged():          # a pipeline's micro-batch: the rows so far
-                self.device.download(self._host["argmax"], self.buffers["argmax"],
-                                     (self._offsets[1] + R) * 4)
+            self._launch(ops.argmax(sg), (R,), values, indices, self.buffers["argmax"], chunks)
+            if self._staged():
+                self.device.download(self._host["argmax"], self.buffers["argmax"], R * 4)
 
     def _attention_heads(self, T, heads, kv_heads):
         """Query heads of one KV head an attention workgroup of a T-token step takes: as many as
@@ -1025,20 +1048,43 @@ class DeviceRunner(StepRunner):
         self._launch(kernel, grid(n), *args)
         return normed
 
-    def _all_reduce(self, op, T, R):
+    def _normed_after(self, steps, i):
+        """The matmul after steps[i] (an all_reduce with a residual) if it reads the reduced
+        value through an RMSNorm on mma_vec, whose norm_x16 the reduction may make
+        (reduce_norm_x16); else None."""
+        op, after = steps[i], steps[i + 1] if i + 1 < len(steps) else None
+        if after is None or after.kind != "matmul" or after.norm is None or \
+                after.x.name != op.output.name or not op.attrs["residual"]:
+            return None
+        return after
+
+    def _all_reduce(self, op, T, R, after=None):
         """The sum of the group's partials, plus the residual, into this rank's output; a
-        generator that yields where the group must pass a barrier. One phase: every rank sums
-        the whole message from every rank's partials. Two phases (messages of two_phase_floats
-        or more): each rank sums its own slice, then, after a barrier, copies the other slices
-        from the ranks that summed them, reading each peer's partial once instead of whole."""
+        generator that yields where the group must pass a barrier, returning what the norm_x16
+        buffer holds after (as _launch_matvec). One phase: every rank sums the whole message
+        from every rank's partials; where the matmul `after` it reads the sum through a norm on
+        mma_vec, that one launch makes its norm_x16 too (reduce_norm_x16: a launch fewer, two
+        for each layer of a tensor group). Two phases (messages of two_phase_floats or more):
+        each rank sums its own slice, then, after a barrier, copies the other slices from the
+        ranks that summed them, reading each peer's partial once instead of whole."""
         n = int(np.prod(self._shape(op.output, T, R)))
         kernel = ops.all_reduce(op.attrs["world"], op.attrs["residual"])
         parts = [peer._buffer(op.inputs[0]) for peer in self.peers]
         rest = [self._buffer(t) for t in op.inputs[1:]] + [self._buffer(op.output)]
         yield op
         if n < self.two_phase_floats:
-            self._launch(kernel, (-(-n // (4 * ops.WG)),), *parts, *rest, 0, n)
-            return
+            rows, cols = self._shape(op.output, T, R)
+            prep = None
+            if after is not None:
+                group = next((g for g in TOKEN_GROUPS if g >= rows), TOKEN_GROUPS[-1])
+                prep = self._matvec(after.weight, group, after.variant)[2]
+            if prep is None:
+                self._launch(kernel, (-(-n // (4 * ops.WG)),), *parts, *rest, 0, n)
+                return None
+            x, gain, x16 = rest[-1], self._buffer(after.norm), self.buffers["norm_x16"]
+            self._launch(mma_vec.reduce_norm_x16(after.weight.dtype, len(parts)), (rows,),
+                         *parts, *rest, gain, x16, cols, after.eps)
+            return (x, gain, prep.name)
         slices = [(a * 4, b * 4) for a, b in placement.even(n // 4, len(self.peers))]
         start, stop = slices[self.peers.index(self)]
         self._launch(kernel, (-(-(stop - start) // (4 * ops.WG)),), *parts, *rest, start, stop)
@@ -1065,14 +1111,6 @@ class DeviceRunner(StepRunner):
         self._launch(ops.all_gather(op.attrs["world"]), (-(-columns // ops.WG), rows),
                      *(peer._buffer(op.inputs[0]) for peer in self.peers),
                      self._buffer(op.output), columns, *starts)
-
-    def _buffer_named(self, name, like, width=1):
-        """A step buffer that is not a graph tensor, offset as the tensor `like` would be (rows
-        of `width` words)."""
-        t0, r0 = self._offsets
-        row = {"T": t0, "R": r0}[like.shape[0]]
-        return self.device.view(self.buffers[name], row * width * 4) if row else \
-            self.buffers[name]
 
     def _weight_planes(self, t):
         """The plane buffers of a device weight; for one part of a stacked weight (the

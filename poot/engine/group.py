@@ -17,14 +17,17 @@ runner's allocation list. A GroupRunner steps them together:
   next step's first barrier, which it passes only after rank 0 has done that copy, so one buffer
   is enough. (A tied head, the embedding table, stays whole on rank 0: engine/placement.py.)
 - pipeline: stage s+1 waits on stage s's event, pulls its activations with a peer copy, and
-  runs its layers. A decode step is cut into micro-batches (token ranges, run as views from
-  their first row), issued micro-batch by micro-batch, so stage 0 works on the second while
-  stage 1 works on the first; a micro-batch is never so short that its matmuls would lose the
-  tensor-core kernel the whole step gets. The last stage computes the logits.
+  runs its layers; the last stage computes the logits. One step at a time would leave every
+  device but one idle, so a pipeline has lanes, one per stage: each lane is the same stages on
+  the same weights and KV cache, with arenas, step inputs, a stream per device and recorded
+  steps of their own (DeviceRunner.lane, PtxGroup.lane). The engine splits the sequences
+  between the lanes and keeps a step of each in flight (StepRunner.launch / collect,
+  engine/scheduler.py): while stage 1 runs lane A's step, stage 0 runs lane B's.
 
-A decode step over the group is one CUDA graph (PtxGroup.capture) replayed as one launch; the
-host never waits between layers or devices.
+A step over the group is one CUDA graph (PtxGroup.capture) replayed as one launch; the host
+never waits between layers or devices.
 """
+import copy
 import math
 
 from ..errors import PlacementRefused
@@ -51,12 +54,24 @@ def parts(model, kind, world, num_blocks, block_size):
                                     nbytes("output_norm.weight") + nbytes(head))
 
 
+class DeviceShare:
+    """The runners one device holds over a group's lanes, as the plan counts them: the first
+    lane's whole allocation list, the others' arenas."""
+
+    def __init__(self, runners):
+        self.runners, self.device = runners, runners[0].device
+
+    def allocations(self):
+        return [a for runner in self.runners for a in runner.allocations()]
+
+
 class GroupRunner(StepRunner):
     backend = "ptx"
 
     def __init__(self, model, group, kind, num_blocks, block_size=16, max_tokens=256,
-                 max_seqs=16, micro_batches=None, check=True):
-        """check=False: for a plan's candidate (DeviceRunner's check)."""
+                 max_seqs=16, check=True, lanes=None):
+        """check=False: for a plan's candidate (DeviceRunner's check). lanes: steps a pipeline
+        keeps in flight at once (one per stage unless given; a tensor group has one)."""
         if kind not in ("pipeline", "tensor"):
             raise ValueError(f"placement {kind!r}")
         self.model, self.group, self.placement = model, group, kind
@@ -74,16 +89,42 @@ class GroupRunner(StepRunner):
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.vocab_size = model.config.vocab_size
         self.max_context = self.runners[0].max_context
-        self.micro_batches = micro_batches or 2 * len(self.runners)
+        if lanes is None:
+            lanes = len(self.runners) if kind == "pipeline" else 1
+        if lanes > 1 and kind != "pipeline":
+            raise ValueError("lanes are a pipeline's")
         self.graphs = {}
+        self.lanes = [self] + [self._lane() for _ in range(lanes - 1)]
+
+    def _lane(self):
+        """A pipeline lane: this runner's stages on the same weights and KV cache, with arenas,
+        step inputs and recorded steps of their own."""
+        lane = copy.copy(self)
+        lane.runners = [runner.lane() for runner in self.runners]
+        lane.head = lane.runners[self.runners.index(self.head)]
+        lane.graphs = {}
+        return lane
+
+    def shares(self):
+        """Per device, what the plan counts on it: its runner in every lane."""
+        return [DeviceShare([lane.runners[i] for lane in self.lanes])
+                for i in range(len(self.runners))]
 
     def allocate(self):
-        for runner in self.runners:
-            runner.allocate()
+        """Allocates every lane's buffers: the first lane's all of them, each other lane's its
+        arenas on a stream of its own (PtxGroup.lane: its steps run beside the others')."""
+        for lane in self.lanes:
+            if lane is not self and hasattr(self.group, "lane"):
+                lane.group = self.group.lane()
+                for runner, device in zip(lane.runners, lane.group.devices):
+                    runner.device = device
+            for runner in lane.runners:
+                runner.allocate()
 
     def upload(self):
-        for runner in self.runners:
-            runner.upload()
+        for lane in self.lanes:
+            for runner in lane.runners:
+                runner.upload()
 
     def time_kernels(self):
         raise PlacementRefused("--device-timing is refused over a device group")
@@ -111,29 +152,18 @@ class GroupRunner(StepRunner):
             self.group.barrier()
 
     def _issue_pipeline(self, T, R):
-        """Micro-batches (decode steps only: there rows are tokens) through the stages, each
-        long enough to keep the matmul kernel a step of its size would get (decode_piece)."""
-        pieces = min(self.micro_batches, T // self.runners[0].decode_piece()) if T == R else 1
-        spans = placement.even(T, pieces) if pieces > 1 else [(0, T)]
+        """The stages in turn: each after the last one's event, with its activations pulled
+        by a peer copy; the last computes the logits."""
         width = self.model.config.d_model * 4
-        last = len(self.runners) - 1
-        try:
-            for t0, t1 in spans:
-                r0, r1 = (t0, t1) if pieces > 1 else (0, R)
-                for s, runner in enumerate(self.runners):
-                    runner._offsets, runner._step_tokens = (t0, r0), T
-                    if s > 0:
-                        before = self.runners[s - 1]
-                        self.group.wait(s, s - 1)
-                        self.group.copy(s, runner._buffer(runner.graph.inputs["hidden"]), s - 1,
-                                        before._buffer(before.graph.outputs["hidden"]),
-                                        (t1 - t0) * width)
-                    runner._issue(t1 - t0, r1 - r0)
-                    if s < last:
-                        self.group.signal(s)
-        finally:
-            for runner in self.runners:
-                runner._offsets, runner._step_tokens = (0, 0), None
+        for s, runner in enumerate(self.runners):
+            if s > 0:
+                before = self.runners[s - 1]
+                self.group.wait(s, s - 1)
+                self.group.copy(s, runner._buffer(runner.graph.inputs["hidden"]), s - 1,
+                                before._buffer(before.graph.outputs["hidden"]), T * width)
+            runner._issue(T, R)
+            if s < len(self.runners) - 1:
+                self.group.signal(s)
 
     def _set_long(self, length):
         return all([runner._set_long(length) for runner in self.runners])

@@ -315,7 +315,7 @@ def plan_group(model, group, kind, frees, source, max_seqs=None, context=None):
         for i, c in enumerate(candidates(model.context_length, max_seqs, context)):
             runner = GroupRunner(model, group, kind, c.kv_blocks, BLOCK_SIZE, c.step_tokens,
                                  c.max_seqs, check=i == 0)        # as plan(): checked once
-            table.append((c, tuple(footprint(r) for r in runner.runners)))
+            table.append((c, tuple(footprint(share) for share in runner.shares())))
     fitting = [i for i, (_, fs) in enumerate(table)
                if all(fits(f, free, None) for f, free in zip(fs, frees))]
     return GroupPlan(tuple(f"{d.backend}: {d.name}" for d in group.devices), tuple(frees),
@@ -330,5 +330,5 @@ def group_runner_for(model, group, kind, candidate):
 
 def verify_group(group, plan, runner, before):
     """verify() on each device of the group, against its own footprint."""
-    return [verify(device, f, part, held_before) for device, f, part, held_before
-            in zip(group.devices, plan.footprints, runner.runners, before)]
+    return [verify(device, f, share, held_before) for device, f, share, held_before
+            in zip(group.devices, plan.footprints, runner.shares(), before)]

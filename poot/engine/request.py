@@ -161,6 +161,7 @@ class Sequence:
     stop_text: StopText = field(init=False)
     num_computed: int = 0
     blocks: list = field(default_factory=list)
+    lane: int = 0           # the runner's lane whose steps run it (engine/scheduler.py)
     last_token_time: float | None = None
     finish_reason: str | None = None
 

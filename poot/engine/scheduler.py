@@ -117,6 +117,11 @@ class Engine:
         self._inbox = deque()
         self._wake = threading.Condition()
         self._step_lock = threading.RLock()
+        # A pipeline's runner has lanes (engine/group.py): each keeps a step of its own
+        # sequences in flight while the others' run, so every stage has work.
+        self.lanes = getattr(runner, "lanes", [runner])
+        self._flight = [None] * len(self.lanes)     # per lane: (plan, sampled, output)
+        self._turn = 0
         self._waiting = []    # by arrival (seq_id), preempted sequences included
         self._running = []    # by arrival
         self._handles = {}
@@ -247,27 +252,64 @@ class Engine:
                     self._wake.wait(0.01)
 
     def step(self):
-        """Run one batch; False when there was nothing to run."""
+        """Run one batch (with lanes: the next lane's, after delivering its step in flight);
+        False when there was nothing to run."""
         with self._step_lock:
             self._apply_inbox()
             if self.error is not None:
                 return False
-            plan = self._schedule()
-            if not plan:
-                return False
-            batch, sampled = self._build(plan)
-            try:
+            lane = self._turn
+            self._turn = (lane + 1) % len(self.lanes)
+            delivered = self._collect(lane)
+            plan = self._schedule(lane)
+            if plan and self._launch(lane, plan) and len(self.lanes) == 1:
+                self._collect(lane)
+            return self.error is None and bool(delivered or plan or any(self._flight))
+
+    def _launch(self, lane, plan):
+        """Issues a lane's step of `plan` (without lanes: runs it); False if the runner raised
+        (the engine failed)."""
+        batch, sampled = self._build(plan)
+        try:
+            if len(self.lanes) == 1:
                 out = self.runner.step(batch)
-            except Exception as exc:
-                self._fail(exc)
-                return False
-            self._steps_total += 1
-            for seq, n in plan:
-                seq.num_computed += n
-            now = time.monotonic()
-            for r, seq in enumerate(sampled):
-                self._deliver(seq, out, r, now)
-            return True
+            else:
+                self.lanes[lane].launch(batch)
+                out = None                      # collect() gives it
+        except Exception as exc:
+            self._fail(exc)
+            return False
+        self._steps_total += 1
+        self._flight[lane] = (plan, sampled, out)
+        return True
+
+    def _collect(self, lane):
+        """Waits for a lane's step in flight and delivers its tokens; False if it had none."""
+        flight = self._flight[lane]
+        if flight is None:
+            return False
+        self._flight[lane] = None
+        plan, sampled, out = flight
+        try:
+            if out is None:
+                out = self.lanes[lane].collect()
+        except Exception as exc:
+            self._fail(exc)
+            return False
+        for seq, n in plan:
+            seq.num_computed += n
+        now = time.monotonic()
+        for r, seq in enumerate(sampled):
+            self._deliver(seq, out, r, now)
+        return True
+
+    def _in_flight(self):
+        """The ids of the sequences whose steps are in flight (their blocks are in use)."""
+        return {seq.seq_id for flight in self._flight if flight for seq, _ in flight[0]}
+
+    def _drain(self, but=None):
+        """Collects every lane's step in flight (but lane `but`'s); True if there was one."""
+        return any([self._collect(lane) for lane in range(len(self.lanes)) if lane != but])
 
     def _apply_inbox(self):
         while True:
@@ -287,6 +329,8 @@ class Engine:
                 self._abort(item[1])
 
     def _abort(self, seq_id):
+        if seq_id in self._in_flight():     # its step still writes into its blocks
+            self._drain()
         for queue_ in (self._waiting, self._running):
             for seq in queue_:
                 if seq.seq_id == seq_id:
@@ -295,8 +339,10 @@ class Engine:
                     self._handles.pop(seq_id)._put(seq.abort())
                     return
 
-    def _schedule(self):
-        """Choose (sequence, token count) pairs for this step, preempting when blocks run out."""
+    def _schedule(self, lane=0):
+        """Choose (sequence, token count) pairs for a lane's step, preempting when blocks run
+        out. Sequences of other lanes' steps in flight are never preempted; where only those
+        could make room, their steps are collected first."""
         budget = self.step_tokens
         plan = []
         scheduled = set()
@@ -310,7 +356,9 @@ class Engine:
         def fit(seq, n):
             """Grow seq's blocks for n more tokens, preempting later arrivals; the n that fits."""
             while not self.kv.grow(seq.blocks, seq.num_computed + n):
-                if self._preempt_latest(after=seq.seq_id, keep=scheduled):
+                if self._preempt_latest(after=seq.seq_id, keep=scheduled | self._in_flight()):
+                    continue
+                if self._drain(but=lane):
                     continue
                 room = (len(seq.blocks) + self.kv.num_free) * self.kv.block_size
                 n = min(n, room - seq.num_computed)
@@ -318,12 +366,13 @@ class Engine:
                     return 0
             return n
 
+        mine = [s for s in self._running if s.lane == lane]
         # Decode first: every running sequence with one token to go gets its token.
-        for seq in [s for s in self._running if s.num_uncomputed == 1]:
+        for seq in [s for s in mine if s.num_uncomputed == 1]:
             if seq in self._running and budget > 0 and fit(seq, 1):
                 take(seq, 1)
         # Then prefill chunks of admitted sequences, then newcomers (and the preempted) in order.
-        for seq in [s for s in self._running if s.num_uncomputed > 1]:
+        for seq in [s for s in mine if s.num_uncomputed > 1]:
             if seq not in self._running or budget < 1:
                 continue
             n = fit(seq, min(seq.num_uncomputed, budget))
@@ -331,7 +380,10 @@ class Engine:
                 take(seq, n)
         # A newcomer joins only if a block per running sequence stays free for their next
         # tokens: admitting into a full cache would only preempt someone at the next step.
-        while self._waiting and budget > 0 and len(self._running) < self.max_seqs:
+        # With lanes, each takes its share of the sequences there are.
+        share = -(-min(self.max_seqs, len(self._running) + len(self._waiting)) // len(self.lanes))
+        while self._waiting and budget > 0 and len(self._running) < self.max_seqs \
+                and sum(s.lane == lane for s in self._running) < share:
             seq = self._waiting[0]
             spare = self.kv.num_free - len(self._running)
             want = min(seq.num_uncomputed, budget, spare * self.kv.block_size)
@@ -339,6 +391,7 @@ class Engine:
                 break
             self.kv.grow(seq.blocks, want)
             self._waiting.pop(0)
+            seq.lane = lane
             self._insert(self._running, seq)
             take(seq, want)
         return plan
@@ -418,4 +471,5 @@ class Engine:
         self._handles.clear()
         self._waiting.clear()
         self._running.clear()
+        self._flight = [None] * len(self.lanes)
         self.kv = BlockAllocator(self.kv.num_blocks, self.kv.block_size)   # nothing holds any

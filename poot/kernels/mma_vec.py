@@ -146,6 +146,40 @@ def norm_x16(dtype, subgroup_size=SUBGROUP):
     return k.build()
 
 
+@cache
+def reduce_norm_x16(dtype, world, subgroup_size=SUBGROUP):
+    """norm_x16 of out[t] = residual[t] + (part_0[t] + ... + part_{world-1}[t]), out stored as
+    well: a tensor group's all_reduce (ops.all_reduce's sums, in the same order, so every rank
+    holds the same bits) and the RMSNorm of the mma_vec after it in one launch. Buffers: the
+    ranks' partials (each from its own device's memory), residual, out, norm (the gain), x16;
+    scalars cols, eps. One workgroup a token; grid (T). cols a multiple of 8."""
+    operand, pairs = mma_operand(dtype), quant_pairs(dtype)
+    k = KernelBuilder(f"reduce_norm_x16_w{world}_{operand.name}" + "_pairs" * pairs,
+                      (WORKGROUP,))
+    parts = [k.buffer(f"part{j}", F32) for j in range(world)]
+    residual, out = k.buffer("residual", F32), k.buffer("out", F32, "rw")
+    gain, x16 = k.buffer("norm", F32), k.buffer("x16", U32, "w")
+    cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
+    scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
+    base, first = k.block_id() * cols, k.thread_id() * 4
+    square = k.var(F32, 0.0)
+    with k.for_(first, cols, WORKGROUP * 4) as i:
+        total = parts[0].load(base + i, 4)
+        for part in parts[1:]:
+            total = [a + b for a, b in zip(total, part.load(base + i, 4))]
+        total = [a + b for a, b in zip(residual.load(base + i, 4), total)]
+        out.store(base + i, *total)
+        for v in total:
+            square.set(k.fma(v, v, square.get()))
+    total = block_reduce(k, square.get(), subgroup_size, scratch)
+    scale = k.rsqrt(total / cols.to(F32) + eps)
+    with k.for_(first, cols, WORKGROUP * 4) as i:      # what this thread stored above
+        a, b, c, d = [v * scale * w for v, w in zip(out.load(base + i, 4), gain.load(i, 4))]
+        lo, hi = ((a, c), (b, d)) if pairs else ((a, b), (c, d))
+        x16.store((base + i) >> 1, _pack(k, operand, *lo), _pack(k, operand, *hi))
+    return k.build()
+
+
 def _chain_sum(chains):
     """Accumulators of parallel chains, [chain][j], added in chain order: [j]."""
     out = chains[0]

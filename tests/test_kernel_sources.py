@@ -72,8 +72,8 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
              for split, residual in ((False, False), (False, True), (True, False))]
     vec = [mma_vec.mma_vec(d, **dict(shape), **mma_vec_variant(v))
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
-           for shape in {tuple(mma_vec.shape(d, rows, cols, 132).items())
-                         for rows, cols in mma_vec_shapes(v)}]
+           for shape in {tuple(mma_vec.shape(d, rows, cols, 132, tt).items())
+                         for rows, cols in mma_vec_shapes(v) for tt in (1, 2, 4)}]
     prep = list({k.name: k for d in mma_vec.DTYPES if d in dtypes
                  for k in (mma_vec.norm_x16(d), mma_vec.reduce_norm_x16(d, 2),
                            mma_vec.reduce_norm_x16(d, 8))}.values())

@@ -368,7 +368,13 @@ MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 409
                  ({"chains": 2, "x16": True, "outputs": 3, "split": 2}, 5, 216, 576),
                  ({"chains": 2, "x16": True, "swiglu": True, "pipeline": True, "unroll": 2}, 8,
                   200, 4096),
-                 ({"x16": True, "pipeline": True, "unroll": 2, "split": 2}, 8, 200, 4096)]
+                 ({"x16": True, "pipeline": True, "unroll": 2, "split": 2}, 8, 200, 4096),
+                 # token tiles: 16 or 32 tokens a launch, a part tile, more launches along y
+                 ({"token_tiles": 2, "x16": True, "split": 8}, 13, 216, 576),
+                 ({"token_tiles": 4, "x16": True, "swiglu": True, "pipeline": True,
+                   "unroll": 2}, 32, 200, 4096),
+                 ({"token_tiles": 4, "tiles": 2, "residual": True}, 45, 216, 1024),
+                 ({"token_tiles": 2, "chains": 2, "x16": True, "split": 2}, 7, 200, 576)]
 
 
 @pytest.mark.parametrize("dtype", mma_vec.DTYPES)
@@ -396,7 +402,7 @@ def test_mma_vec(cuda_device, dtype, variant, n_tokens, rows, cols):
     r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
     k = mma_vec.mma_vec(dtype, **variant)
     got = run(cuda_device, k, mma_vec.grid(rows, n_tokens, variant.get("tiles", 1),
-                                           variant.get("split", 1)),
+                                           variant.get("split", 1), variant.get("token_tiles", 1)),
               *[p for planes_, _ in weights for p in planes_], x_in,
               *[np.zeros((n_tokens, n), np.float32) for n in sizes],
               *([r] if variant.get("residual") else []), rows, cols, n_tokens, *splits)

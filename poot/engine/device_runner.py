@@ -480,7 +480,7 @@ class DeviceRunner(StepRunner):
                 after = None if long or step.kind != "all_reduce" else \
                     self._normed_after(steps, i)
                 if after is not None and any(self._matvec(after.weight, n, after.variant)[2]
-                                             for n in TOKEN_GROUPS):
+                                             for n in self._groups(after.weight)):
                     kernel = mma_vec.reduce_norm_x16(after.weight.dtype, step.attrs["world"])
                     seen.setdefault(kernel.name, kernel)
         if self.has_logits:
@@ -491,7 +491,7 @@ class DeviceRunner(StepRunner):
 
     def _kernels_of(self, op, sg, cfg, long=False):
         if op.kind == "matmul":
-            chosen = [self._matvec(op.weight, n, op.variant) for n in TOKEN_GROUPS]
+            chosen = [self._matvec(op.weight, n, op.variant) for n in self._groups(op.weight)]
             matvecs = [k for kernel, _, prep in chosen for k in (kernel, prep) if k is not None]
             if not long:
                 return matvecs
@@ -1001,14 +1001,15 @@ class DeviceRunner(StepRunner):
 
     def _choose_matvec(self, w, group, variant):
         rows = w.shape[0]
-        if group >= mma_vec.least_tokens(w.dtype) and self._mma_vec_runs(w.dtype) and \
-                w.shape[1] % 8 == 0:
-            shape = mma_vec.shape(w.dtype, *w.shape, self._multiprocessors())
+        if group >= mma_vec.least_tokens(w.dtype) and self._runs_mma_vec(w):
+            tt = max(1, group // mma_vec.TOKENS)
+            shape = mma_vec.shape(w.dtype, *w.shape, self._multiprocessors(), tt)
             prep = None
             if variant["norm"]:
                 variant, prep = dict(variant, norm=False, x16=True), mma_vec.norm_x16(w.dtype)
             kernel = mma_vec.mma_vec(w.dtype, **shape, **variant)
-            return kernel, lambda n: mma_vec.grid(rows, n, shape["tiles"], shape["split"]), prep
+            return kernel, lambda n: mma_vec.grid(rows, n, shape["tiles"], shape["split"],
+                                                  tt), prep
         sg = self.device.subgroup_size
         matrices = 2 if variant.get("swiglu") else 1
         rows_per = matvec_rows(w.dtype, group, matrices)
@@ -1022,8 +1023,30 @@ class DeviceRunner(StepRunner):
         tokens on the steps that do not run the tensor-core lowering, times cols / 2."""
         short = self.mma_min_tokens - 1 if self.steps_long is not None else self.max_tokens
         return max((min(self._elements(op.x.shape[:1]), short) * op.weight.shape[1] // 2
-                    for op in self.steps if op.kind == "matmul" for n in TOKEN_GROUPS
+                    for op in self.steps if op.kind == "matmul" for n in self._groups(op.weight)
                     if self._matvec(op.weight, n, op.variant)[2] is not None), default=0)
+
+    def _groups(self, w):
+        """The token groups of weight w's matvec kernels: TOKEN_GROUPS, and on mma_vec its
+        launches of several token tiles (mma_vec.token_tiles)."""
+        if not self._runs_mma_vec(w):
+            return TOKEN_GROUPS
+        more = {self._group_of(w, n) for n in range(TOKEN_GROUPS[-1] + 1,
+                                                     mma_vec.most_tokens(w.dtype) + 1)}
+        return TOKEN_GROUPS + tuple(sorted(more - set(TOKEN_GROUPS)))
+
+    def _runs_mma_vec(self, w):
+        """Whether weight w's matvecs of 8 tokens run on mma_vec."""
+        return self._mma_vec_runs(w.dtype) and w.shape[1] % 8 == 0
+
+    def _group_of(self, w, n):
+        """The token group of n tokens' matvec of w: the smallest that holds them; past 8 on
+        mma_vec, 8 tokens a token tile of its launch (mma_vec.token_tiles; further launches
+        along grid y for more)."""
+        group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
+        if n <= group or not self._runs_mma_vec(w):
+            return group
+        return mma_vec.TOKENS * mma_vec.token_tiles(w.dtype, n)
 
     def _launch_matvec(self, w, n, variant, planes, x, rest, norm=None, normed=None):
         """The matvec of weight w (its variant) over n tokens: the smallest token group that
@@ -1032,8 +1055,7 @@ class DeviceRunner(StepRunner):
         being (gain, eps) for a norm variant. A norm variant on mma_vec reads x from norm_x16,
         launched first unless `normed` says its buffer holds that x already. Returns what the
         buffer holds after: (x, gain, norm_x16 kernel) or `normed`."""
-        group = next((g for g in TOKEN_GROUPS if g >= n), TOKEN_GROUPS[-1])
-        kernel, grid, prep = self._matvec(w, group, variant)
+        kernel, grid, prep = self._matvec(w, self._group_of(w, n), variant)
         if prep is not None:
             gain, eps = norm
             x16 = self.buffers["norm_x16"]
@@ -1076,8 +1098,8 @@ class DeviceRunner(StepRunner):
             rows, cols = self._shape(op.output, T, R)
             prep = None
             if after is not None:
-                group = next((g for g in TOKEN_GROUPS if g >= rows), TOKEN_GROUPS[-1])
-                prep = self._matvec(after.weight, group, after.variant)[2]
+                prep = self._matvec(after.weight, self._group_of(after.weight, rows),
+                                    after.variant)[2]
             if prep is None:
                 self._launch(kernel, (-(-n // (4 * ops.WG)),), *parts, *rest, 0, n)
                 return None

@@ -1,5 +1,6 @@
 """mma_vec: the decode matmul on the tensor cores, y[t, m] = x[t, :] . W[m, :] for steps of up
-to 8 tokens (further launches along grid y for more), with matmul.matvec's buffers, scalars and
+to 8 tokens a token tile, 1, 2 or 4 token tiles a launch (further launches along grid y for
+more), with matmul.matvec's buffers, scalars and
 fused variants (stacked outputs, swiglu, residual; a norm is norm_x16's, launched before), for
 devices with mma and f16x2 arithmetic (ptx).
 
@@ -10,7 +11,8 @@ the weights' bandwidth (docs/benchmarks.md). Here a subgroup computes `tiles` ti
 weight rows x 8 tokens with mma m16n8k16 (lang.py's layouts): W is the A operand (lane (g, q),
 g = lane // 4, q = lane % 4, holds rows g and g + 8 of a tile) and x the B operand (lane (g, q)
 holds token g). The tensor cores do the multiplying, and x is loaded once for all the rows of
-the subgroup's tiles.
+the subgroup's tiles. With `token_tiles` > 1 each A fragment (the weights, decoded once) meets
+the B fragments of that many 8-token tiles, each tile with accumulators of its own.
 
 The columns: a dot product's terms may be added in any order, so the 16 k-slots of an mma
 need not be 16 consecutive columns, only the same ones for A and B. Lane q's k-slots, across a
@@ -44,7 +46,7 @@ from .ops import block_reduce
 from .quant import _small_int, reader
 
 GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
-TOKENS = 8                       # the mma's n: tokens of one launch along grid y
+TOKENS = 8                       # the mma's n: the tokens of a token tile
 DTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 SUBGROUP = 32
 EXPONENT = 0x64006400            # two f16 1024s: OR-ed over bits below 1024, 1024 + those bits
@@ -60,10 +62,10 @@ def supported(dtype):
     return dtype in DTYPES
 
 
-def grid(rows, n_tokens, tiles=1, split=1):
+def grid(rows, n_tokens, tiles=1, split=1, token_tiles=1):
     """The grid of an mma_vec launch over `rows` rows and n_tokens tokens."""
     per_group = WORKGROUP // SUBGROUP // split * 16 * tiles
-    return (-(-rows // per_group), -(-n_tokens // TOKENS))
+    return (-(-rows // per_group), -(-n_tokens // (TOKENS * token_tiles)))
 
 
 def least_tokens(dtype):
@@ -80,37 +82,55 @@ def least_tokens(dtype):
 
 def most_tokens(dtype):
     """The longest step a device that runs mma_vec should give it rather than mma_tiled, as
-    measured on the H200 (docs/benchmarks.md): one launch (8 tokens) of F16/BF16 (1B F16 at 9
-    tokens: 4,900 tok/s on mma_tiled, about 3,400 on two mma_vec launches); two along grid y
-    of block quants (8B Q4_0 at 16 tokens: 2,292 on two mma_vec launches, 1,394 on mma_tiled;
-    at 17 tokens mma_tiled is ahead, 1,440 against 1,337 on three, and at 64, 4,871 against
-    2,716)."""
-    return TOKENS if dtype in ("F16", "BF16") else 2 * TOKENS
+    measured on the H200 (docs/benchmarks.md): 32 tokens of Q4_0 (8B Q4_0 at 32: 3,211 tok/s
+    on four token tiles, 2,625 on mma_tiled), 16 of the rest (8B F16 at 16: 2,358 on two token
+    tiles, 2,241 on mma_tiled; at 32, 3,772 on four against 4,036; 8B Q4_0 at 17, 1,337 on
+    three launches against 1,440 on mma_tiled)."""
+    return 4 * TOKENS if dtype == "Q4_0" else 2 * TOKENS
 
 
-def shape(dtype, rows, cols, multiprocessors):
-    """The tiles, split, unroll, pipeline and chains (mma_vec's keywords) of an mma_vec over `rows`
-    rows, as measured on the H200 on Llama shapes (docs/benchmarks.md): F16/BF16 one tile a
-    subgroup, the columns split over all 8 subgroups, two groups a round, pipelined (28,672 x 4,096
-    at one token 2,782 -> 3,572 GB/s); block quants two tiles, split while the launch has fewer than
-    1.5 workgroups a multiprocessor (more splits were slower on the 28,672-row gate/up of Q4_0:
-    1,340 GB/s at 2, 1,090 at 4), pipelined where the launch has fewer workgroups than
-    multiprocessors (Q4_0 4,096 x 14,336 1,352 -> 1,604 GB/s; 6,144 x 4,096, 192 workgroups, 1,371
-    -> 1,224); Q4_1, Q4_K and Q6_K one tile. Pipelined only where a subgroup has two rounds or more:
-    with one (1B F16's 2,048 columns) the prefetch only loads that round again (1B F16 batch 8 6,060
-    -> 5,521 tok/s). Two accumulator chains for Q4_0 (8B decode at batch 1 345.8 -> 359.6 tok/s,
-    batch 8 2,134 -> 2,230), one for the rest (8B Q4_K 240.2 -> 227.4 with two; 1B F16 even)."""
+def token_tiles(dtype, n_tokens):
+    """The token tiles of an mma_vec launch for a step of n_tokens (further launches along
+    grid y where they hold fewer), as measured on the H200 (docs/benchmarks.md): F16/BF16 two
+    past 8 tokens (8B F16 at 16: 2,358 tok/s against 2,241); Q4_0 one up to 16 tokens (at 16,
+    two launches 3,134 against one of two token tiles 2,877), four past them; the other block
+    quants one (unmeasured with more)."""
+    if n_tokens <= TOKENS:
+        return 1
+    if dtype in ("F16", "BF16"):
+        return 2
+    return 4 if dtype == "Q4_0" and n_tokens > 2 * TOKENS else 1
+
+
+def shape(dtype, rows, cols, multiprocessors, token_tiles=1):
+    """The tiles, split, unroll, pipeline, chains and token_tiles (mma_vec's keywords) of an
+    mma_vec over `rows` rows, as measured on the H200 on Llama shapes (docs/benchmarks.md):
+    F16/BF16 one tile a subgroup, the columns split over all 8 subgroups, two groups a round,
+    pipelined (28,672 x 4,096 at one token 2,782 -> 3,572 GB/s); block quants two tiles, split
+    while the launch has fewer than 1.5 workgroups a multiprocessor (more splits were slower on
+    the 28,672-row gate/up of Q4_0: 1,340 GB/s at 2, 1,090 at 4), pipelined where the launch
+    has fewer workgroups than multiprocessors (Q4_0 4,096 x 14,336 1,352 -> 1,604 GB/s; 6,144 x
+    4,096, 192 workgroups, 1,371 -> 1,224); Q4_1, Q4_K and Q6_K one tile. Pipelined only where a
+    subgroup has two rounds or more: with one (1B F16's 2,048 columns) the prefetch only loads
+    that round again (1B F16 batch 8 6,060 -> 5,521 tok/s). Two accumulator chains for Q4_0
+    at one token tile (8B decode at batch 1 345.8 -> 359.6 tok/s, batch 8 2,134 -> 2,230), one
+    for the rest (8B Q4_K 240.2 -> 227.4 with two; 1B F16 even) and where token tiles make
+    chains of their own. Four token tiles of a block quant take one row tile (two spilled
+    registers in Q4_0's gate/up)."""
     rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
     if dtype in ("F16", "BF16"):
-        return dict(tiles=1, split=8, unroll=2, pipeline=rounds(8) >= 2, chains=1)
+        return dict(tiles=1, split=8, unroll=2, pipeline=rounds(8) >= 2, chains=1,
+                    token_tiles=token_tiles)
     # one tile where a unit's decoding takes the registers (Q6_K's 18 words a unit and row;
     # Q4_1 and Q4_K decode in f32)
-    tiles = 1 if dtype in ("Q4_1", "Q4_K", "Q6_K") else 2
+    tiles = 1 if dtype in ("Q4_1", "Q4_K", "Q6_K") or token_tiles > 2 else 2
     split = 1
     while split < WORKGROUP // SUBGROUP and grid(rows, 1, tiles, split)[0] < 1.5 * multiprocessors:
         split *= 2
-    return dict(tiles=tiles, split=split, unroll=2, chains=2 if dtype == "Q4_0" else 1,
-                pipeline=grid(rows, 1, tiles, split)[0] < multiprocessors and rounds(split) >= 2)
+    return dict(tiles=tiles, split=split, unroll=2,
+                chains=2 if dtype == "Q4_0" and token_tiles == 1 else 1,
+                pipeline=grid(rows, 1, tiles, split)[0] < multiprocessors and rounds(split) >= 2,
+                token_tiles=token_tiles)
 
 
 def quant_pairs(dtype):
@@ -215,14 +235,16 @@ def _load(buffer, index, n):
 
 @cache
 def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1, split=1,
-            unroll=1, pipeline=False, chains=1, x16=False):
-    """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split). Buffers and scalars as
-    matmul.matvec's of the same variant but norm: a norm comes before, from norm_x16, and
-    `x16` reads its words (u32 [T, cols / 2]: x normed, rounded and paired as the B operand
-    takes it) for x. `tiles`: 16-row tiles a subgroup computes; `split`: subgroups sharing a
+            unroll=1, pipeline=False, chains=1, x16=False, token_tiles=1):
+    """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split, token_tiles). Buffers and
+    scalars as matmul.matvec's of the same variant but norm: a norm comes before, from
+    norm_x16, and `x16` reads its words (u32 [T, cols / 2]: x normed, rounded and paired as the
+    B operand takes it) for x. `tiles`: 16-row tiles a subgroup computes; `split`: subgroups sharing a
     tile's columns; `unroll`: 128-column groups a round; `pipeline`: the next round's weights
     loaded before this round's arithmetic; `chains`: a tile's mma steps alternate between that
-    many accumulators (independent dependency chains), added at the end."""
+    many accumulators (independent dependency chains), added at the end; `token_tiles`: tiles
+    of 8 tokens a launch computes on each weight it loads (one pass over the weights for up to
+    8 * token_tiles tokens)."""
     if dtype not in DTYPES:
         raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
     n_sub = WORKGROUP // SUBGROUP
@@ -235,6 +257,7 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     matrices = ("gate", "up") if swiglu else ("w",)
     name = f"mma_vec_{dtype.lower()}_u{unroll}" + f"_r{tiles}" * (tiles > 1) + "_p" * pipeline
     name += f"_k{split}" * (split > 1) + f"_c{chains}" * (chains > 1) + "_x16" * x16
+    name += f"_n{token_tiles}" * (token_tiles > 1)
     name += variant_name(residual, False, outputs, swiglu)
     k = KernelBuilder(name, (WORKGROUP,))
     planes = reader(dtype).plane_names
@@ -246,15 +269,16 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     slots = n_sub // split
     slot, part = (sub / split, sub % split) if split > 1 else (sub, 0)
     first = (k.block_id(0) * slots + slot) * (16 * tiles)
-    t0 = k.block_id(1) * TOKENS
+    t0 = k.block_id(1) * (TOKENS * token_tiles)
     # lanes of tokens past the step read the last token's x (same cache lines, nothing stored)
-    x_row = k.min(t0 + g, n_tokens - 1) * (cols >> 1 if x16 else cols)
+    x_rows = [k.min(t0 + TOKENS * j + g, n_tokens - 1) * (cols >> 1 if x16 else cols)
+              for j in range(token_tiles)]
     # rows past the end read the last row again and store nothing
     my_rows = [[k.min(first + 16 * r + 8 * h + g, rows - 1) for h in range(2)]
                for r in range(tiles)]
-    # [matrix][tile][chain]: the 4 accumulators of each mma dependency chain
-    acc = [[[[k.var(F32, 0.0) for _ in range(4)] for _ in range(chains)] for _ in range(tiles)]
-           for _ in matrices]
+    # [matrix][tile][token tile][chain]: the 4 accumulators of each mma dependency chain
+    acc = [[[[[k.var(F32, 0.0) for _ in range(4)] for _ in range(chains)]
+             for _ in range(token_tiles)] for _ in range(tiles)] for _ in matrices]
     unit = 32 if quant else 8
     n_units = cols / unit
     word_rows = {p: reader(dtype).row_words(p, cols) for p in planes}
@@ -301,9 +325,9 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
             return u * 32, [off for i in range(4) for off in (4 * i, 16 + 4 * i)]
         return u * 8, [0, 4]
 
-    def x16_words(u, valid):
-        """The B words of a unit's steps from x16: its runs' word pairs, loaded 4 words at a
-        time (two runs of 8 aligned columns)."""
+    def x16_words(u, valid, x_row):
+        """The B words of a unit's steps from x16 (a token tile's: x_row): its runs' word pairs,
+        loaded 4 words at a time (two runs of 8 aligned columns)."""
         base, offsets = x_runs(u)
         at = base >> 1
         words = {}
@@ -408,25 +432,29 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
         weights = weights or weight_loads(units)
         loaded = [(u, loads, valid) for (u, valid), loads in zip(units, weights)]
         # the x loads before any arithmetic (a missing unit, its loads clamped to unit 0,
-        # weighs zero)
-        if x16:
-            b_all = [w for u, _, valid in loaded for w in x16_words(u, valid if check else None)]
-        else:
+        # weighs zero), per token tile
+        b_all = []
+        for x_row in x_rows:
+            if x16:
+                b_all.append([w for u, _, valid in loaded
+                              for w in x16_words(u, valid if check else None, x_row)])
+                continue
             runs = []
             for u, _, valid in loaded:
                 base, offsets = x_runs(u)
                 for off in offsets:
                     xs = x.load(x_row + base + off, 4)
                     runs.append([k.select(valid, v, 0.0) for v in xs] if check else xs)
-            b_all = [w for xs in runs for w in b_words(xs)]
-        totals = [[[[a.get() for a in chain] for chain in tile] for tile in m] for m in acc]
-        steps = []              # per step: its B words, and per matrix and tile its A words
+            b_all.append([w for xs in runs for w in b_words(xs)])
+        totals = [[[[[a.get() for a in chain] for chain in tt] for tt in tile] for tile in m]
+                  for m in acc]
+        steps = []      # per step: its B words by token tile, and by matrix and tile its A words
         for u, loads, _ in loaded:
             per_mt = [[[a_pairs(loads[m][r][h], u) for h in range(2)] for r in range(tiles)]
                       for m in range(len(matrices))]
             n_steps = len(per_mt[0][0][0]) // 2
             for s in range(n_steps):
-                b = b_all[len(steps) * 2:len(steps) * 2 + 2]
+                b = [words[len(steps) * 2:len(steps) * 2 + 2] for words in b_all]
                 a = [[[per_mt[m][r][0][2 * s], per_mt[m][r][1][2 * s],
                        per_mt[m][r][0][2 * s + 1], per_mt[m][r][1][2 * s + 1]]
                       for r in range(tiles)] for m in range(len(matrices))]
@@ -434,13 +462,15 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
         for i, (b, a) in enumerate(steps):
             for m in range(len(matrices)):
                 for r in range(tiles):
-                    chain = totals[m][r][i % chains]
-                    chain[:] = k.mma(operand, a[m][r], b, chain)
+                    for j in range(token_tiles):
+                        chain = totals[m][r][j][i % chains]
+                        chain[:] = k.mma(operand, a[m][r], b[j], chain)
         for m in range(len(matrices)):
             for r in range(tiles):
-                for c in range(chains):
-                    for var, total in zip(acc[m][r][c], totals[m][r][c]):
-                        var.set(total)
+                for j in range(token_tiles):
+                    for c in range(chains):
+                        for var, total in zip(acc[m][r][j][c], totals[m][r][j][c]):
+                            var.set(total)
 
     # rounds of `unroll` consecutive groups (one run of each row, loads before arithmetic),
     # every split-th round to a subgroup; the groups left, one at a time; then a part group
@@ -471,9 +501,9 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     with k.if_(last & part.eq(0) if split > 1 else last):
         accumulate([n_groups], True)
 
-    # each lane: 4 sums a matrix and tile (D: row g + 8 (j // 2), token 2q + j % 2)
-    values = [v for m in acc for tile in m
-              for v in _chain_sum([[v.get() for v in chain] for chain in tile])]
+    # each lane: 4 sums a matrix, tile and token tile (D: row g + 8 (j // 2), token 2q + j % 2)
+    values = [v for m in acc for tile in m for tt in tile
+              for v in _chain_sum([[v.get() for v in chain] for chain in tt])]
     if split > 1:
         shared = k.shared("sums", F32, n_sub * len(values) * SUBGROUP)
         for i, v in enumerate(values):
@@ -485,14 +515,16 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
             values = [v + shared[((base + p * len(values)) + i) * SUBGROUP + lane]
                       for i, v in enumerate(values)]
     it = iter(values)
-    sums = [[[next(it) for _ in range(4)] for _ in range(tiles)] for _ in matrices]
+    sums = [[[[next(it) for _ in range(4)] for _ in range(token_tiles)] for _ in range(tiles)]
+            for _ in matrices]
     ours = part.eq(0) if split > 1 else None
     for r in range(tiles):
-        for j in range(4):
-            row = first + 16 * r + g + 8 * (j >> 1)
-            token = t0 + 2 * q + (j & 1)
-            got = [sums[m][r][j] for m in range(len(matrices))]
-            inside = (row < rows) & (token < n_tokens)
-            with k.if_(inside & ours if split > 1 else inside):
-                store_row(k, ys, res, splits, rows, token, row, got, swiglu)
+        for tt in range(token_tiles):
+            for j in range(4):
+                row = first + 16 * r + g + 8 * (j >> 1)
+                token = t0 + TOKENS * tt + 2 * q + (j & 1)
+                got = [sums[m][r][tt][j] for m in range(len(matrices))]
+                inside = (row < rows) & (token < n_tokens)
+                with k.if_(inside & ours if split > 1 else inside):
+                    store_row(k, ys, res, splits, rows, token, row, got, swiglu)
     return k.build()

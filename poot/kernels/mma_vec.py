@@ -239,12 +239,12 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split, token_tiles). Buffers and
     scalars as matmul.matvec's of the same variant but norm: a norm comes before, from
     norm_x16, and `x16` reads its words (u32 [T, cols / 2]: x normed, rounded and paired as the
-    B operand takes it) for x. `tiles`: 16-row tiles a subgroup computes; `split`: subgroups sharing a
-    tile's columns; `unroll`: 128-column groups a round; `pipeline`: the next round's weights
-    loaded before this round's arithmetic; `chains`: a tile's mma steps alternate between that
-    many accumulators (independent dependency chains), added at the end; `token_tiles`: tiles
-    of 8 tokens a launch computes on each weight it loads (one pass over the weights for up to
-    8 * token_tiles tokens)."""
+    B operand takes it) for x. `tiles`: 16-row tiles a subgroup computes; `split`: subgroups
+    sharing a tile's columns; `unroll`: 128-column groups a round; `pipeline`: the next round's
+    weights loaded before this round's arithmetic; `chains`: a tile's mma steps alternate
+    between that many accumulators (independent dependency chains), added at the end;
+    `token_tiles`: tiles of 8 tokens a launch computes on each weight it loads (one pass over
+    the weights for up to 8 * token_tiles tokens)."""
     if dtype not in DTYPES:
         raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
     n_sub = WORKGROUP // SUBGROUP

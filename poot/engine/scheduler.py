@@ -7,6 +7,13 @@ New sequences join between steps. Priority is arrival order: when KV blocks run 
 latest-arrived running sequence is preempted (its blocks freed) and later resumed by recomputing
 its prompt and generated tokens. The engine runs on its own thread (`start`) or is driven by the
 caller (`generate`, `run_until_idle`); both use the same `step`. It never formats JSON.
+
+A runner with lanes (a pipeline over several devices, engine/group.py) gets a step of each lane
+in flight: each running sequence belongs to a lane (newcomers join the lane whose turn it is,
+up to its share), and `step` takes the lanes in turn, collecting the lane's step in flight,
+delivering its tokens, then scheduling and launching its next step while the other lanes' run.
+A sequence whose step is in flight is never preempted nor freed: where only such a sequence
+could give up blocks, or a cancelled one is in flight, its lane's step is collected first.
 """
 import logging
 import queue

@@ -326,7 +326,7 @@ class WgpuDevice:
 
     def _pipeline(self, kernel, layout):
         lib, dev = self.lib, self.device
-        code = render_spirv(kernel, self.subgroup_size)
+        code = render_spirv(kernel, self.subgroup_size, vector_loads=True)
         source = wgpu.new("WGPUShaderSourceSPIRV", codeSize=len(code) // 4,
                           code=ffi.from_buffer("uint32_t[]", code))
         with self._scope("wgpuDeviceCreateShaderModule"):

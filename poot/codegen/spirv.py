@@ -146,9 +146,9 @@ def render_spirv(kernel, subgroup_size=None, vector_loads=False):
     `subgroup_size`, when the device's is known, is checked against the kernel: a shuffle_xor
     mask must name a lane inside the subgroup. `vector_loads`: a load of 2 or 4 consecutive
     32-bit elements of a read-only buffer is one load of a vector, through a second variable
-    of the same binding whose elements are those vectors (Vulkan allows descriptors to alias;
-    NVIDIA's driver issues 4 scalar loads as 4 loads); else one scalar load an element (wgpu's
-    modules, until the aliased variables, which naga takes on lavapipe, have run on a GPU).
+    of the same binding whose elements are those vectors (Vulkan allows descriptors to alias,
+    and naga takes the aliased variables for wgpu; NVIDIA's driver issues 4 scalar loads as 4
+    loads); else one scalar load an element.
     """
     words = _Renderer(kernel, subgroup_size, vector_loads).render()
     return struct.pack(f"<{len(words)}I", *words)

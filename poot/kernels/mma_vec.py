@@ -92,14 +92,15 @@ def most_tokens(dtype):
 def token_tiles(dtype, n_tokens):
     """The token tiles of an mma_vec launch for a step of n_tokens (further launches along
     grid y where they hold fewer), as measured on the H200 (docs/benchmarks.md): F16/BF16 two
-    past 8 tokens (8B F16 at 16: 2,358 tok/s against 2,241); Q4_0 one up to 16 tokens (at 16,
-    two launches 3,134 against one of two token tiles 2,877), four past them; the other block
-    quants one (unmeasured with more)."""
+    past 8 tokens (8B F16 at 16: 2,358 tok/s against 2,241); Q4_0 one up to 24 tokens (at 16,
+    two launches 3,134 against one of two token tiles 2,877; at 20 and 24, three launches
+    1,808 and 2,231 against one of four 1,691 and 1,914), four past them (at 32, 3,246 against
+    mma_tiled's 2,625); the other block quants one (unmeasured with more)."""
     if n_tokens <= TOKENS:
         return 1
     if dtype in ("F16", "BF16"):
         return 2
-    return 4 if dtype == "Q4_0" and n_tokens > 2 * TOKENS else 1
+    return 4 if dtype == "Q4_0" and n_tokens > 3 * TOKENS else 1
 
 
 def shape(dtype, rows, cols, multiprocessors, token_tiles=1):

@@ -151,6 +151,7 @@ def test_poot_serve_gives_the_same_tokens_under_every_placement(tmp_path, group)
     health = [json.loads(line.split("/health: ", 1)[1]) for line in result.stdout.splitlines()
               if "/health: " in line]
     assert [len(h["plan"].get("devices", [None])) for h in health] == [1, 2, 2]
+    assert [h["plan"].get("lanes") for h in health] == [None, 2, 1]
     for h in health[1:]:
         assert [d["part"]["logits"] for d in h["plan"]["devices"]] in ([False, True],
                                                                         [True, False])

@@ -271,6 +271,7 @@ def group_runner(model, group, memory, args):
     runner.upload()
     shape = chosen.describe()
     shape["placement"] = kind
+    shape["lanes"] = len(runner.lanes)          # steps in flight at once (a pipeline's, one each)
     for entry, part, check in zip(shape["devices"], runner.parts, checks):
         entry.update(part=part.describe(), checked=check.describe())
     return runner, shape

@@ -257,7 +257,7 @@ class DeviceRunner(StepRunner):
         the runner of the chosen candidate does that."""
         self.model, self.device, self.part = model, device, part
         self.base = None            # a lane's runner whose weights and KV cache it uses
-        self._chosen = {}           # kernel choices by weight shape (_matvec, _mma_launches)
+        self._chosen = {}           # choices by weight shape (_matvec, _mma_launches, _groups)
         self.backend = device.backend
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
@@ -1031,9 +1031,12 @@ class DeviceRunner(StepRunner):
         launches of several token tiles (mma_vec.token_tiles)."""
         if not self._runs_mma_vec(w):
             return TOKEN_GROUPS
-        more = {self._group_of(w, n) for n in range(TOKEN_GROUPS[-1] + 1,
-                                                     mma_vec.most_tokens(w.dtype) + 1)}
-        return TOKEN_GROUPS + tuple(sorted(more - set(TOKEN_GROUPS)))
+        key = ("groups", w.dtype, w.shape[1])     # asked per layer and plan candidate
+        if key not in self._chosen:
+            more = {self._group_of(w, n) for n in range(TOKEN_GROUPS[-1] + 1,
+                                                         mma_vec.most_tokens(w.dtype) + 1)}
+            self._chosen[key] = TOKEN_GROUPS + tuple(sorted(more - set(TOKEN_GROUPS)))
+        return self._chosen[key]
 
     def _runs_mma_vec(self, w):
         """Whether weight w's matvecs of 8 tokens run on mma_vec."""
@@ -1084,11 +1087,12 @@ class DeviceRunner(StepRunner):
         """The sum of the group's partials, plus the residual, into this rank's output; a
         generator that yields where the group must pass a barrier, returning what the norm_x16
         buffer holds after (as _launch_matvec). One phase: every rank sums the whole message
-        from every rank's partials; where the matmul `after` it reads the sum through a norm on
-        mma_vec, that one launch makes its norm_x16 too (reduce_norm_x16: a launch fewer, two
-        for each layer of a tensor group). Two phases (messages of two_phase_floats or more):
-        each rank sums its own slice, then, after a barrier, copies the other slices from the
-        ranks that summed them, reading each peer's partial once instead of whole."""
+        from every rank's partials; where `after`, the matmul that follows, reads the sum
+        through a norm on mma_vec, that one launch makes its norm_x16 too (reduce_norm_x16: a
+        launch fewer, two for each layer of a tensor group). Two phases (messages of
+        two_phase_floats or more): each rank sums its own slice, then, after a barrier, copies
+        the other slices from the ranks that summed them, reading each peer's partial once
+        instead of whole."""
         n = int(np.prod(self._shape(op.output, T, R)))
         kernel = ops.all_reduce(op.attrs["world"], op.attrs["residual"])
         parts = [peer._buffer(op.inputs[0]) for peer in self.peers]

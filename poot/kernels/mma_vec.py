@@ -83,9 +83,10 @@ def least_tokens(dtype):
 def most_tokens(dtype):
     """The longest step a device that runs mma_vec should give it rather than mma_tiled, as
     measured on the H200 (docs/benchmarks.md): 32 tokens of Q4_0 (8B Q4_0 at 32: 3,211 tok/s
-    on four token tiles, 2,625 on mma_tiled), 16 of the rest (8B F16 at 16: 2,358 on two token
-    tiles, 2,241 on mma_tiled; at 32, 3,772 on four against 4,036; 8B Q4_0 at 17, 1,337 on
-    three launches against 1,440 on mma_tiled)."""
+    on four token tiles, 2,625 on mma_tiled; at 17 to 24, token_tiles' one-tile launches have
+    not been measured against mma_tiled since the fifth session's 1,337 against 1,440 at 17),
+    16 of the rest (8B F16 at 16: 2,358 on two token tiles, 2,241 on mma_tiled; at 32, 3,772
+    on four against 4,036)."""
     return 4 * TOKENS if dtype == "Q4_0" else 2 * TOKENS
 
 
@@ -116,8 +117,8 @@ def shape(dtype, rows, cols, multiprocessors, token_tiles=1):
     that round again (1B F16 batch 8 6,060 -> 5,521 tok/s). Two accumulator chains for Q4_0
     at one token tile (8B decode at batch 1 345.8 -> 359.6 tok/s, batch 8 2,134 -> 2,230), one
     for the rest (8B Q4_K 240.2 -> 227.4 with two; 1B F16 even) and where token tiles make
-    chains of their own. Four token tiles of a block quant take one row tile (two spilled
-    registers in Q4_0's gate/up)."""
+    chains of their own. Four token tiles of a block quant take one row tile (with two,
+    Q4_0's gate/up spilled 160 bytes a thread, ptxas -v for sm_90)."""
     rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
     if dtype in ("F16", "BF16"):
         return dict(tiles=1, split=8, unroll=2, pipeline=rounds(8) >= 2, chains=1,

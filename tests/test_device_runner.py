@@ -1,5 +1,7 @@
 """The device runner against the reference runner: same step graph, same batches, on every
 device backend that opens here (skips with the reason elsewhere)."""
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -346,9 +348,10 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
     builds, with its parameters' count of arguments; matmuls of MMA_MIN_TOKENS or more run
     mma_tiled (F32, which mma_vec does not decode), or up to 16 tokens mma_vec and past them
     mma_tiled (Q4_K), split where the tiles give fewer workgroups than multiprocessors
-    (always in this small model, never with one multiprocessor); split ones write within
-    mma_partials, which is as large as the largest needs. The norms before mma_vec (Q4_K)
-    are norm_x16 launches that write within norm_x16, read by the x16 mma_vec after them."""
+    (always in this small model, never with one multiprocessor); split ones, and the stacked
+    gate/up's SwiGLU always, write within mma_partials, which is as large as the largest needs,
+    and a split_sum follows each. A norm folded into a matmul is a norm_x16 launch first: into
+    norm_x16 for the x16 mma_vec after it, into mma_x16 for the x16 mma_tiled after it."""
     model = poot.load(tiny_model(tmp_path, dtype=dtype, shape="tiny-k"))   # rows, cols 256, 512
     log = LaunchLog(multiprocessors=multiprocessors)
     runner = DeviceRunner(model, log, num_blocks=16, max_tokens=200, max_seqs=16)
@@ -357,36 +360,42 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
     runner.programs = {k.name: k for k in runner._kernels()}
     runner.buffers = {a.name: a for a in runner.allocations()}
     partials = runner.buffers.get("mma_partials")
-    largest, matrix, normed = 0, set(), 0
-    x16 = runner.buffers.get("norm_x16")
+    largest, matrix, normed = 0, set(), Counter()
+    x16s = {"mma_tiled": runner.buffers.get("mma_x16"), "mma_vec": runner.buffers.get("norm_x16")}
     for T in range(1, 201):
         log.launched.clear()
         for _ in runner.launches(T, min(T, 16)):
             pass
         for i, (kernel, grid, args) in enumerate(log.launched):
             if kernel.name.startswith("norm_x16"):
-                normed += 1
+                after, _, after_args = log.launched[i + 1]
+                family = after.name.split("_")[0] + "_" + after.name.split("_")[1]
+                normed[family] += 1
+                x16 = x16s[family]
                 assert args[2] is x16 and grid[0] * args[3] * 2 <= x16.nbytes
-                assert log.launched[i + 1][0].name.startswith("mma_vec") and \
-                    "_x16" in log.launched[i + 1][0].name and x16 in log.launched[i + 1][2]
+                assert "_x16" in after.name and x16 in after_args
             if not kernel.name.startswith(("mma_tiled", "matvec", "mma_vec")):
                 continue
-            split = kernel.name.endswith("_split")
-            n = args[[p.name for p in kernel.params].index("n_tokens")]
+            names = [p.name for p in kernel.params]
+            n = args[names.index("n_tokens")]
             assert kernel.name.startswith("mma_tiled") == (n >= least), kernel.name
             assert kernel.name.startswith("mma_vec") == (
                 dtype == "Q4_K" and n < least), kernel.name
-            if kernel.name.startswith("mma_tiled"):
-                matrix.add(split)
-            if split:
-                rows, cols, _, split_cols = args[-4:]
-                want = matmul.mma_launch(rows, cols, n, multiprocessors or MULTIPROCESSORS)
-                assert grid == want.grid(rows, n) and split_cols == want.split_cols
-                assert partials in args
-                largest = max(largest, want.partial_floats(rows, n))
+            if not kernel.name.startswith("mma_tiled"):
+                continue
+            rows, cols = args[names.index("rows")], args[names.index("cols")]
+            want = matmul.mma_launch(rows, cols, n, multiprocessors or MULTIPROCESSORS)
+            assert grid == want.grid(rows, n)
+            matrix.add(want.splits > 1)
+            if kernel.name.endswith("_split"):
+                assert args[-1] == want.split_cols and partials in args
+                assert log.launched[i + 1][0].name.startswith("split_sum")
+                largest = max(largest, want.splits * n * rows)
+            else:
+                assert want.splits == 1
     assert matrix == ({False} if multiprocessors == 1 else {True})
     assert partials == (Allocation("mma_partials", largest * 4, "arenas") if largest else None)
-    assert (normed > 0) == (dtype == "Q4_K") and (x16 is not None) == (dtype == "Q4_K")
+    assert set(normed) == ({"mma_tiled", "mma_vec"} if dtype == "Q4_K" else {"mma_tiled"})
 
 
 def test_no_partials_without_matrix_instructions(tmp_path):

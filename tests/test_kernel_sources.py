@@ -8,7 +8,7 @@ import pytest
 
 from poot.codegen.ptx import render_ptx
 from poot.codegen.spirv import render_spirv
-from poot.engine.device_runner import TOKEN_GROUPS, matvec_rows
+from poot.engine.device_runner import TOKEN_GROUPS, matvec_rows, mma_choice
 from poot.kernels import matmul, mma_vec, ops
 from poot.kernels.quant import DEVICE_DTYPES
 
@@ -38,6 +38,7 @@ def runner_kernels(subgroup_size):
     out = runner_matvecs(subgroup_size)
     out += [matmul.tiled(d, residual=r) for d in DEVICE_DTYPES for r in (False, True)]
     out += [matmul.split_sum(r) for r in (False, True)]
+    out += [matmul.split_sum(outputs=n) for n in (2, 3)] + [matmul.split_sum(swiglu=True)]
     out += [ops.embedding(d) for d in DEVICE_DTYPES]
     out += [ops.rms_norm(subgroup_size), ops.elementwise("add"), ops.elementwise("swiglu"),
             ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
@@ -64,12 +65,15 @@ def mma_vec_shapes(variant):
 
 def mma_kernels(dtypes=DEVICE_DTYPES):
     """The matrix kernels, which only PTX renders (SPIR-V refuses them: test_codegen_spirv.py):
-    mma_tiled in each token tile, whole (with and without the residual) or split; mma_vec in
+    mma_tiled in each token tile, whole (with and without the residual, or stacked outputs)
+    or split, on x or x16 (the runner's folded norm: tiled_norm_x16); mma_vec in
     every fused variant (a norm one as the runner launches it: on x from norm_x16), in the
     shapes the runner picks for few and many rows, norm_x16 and reduce_norm_x16."""
-    tiled = [matmul.mma_tiled(d, residual, tokens, split) for d in dtypes
-             for tokens in matmul.MMA_TOKEN_TILES
+    tiled = [matmul.mma_tiled(d, residual, tokens, split, x16=x16) for d in dtypes
+             for tokens in matmul.MMA_TOKEN_TILES for x16 in (False, True)
              for split, residual in ((False, False), (False, True), (True, False))]
+    tiled += [matmul.mma_tiled(d, tokens=tokens, outputs=3, **mma_choice(d)[0])
+              for d in dtypes for tokens in matmul.MMA_TOKEN_TILES]
     vec = [mma_vec.mma_vec(d, **dict(shape), **mma_vec_variant(v))
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
            for shape in {tuple(mma_vec.shape(d, rows, cols, 132, tt).items())

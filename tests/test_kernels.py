@@ -350,6 +350,101 @@ def test_split_mma_tiled_matmul(cuda_device, dtype, variant, n_tokens):
     assert np.array_equal(*runs)
 
 
+def silu_times(gate, up):
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "Q4_0", "Q6_K"])
+@pytest.mark.parametrize("n_tokens,split", [(5, False), (33, True), (64, True), (130, False)])
+def test_mma_tiled_stacked_outputs(cuda_device, dtype, n_tokens, split):
+    """q, k and v stacked row-wise (parts of 512, 128 and 128 rows: not whole tiles after the
+    first), each part's rows into its own output: stored by mma_tiled's epilogue (outputs=3)
+    or, split, by split_sum's; with the runner's pipeline for the format (device_runner's
+    mma_choice), x read as x16 beforehand where it is."""
+    from poot.engine.device_runner import mma_choice
+    keywords = mma_choice(dtype)[0]
+    parts, cols = (512, 128, 128), 1024
+    rows = sum(parts)
+    w_planes, dense = weight(dtype, rows, cols)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+    x_in = mma_x(cuda_device, dtype, keywords, x)
+    starts = list(np.cumsum(parts)[:-1])
+    ys = [np.zeros((n_tokens, p), np.float32) for p in parts]
+    launch = matmul.mma_launch(rows, cols, n_tokens, 132 if split else 1, **mma_choice(dtype)[1])
+    assert (launch.splits > 1) == split
+    if split:
+        tile = matmul.mma_tiled(dtype, tokens=launch.tokens, split=True, **keywords)
+        partials = run(cuda_device, tile, launch.grid(rows, n_tokens), *w_planes, x_in,
+                       np.zeros((launch.splits, n_tokens, rows), np.float32), rows, cols,
+                       n_tokens, launch.split_cols)["partials"]
+        add = matmul.split_sum(outputs=3)
+        got = run(cuda_device, add, (-(-n_tokens * rows // matmul.WORKGROUP),), partials, *ys,
+                  n_tokens * rows, launch.splits, rows, *starts)
+    else:
+        tile = matmul.mma_tiled(dtype, tokens=launch.tokens, outputs=3, **keywords)
+        got = run(cuda_device, tile, launch.grid(rows, n_tokens), *w_planes, x_in, *ys, rows,
+                  cols, n_tokens, *starts)
+    got = np.concatenate([got[f"y{i}"] for i in range(3)], axis=1)
+    check_mma(got, x, dense, None, dtype, f"{tile.name} T={n_tokens}")
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("n_tokens,splits", [(3, 1), (40, 1), (40, 4), (130, 2)])
+def test_split_sum_swiglu_of_stacked_gate_up(cuda_device, dtype, n_tokens, splits):
+    """gate and up stacked row-wise, one mma_tiled launch (split or not) into the partials,
+    then split_sum's SwiGLU of each pair of sums: against numpy's silu(x gate^T) * (x up^T),
+    within the product's bound carried through silu (|silu'| < 1.1) and the multiplication."""
+    from poot.engine.device_runner import mma_choice
+    keywords = mma_choice(dtype)[0]
+    half, cols = 200, 512
+    w_planes, dense = weight(dtype, 2 * half, cols)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 0.5
+    launch = matmul.MmaLaunch(matmul.mma_launch(2 * half, cols, n_tokens, 1).tokens, splits,
+                              -(-cols // (splits * matmul.MMA_DEPTH)) * matmul.MMA_DEPTH)
+    tile = matmul.mma_tiled(dtype, tokens=launch.tokens, split=True, **keywords)
+    partials = run(cuda_device, tile, launch.grid(2 * half, n_tokens), *w_planes,
+                   mma_x(cuda_device, dtype, keywords, x),
+                   np.zeros((splits, n_tokens, 2 * half), np.float32), 2 * half, cols,
+                   n_tokens, launch.split_cols)["partials"]
+    got = run(cuda_device, matmul.split_sum(swiglu=True),
+              (-(-n_tokens * half // matmul.WORKGROUP),), partials,
+              np.zeros((n_tokens, half), np.float32), n_tokens * half, splits, half)["y"]
+    product = x.astype(np.float64) @ dense.astype(np.float64).T
+    gate, up = product[:, :half], product[:, half:]
+    u = 2.0 ** -11
+    rounded = 1 if dtype == "F16" else 2
+    bound = (rounded * u + cols * 2.0 ** -23) * np.outer(np.linalg.norm(x, axis=1),
+                                                        np.linalg.norm(dense, axis=1))
+    gb, ub = bound[:, :half], bound[:, half:]
+    err = np.abs(got - silu_times(gate, up))
+    allowed = 1.1 * gb * (np.abs(up) + ub) + ub * (np.abs(gate) + gb) + 1e-5 * np.abs(gate * up)
+    assert np.all(np.isfinite(got)), "unwritten outputs"
+    worst = np.unravel_index(np.argmax(err / allowed), err.shape)
+    assert np.all(err <= allowed), f"worst at {worst}: {err[worst]} > {allowed[worst]}"
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "Q4_0", "Q8_0", "F32"])
+def test_tiled_norm_x16_feeds_mma_tiled(cuda_device, dtype):
+    """The runner's folded norm on the tensor cores: tiled_norm_x16 (x normed, times the gain,
+    rounded in column order), then the x16 mma_tiled: against numpy's product of the normed x,
+    whose rounding is one of the operand roundings check_mma allows."""
+    from poot.engine.device_runner import mma_choice, tiled_norm_x16
+    keywords = dict(mma_choice(dtype)[0], x16=True)
+    n_tokens, rows, cols = 37, 300, 1024
+    w_planes, dense = weight(dtype, rows, cols)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
+    g = rng.standard_normal(cols).astype(np.float32)
+    eps = 1e-5
+    x16 = run(cuda_device, tiled_norm_x16(dtype), (n_tokens,), x, g,
+              np.zeros(n_tokens * cols // 2, np.uint32), cols, eps)["x16"]
+    normed = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + eps) * g
+    launch = matmul.mma_launch(rows, cols, n_tokens, 1)
+    tile = matmul.mma_tiled(dtype, tokens=launch.tokens, **keywords)
+    got = run(cuda_device, tile, launch.grid(rows, n_tokens), *w_planes, x16,
+              np.zeros((n_tokens, rows), np.float32), rows, cols, n_tokens)["y"]
+    check_mma(got, normed.astype(np.float32), dense, None, dtype, tile.name)
+
+
 # -- mma_vec: the decode matmul on the tensor cores (PTX devices only) -----------------------------
 # (variant, n_tokens, rows, cols): tokens past one 8-token launch, rows that are not whole
 # 16-row tiles, columns that are not whole 128-column groups (576: SmolLM2's width), pipelined

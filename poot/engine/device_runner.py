@@ -44,6 +44,13 @@ def mma_choice(dtype):
     return {}, {}
 
 
+def tiled_norm_x16(dtype):
+    """The norm_x16 whose words an x16 mma_tiled of weight format `dtype` reads: x normed and
+    rounded to its operand (mma_operand) in column order (mma_vec's block-quant pairing is
+    not mma_tiled's)."""
+    return mma_vec.norm_x16("BF16" if dtype == "BF16" else "F16")
+
+
 def matvec_rows(dtype, group, matrices=1):
     """Weight rows a matvec subgroup streams at once (of each of its `matrices`: two for the
     gate/up SwiGLU) for one token: each x value it loads then serves them all. Measured on the
@@ -276,27 +283,21 @@ class DeviceRunner(StepRunner):
         self.two_phase_floats = TWO_PHASE_FLOATS
         self.long = False           # this step splits its attention (run() decides)
         self._shared = self._shared_buffers()
-        self.steps, self.stacked = self._lower(fuse=True)
+        self.mma = self._has_mma()
+        self.steps, self.stacked = self._lower(stack_swiglu=self.mma)
         self._part_of = {}          # part of a stacked weight -> (stacked weight, first row)
         for whole, parts in self.stacked.values():
             for p, row in zip(parts, np.cumsum([0] + [p.shape[0] for p in parts[:-1]])):
                 self._part_of[p.name] = (whole, int(row))
-        # steps of mma_min_tokens or more, on a device with matrix instructions, run the
-        # matmuls one by one on the tensor cores (nothing folded into them): their own lowering
-        self.steps_long = self._lower(fuse=False)[0] if self._has_mma() else None
+        # steps of mma_min_tokens or more, on a device with matrix instructions, run their
+        # matmuls on the tensor cores (mma_tiled, _launch_tiled)
         self.mma_min_tokens = MMA_MIN_TOKENS
         if self._has_mma_vec():
             self.mma_min_tokens = 1 + min(mma_vec.most_tokens(op.weight.dtype)
                                           for op in self.steps if op.kind == "matmul")
         if check:
             self._check_supported()
-        self._lowerings = {False: self._assign_slots(self.steps)}
-        if self.steps_long is not None:
-            self._lowerings[True] = self._assign_slots(self.steps_long)
-        sizes = [lowering[2] for lowering in self._lowerings.values()]
-        self._slot_sizes = [max(each[i] if i < len(each) else 0 for each in sizes)
-                            for i in range(max(map(len, sizes)))]      # the lowerings share slots
-        self._use(False)
+        self._uses, self._slot_of, self._slot_sizes = self._assign_slots(self.steps)
         self.buffers, self.graphs = {}, {}
         self._host = {}             # staged: step input or output -> its host_array int32s
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
@@ -327,7 +328,7 @@ class DeviceRunner(StepRunner):
             seen[op.kind] += 1
         return out
 
-    def _lower(self, fuse=True):
+    def _lower(self, stack_swiglu=False):
         """The graph's ops as launch steps, fusing ops into one kernel where what passes
         between them is used only there:
         - an rms_norm read only by matmuls is folded into each of them;
@@ -340,8 +341,9 @@ class DeviceRunner(StepRunner):
         - the ropes of q and k and the store_kv of k become one kernel, where q goes on only
           to the attention that reads that cache;
         - an add of an all_reduce's sum (a tensor group's) becomes the reduction's epilogue.
-        With fuse=False only the residual adds and the reductions' adds are fused (the steps the
-        tensor cores run: their matmul takes one weight and a residual, nothing more).
+        With stack_swiglu (a device that runs the tensor-core matmul) a SwiGLU's gate and up
+        weights are stacked too, so that mma_tiled reads them in one launch (twice the rows, a
+        wave of workgroups where each alone would split); the matvecs read each part.
         A fused step takes the place of its first op. (A SwiGLU formed as the down projection
         reads it was measured slower: every row recomputes it.)"""
         ops_ = self.graph.ops
@@ -360,6 +362,7 @@ class DeviceRunner(StepRunner):
             return op if op is not None and op.kind == kind and uses[t.name] == 1 else None
 
         place = {}      # id(op) -> the step lowered in its place, or None where it is fused away
+        pair = []       # (gate, up) weights of the SwiGLUs, where stacked
         for op in ops_:
             if op.kind == "add":
                 for mine, other in ((0, 1), (1, 0)):
@@ -373,7 +376,7 @@ class DeviceRunner(StepRunner):
                 place.setdefault(id(op), Step("all_reduce", op.inputs, op.output,
                                               dict(op.attrs, residual=False)))
         norm_of = {}
-        for op in ops_ if fuse else ():
+        for op in ops_:
             readers = users.get(op.output.name, [])
             if op.kind == "rms_norm" and readers and uses[op.output.name] == len(readers) and \
                     all(r.kind == "matmul" and r.inputs[0].name == op.output.name
@@ -391,7 +394,7 @@ class DeviceRunner(StepRunner):
         for op in ops_:
             if id(op) in place:
                 continue
-            if op.kind == "swiglu" and fuse:
+            if op.kind == "swiglu":
                 gate, up = (made_once(t, "matmul") for t in op.inputs)
                 if gate and up and gate.inputs[0].name == up.inputs[0].name and \
                         gate.inputs[1].dtype == up.inputs[1].dtype and \
@@ -400,6 +403,8 @@ class DeviceRunner(StepRunner):
                     place[id(first)] = matvec(gate.inputs[0], gate.inputs[1], [op.output],
                                               up=up.inputs[1])
                     place[id(second)] = place[id(op)] = None
+                    if stack_swiglu:
+                        pair.append((gate.inputs[1], up.inputs[1]))
             elif op.kind == "add":
                 for mine, other in ((0, 1), (1, 0)):
                     maker = made_once(op.inputs[mine], "matmul")
@@ -409,25 +414,30 @@ class DeviceRunner(StepRunner):
                                                   residual=op.inputs[other])
                         place[id(op)] = None
                         break
-            elif op.kind == "store_kv" and fuse:
+            elif op.kind == "store_kv":
                 self._fuse_rope_store_kv(op, users, order, made_once, place)
 
         groups = {}
         for op in ops_:
             if op.kind == "matmul" and id(op) not in place:
                 w = op.inputs[1]
-                alone = uses[w.name] > 1 or not fuse    # its planes serve another op too
+                alone = uses[w.name] > 1                # its planes serve another op too
                 key = (op.inputs[0].name, w.dtype, w.shape[1], id(op) if alone else None)
                 groups.setdefault(key, []).append(op)
         stacked = {}
+
+        def stack(parts):
+            weight = Tensor("+".join(p.name for p in parts),
+                            (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                            parts[0].dtype, "weight")
+            stacked[weight.name] = (weight, parts)
+            return weight
+
+        for parts in pair:
+            stack(parts)
         for members in groups.values():
             parts = tuple(m.inputs[1] for m in members)
-            weight = parts[0]
-            if len(parts) > 1:
-                weight = Tensor("+".join(p.name for p in parts),
-                                (sum(p.shape[0] for p in parts), parts[0].shape[1]),
-                                parts[0].dtype, "weight")
-                stacked[weight.name] = (weight, parts)
+            weight = stack(parts) if len(parts) > 1 else parts[0]
             place[id(members[0])] = matvec(members[0].inputs[0], weight,
                                            [m.output for m in members])
             for m in members[1:]:
@@ -473,7 +483,7 @@ class DeviceRunner(StepRunner):
     def _kernels(self):
         sg, cfg = self.device.subgroup_size, self.model.config
         seen = {}
-        for long, steps in ((False, self.steps), (True, self.steps_long or ())):
+        for long, steps in ((False, self.steps), (True, self.steps if self.mma else ())):
             for i, step in enumerate(steps):
                 for kernel in self._kernels_of(step, sg, cfg, long):
                     seen.setdefault(kernel.name, kernel)
@@ -493,13 +503,14 @@ class DeviceRunner(StepRunner):
         if op.kind == "matmul":
             chosen = [self._matvec(op.weight, n, op.variant) for n in self._groups(op.weight)]
             matvecs = [k for kernel, _, prep in chosen for k in (kernel, prep) if k is not None]
-            if not long:
+            launches = self._mma_launches(op) if long else {}
+            if not launches:
                 return matvecs
-            x16 = [matmul.mma_x16(op.weight.dtype)] if self._mma_launches(op) and \
-                mma_choice(op.weight.dtype)[0].get("x16") else []
-            return matvecs + [kernel for launch in self._mma_launches(op).values()
-                              for kernel in self._mma_kernels(op.weight, op.residual is not None,
-                                                              launch)] + x16
+            variant, dtype = self._tiled_variant(op), op.weight.dtype
+            prep = [tiled_norm_x16(dtype)] if op.norm is not None else \
+                [matmul.mma_x16(dtype)] if variant.get("x16") else []
+            return matvecs + prep + [kernel for launch in launches.values()
+                                     for kernel in self._mma_kernels(op, launch)]
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -554,7 +565,7 @@ class DeviceRunner(StepRunner):
         """{n: MmaLaunch} standing for every length of a matmul step that runs on the tensor
         cores (matmul.mma_launches; {} without them): what _kernels builds and the partials
         buffer holds."""
-        w, most = op.weight, self._elements(op.x.shape[:1])
+        w, most = self._tiled_weight(op), self._elements(op.x.shape[:1])
         key = ("mma_launches", w.dtype, w.shape, most)
         if key not in self._chosen:
             self._chosen[key] = {} if self._mma_launch(w, most) is None else \
@@ -565,21 +576,39 @@ class DeviceRunner(StepRunner):
     def _multiprocessors(self):
         return getattr(self.device, "multiprocessors", None) or MULTIPROCESSORS
 
+    def _tiled_weight(self, op):
+        """The weight a matmul step's mma_tiled reads: a SwiGLU's stacked gate and up, else
+        the step's weight."""
+        return self._part_of[op.weight.name][0] if op.up is not None else op.weight
+
     @staticmethod
-    def _mma_kernels(w, residual, launch):
-        """The kernels of an MmaLaunch, in launch order (after mma_x16 where the variant reads
-        x rounded beforehand)."""
-        variant = mma_choice(w.dtype)[0]
-        if launch.splits == 1:
-            return [matmul.mma_tiled(w.dtype, residual, launch.tokens, **variant)]
+    def _tiled_variant(op):
+        """mma_tiled's keywords for a matmul step (mma_choice's pipeline), reading x16 where
+        the step's norm is folded in (tiled_norm_x16 makes it)."""
+        variant = mma_choice(op.weight.dtype)[0]
+        return dict(variant, x16=True) if op.norm is not None else variant
+
+    def _mma_kernels(self, op, launch):
+        """The kernels of a matmul step's MmaLaunch, in launch order (after its x16's): one
+        mma_tiled writing the outputs, or a split one and the split_sum that adds its slices
+        into them (a SwiGLU's always: only split_sum sees gate's and up's sums together)."""
+        w, variant = self._tiled_weight(op), self._tiled_variant(op)
+        residual, outputs = op.residual is not None, len(op.outputs)
+        if launch.splits == 1 and op.up is None:
+            return [matmul.mma_tiled(w.dtype, residual, launch.tokens, outputs=outputs,
+                                     **variant)]
         return [matmul.mma_tiled(w.dtype, tokens=launch.tokens, split=True, **variant),
-                matmul.split_sum(residual)]
+                matmul.split_sum(residual, outputs, op.up is not None)]
+
+    def _tiled_ops(self):
+        """The matmul steps that run mma_tiled at some step length."""
+        return [op for op in self.steps if op.kind == "matmul" and self._mma_launches(op)] \
+            if self.mma else []
 
     def _mma_x16_words(self):
         """The words of the largest x a step's x16 mma_tiled reads rounded (0: none does)."""
         return max((self._elements(op.x.shape[:1]) * op.weight.shape[1] // 2
-                    for op in self.steps_long or () if op.kind == "matmul"
-                    and mma_choice(op.weight.dtype)[0].get("x16") and self._mma_launches(op)),
+                    for op in self._tiled_ops() if self._tiled_variant(op).get("x16")),
                    default=0)
 
     def _elements(self, shape):
@@ -679,8 +708,9 @@ class DeviceRunner(StepRunner):
 
     def _mma_partials(self):
         """The floats of the largest partial sums a split matmul of any step writes."""
-        return max((launch.partial_floats(op.weight.shape[0], n)
-                    for op in self.steps_long or () if op.kind == "matmul"
+        return max((launch.splits * n * self._tiled_weight(op).shape[0]
+                    if launch.splits > 1 or op.up is not None else 0
+                    for op in self._tiled_ops()
                     for n, launch in self._mma_launches(op).items()), default=0)
 
     def _split_rows(self):
@@ -835,8 +865,7 @@ class DeviceRunner(StepRunner):
         sg, cfg = self.device.subgroup_size, self.model.config
         B = self._buffer
         wg = ops.WG
-        long = self.steps_long is not None and T >= self.mma_min_tokens
-        self._use(long)
+        long = self.mma and T >= self.mma_min_tokens
         if self._staged():
             # the inputs up to the block tables of as many sequences as the step has tokens
             rows = min(T, self.max_seqs)
@@ -848,12 +877,12 @@ class DeviceRunner(StepRunner):
                     if name != "argmax":
                         words = rows * self.table_width if name == "block_tables" else None
                         self.device.write(self.buffers[name], host[:words])
-        rounded = None              # (x, operand) that mma_x16 holds, until another op runs
+        rounded = None              # (x, gain, operand) that mma_x16 holds, until an op writes
         normed = None               # (x, gain, kernel) that norm_x16 holds, the same way
-        steps = self.steps_long if long else self.steps
+        steps = self.steps
         for i, op in enumerate(steps):
             ins, out = op.inputs, op.outputs[0]
-            if op.kind != "matmul":
+            if op.kind not in ("matmul", "reshape"):
                 rounded = normed = None
             if op.kind == "embedding":
                 table = ins[0]
@@ -864,33 +893,9 @@ class DeviceRunner(StepRunner):
                 rows = int(np.prod(shape[:-1]))
                 self._launch(ops.rms_norm(sg), (rows,), B(ins[0]), B(ins[1]), B(out),
                              shape[-1], op.attrs["eps"])
-            elif op.kind == "matmul" and long:
-                w, x = op.weight, op.x
-                n = self._shape(x, T, R)[0]
-                residual = [] if op.residual is None else [B(op.residual)]
-                launch = self._mma_launch(w, n)
-                x_in = B(x)
-                if launch and mma_choice(w.dtype)[0].get("x16"):
-                    x_in = self.buffers["mma_x16"]
-                    if rounded != (x.name, matmul.mma_operand(w.dtype)):   # q, k, v share it
-                        rounded = (x.name, matmul.mma_operand(w.dtype))
-                        self._launch(matmul.mma_x16(w.dtype), (-(-n * w.shape[1] // (4 * wg)),),
-                                     B(x), x_in, n * w.shape[1])
-                args = (*self._weight_planes(w), x_in, B(out), *residual, w.shape[0],
-                        w.shape[1], n)
-                if launch and launch.splits > 1:
-                    tile, add = self._mma_kernels(w, op.residual is not None, launch)
-                    partials = self.buffers["mma_partials"]
-                    self._launch(tile, launch.grid(w.shape[0], n), *self._weight_planes(w), x_in,
-                                 partials, *args[-3:], launch.split_cols)
-                    self._launch(add, (-(-n * w.shape[0] // matmul.WORKGROUP),), partials,
-                                 B(out), *residual, n * w.shape[0], launch.splits)
-                elif launch:
-                    tile, = self._mma_kernels(w, op.residual is not None, launch)
-                    self._launch(tile, launch.grid(w.shape[0], n), *args)
-                else:
-                    self._launch_matvec(w, n, op.variant, self._weight_planes(w), x_in,
-                                        (B(out), *residual, *w.shape, n))
+            elif op.kind == "matmul" and long and \
+                    self._mma_launch(self._tiled_weight(op), self._shape(op.x, T, R)[0]):
+                rounded = self._launch_tiled(op, T, R, rounded)
             elif op.kind == "matmul":
                 w = op.weight
                 n = self._shape(op.x, T, R)[0]
@@ -976,6 +981,52 @@ class DeviceRunner(StepRunner):
             if self._staged():
                 self.device.download(self._host["argmax"], self.buffers["argmax"], R * 4)
 
+    def _launch_tiled(self, op, T, R, rounded):
+        """A matmul step on the tensor cores (mma_tiled): x rounded to the operand beforehand
+        where the pipeline reads x16 (mma_x16; tiled_norm_x16 where the step's norm is folded
+        in), unless `rounded` says the buffer holds it already; then the tile launch, and where
+        it is split or a SwiGLU, the split_sum. Returns what the x16 buffer holds after."""
+        B = self._buffer
+        w, variant = self._tiled_weight(op), self._tiled_variant(op)
+        rows, cols = w.shape
+        n = self._shape(op.x, T, R)[0]
+        launch = self._mma_launch(w, n)
+        x = B(op.x)
+        if variant.get("x16"):
+            x = self.buffers["mma_x16"]
+            held = (op.x.name, None if op.norm is None else op.norm.name,
+                    matmul.mma_operand(w.dtype))
+            if rounded != held:
+                rounded = held
+                if op.norm is None:
+                    self._launch(matmul.mma_x16(w.dtype), (-(-n * cols // (4 * ops.WG)),),
+                                 B(op.x), x, n * cols)
+                else:
+                    self._launch(tiled_norm_x16(w.dtype), (n,), B(op.x), B(op.norm), x, cols,
+                                 op.eps)
+        planes = self._weight_planes(w)
+        outs = [B(t) for t in op.outputs]
+        residual = [] if op.residual is None else [B(op.residual)]
+        parts = self.stacked.get(w.name, (w, (w,)))[1]
+        starts = [int(s) for s in np.cumsum([p.shape[0] for p in parts])[:-1]] \
+            if len(outs) > 1 else []
+        kernels = self._mma_kernels(op, launch)
+        grid = launch.grid(rows, n)
+        if len(kernels) == 1:
+            self._launch(kernels[0], grid, *planes, x, *outs, *residual, rows, cols, n, *starts)
+            return rounded
+        tile, add = kernels
+        partials = self.buffers["mma_partials"]
+        self._launch(tile, grid, *planes, x, partials, rows, cols, n, launch.split_cols)
+        if op.up is not None:
+            half = rows // 2
+            self._launch(add, (-(-n * half // matmul.WORKGROUP),), partials, *outs,
+                         n * half, launch.splits, half)
+        else:
+            self._launch(add, (-(-n * rows // matmul.WORKGROUP),), partials, *outs, *residual,
+                         n * rows, launch.splits, *([rows, *starts] if starts else []))
+        return rounded
+
     def _attention_heads(self, T, heads, kv_heads):
         """Query heads of one KV head an attention workgroup of a T-token step takes: as many as
         ops.attention_heads allows where T * kv_heads workgroups still give every
@@ -1021,7 +1072,7 @@ class DeviceRunner(StepRunner):
     def _norm_x16_words(self):
         """The words of the largest x a step's norm_x16 makes (0: none does): its matmul's
         tokens on the steps that do not run the tensor-core lowering, times cols / 2."""
-        short = self.mma_min_tokens - 1 if self.steps_long is not None else self.max_tokens
+        short = self.mma_min_tokens - 1 if self.mma else self.max_tokens
         return max((min(self._elements(op.x.shape[:1]), short) * op.weight.shape[1] // 2
                     for op in self.steps if op.kind == "matmul" for n in self._groups(op.weight)
                     if self._matvec(op.weight, n, op.variant)[2] is not None), default=0)
@@ -1148,10 +1199,6 @@ class DeviceRunner(StepRunner):
                                      row * r.row_words(p, t.shape[1]) * 4)
                     for p in r.plane_names]
         return [self.buffers[f"{t.name}:{p}"] for p in r.plane_names]
-
-    def _use(self, long):
-        """Makes the buffers of values follow the lowering a step runs (long: steps_long)."""
-        self._uses, self._slot_of, _ = self._lowerings[long]
 
     def time_kernels(self):
         """Device timing from now on (--device-timing): every step launches kernel by kernel,

@@ -344,6 +344,7 @@ TWO_RESIDENT_SHARED = 113 * 1024
 # mma_tiled's keywords; the runner launches the default, {}, until one is measured faster.
 MMA_VARIANTS = {
     "regs": {},
+    "x16": {"x16": True},
     "s3": {"stages": 3},
     "s4": {"stages": 4},
     "s3x16": {"stages": 3, "x16": True},
@@ -388,7 +389,7 @@ def _pack(k, operand, lo, hi):
 
 @cache
 def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_DEPTH,
-              stages=None, x16=False):
+              stages=None, x16=False, outputs=1):
     """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / tokens))
     (mma_launch picks tokens and the split).
 
@@ -406,6 +407,10 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     scalar split_cols, a multiple of `depth`), and the buffer y is `partials`
     [slices, n_tokens, rows]: each workgroup stores its slice's partial tile there, and
     split_sum adds the slices (and the residual) into y.
+
+    `outputs` > 1 (unsplit, no residual): the rows are those of weights stacked row-wise (q, k
+    and v), each part's rows stored to its own output y0, y1, ... as matvec's stacked outputs
+    are (store_row; scalars split_1.. after n_tokens: the first row of each part but the first).
 
     Pipelines under measurement (MMA_VARIANTS; the default is the one above). Decode steps
     stream W once and are bound by how many of its bytes are in flight: by Little's law, 4.2 TB/s
@@ -432,6 +437,9 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     """
     if split and residual:
         raise ValueError("a split mma_tiled leaves the residual to split_sum")
+    if outputs > 1 and (split or residual):
+        raise ValueError("mma_tiled: stacked outputs are stored unsplit and with no residual "
+                         "(split_sum routes a split launch's rows)")
     if tokens not in MMA_TOKEN_TILES:
         raise ValueError(f"mma_tiled: a token tile is one of {MMA_TOKEN_TILES}, not {tokens}")
     if depth not in MMA_DEPTHS:
@@ -444,16 +452,20 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     operand = mma_operand(dtype)
     name = f"mma_tiled_{dtype.lower()}" + f"_t{tokens}" * (tokens != MMA_TOKENS) + \
         f"_d{depth}" * (depth != MMA_DEPTH) + f"_s{stages}" * bool(stages) + "_x16" * x16 + \
-        "_split" * split + "_residual" * residual
+        "_split" * split + "_residual" * residual + f"_out{outputs}" * (outputs > 1)
     row_words = depth // 2 + 4
     x_tile, w_tile = tokens * row_words, MMA_ROWS * row_words
     two = stages and (stages * (x_tile + w_tile) * 4 <= TWO_RESIDENT_SHARED)
     k = KernelBuilder(name, (MMA_WORKGROUP,), resident=2 if two else 1)
     buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
     x = k.buffer("x16", U32) if x16 else k.buffer("x", F32)
-    y = k.buffer("partials" if split else "y", F32, "w")
+    if outputs > 1:
+        ys = [k.buffer(f"y{i}", F32, "w") for i in range(outputs)]
+    else:
+        y = k.buffer("partials" if split else "y", F32, "w")
     res = k.buffer("residual", F32) if residual else None
     rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
+    parts_at = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
     xs = k.shared("xs", U32, (stages or 1) * x_tile)
     ws = k.shared("ws", U32, (stages or 1) * w_tile)
     tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
@@ -608,7 +620,9 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
                 t, m = t0 + wt + 16 * i + dt, m0 + wn + 8 * j + dm
                 with k.if_((t < n_tokens) & (m < rows)):
                     at = t * rows + m
-                    if split:
+                    if outputs > 1:
+                        store_row(k, ys, None, parts_at, rows, t, m, [v.get()], False)
+                    elif split:
                         y[piece * n_tokens * rows + at] = v.get()
                     else:
                         y[at] = v.get() + res[at] if residual else v.get()
@@ -639,20 +653,42 @@ def split_columns(piece, split_cols, cols, minimum=min):
 
 
 @cache
-def split_sum(residual=False):
+def split_sum(residual=False, outputs=1, swiglu=False):
     """y[i] = partials[0, i] + ... + partials[splits - 1, i] (+ residual[i]) for i < n: a split
     mma_tiled's slices added in slice order, so a step gives the same bits every run.
-    grid (ceil(n / WORKGROUP))."""
-    k = KernelBuilder("split_sum" + "_residual" * residual, (WORKGROUP,))
-    partials, y = k.buffer("partials", F32), k.buffer("y", F32, "w")
+    grid (ceil(n / WORKGROUP)).
+
+    `outputs` > 1: the partials' rows are stacked weights' (scalars rows, split_1.. after
+    splits), each sum stored to its part's output (store_row). `swiglu`: they are gate's rows
+    then up's, `half` (a scalar after splits) each, and y [n_tokens, half] (n its size) takes
+    silu(gate) * up of each pair of sums: the SwiGLU of a stacked gate/up launch, which needs
+    this pass even unsplit (a workgroup's tile holds gate's rows or up's, not both)."""
+    k = KernelBuilder("split_sum" + variant_name(residual, False, outputs, swiglu), (WORKGROUP,))
+    partials = k.buffer("partials", F32)
+    ys = [k.buffer("y" if outputs == 1 else f"y{i}", F32, "w") for i in range(outputs)]
     res = k.buffer("residual", F32) if residual else None
     n, splits = k.scalar("n", I32), k.scalar("splits", I32)
+    rows = k.scalar("rows", I32) if outputs > 1 else None
+    parts_at = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
+    half = k.scalar("half", I32) if swiglu else None
     i = k.block_id() * WORKGROUP + k.thread_id()
-    with k.if_(i < n):
-        total = k.var(F32, partials[i])
+
+    def summed(at, stride):
+        total = k.var(F32, partials[at])
         with k.for_(1, splits) as piece:
-            total.set(total.get() + partials[piece * n + i])
-        y[i] = total.get() + res[i] if residual else total.get()
+            total.set(total.get() + partials[piece * stride + at])
+        return total.get()
+
+    with k.if_(i < n):
+        if swiglu:                      # i = t * half + c: gate at t * 2 half + c, up half on
+            gate_at = i + (i / half) * half
+            store_row(k, ys, None, [], half, i / half, i % half,
+                      [summed(gate_at, 2 * n), summed(gate_at + half, 2 * n)], True)
+        elif outputs > 1:
+            store_row(k, ys, None, parts_at, rows, i / rows, i % rows, [summed(i, n)], False)
+        else:
+            total = summed(i, n)
+            ys[0][i] = total + res[i] if residual else total
     return k.build()
 
 

@@ -360,13 +360,17 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
     runner.programs = {k.name: k for k in runner._kernels()}
     runner.buffers = {a.name: a for a in runner.allocations()}
     partials = runner.buffers.get("mma_partials")
-    largest, matrix, normed = 0, set(), Counter()
+    largest, matrix, normed, made = 0, set(), Counter(), 0
     x16s = {"mma_tiled": runner.buffers.get("mma_x16"), "mma_vec": runner.buffers.get("norm_x16")}
     for T in range(1, 201):
         log.launched.clear()
         for _ in runner.launches(T, min(T, 16)):
             pass
         for i, (kernel, grid, args) in enumerate(log.launched):
+            if kernel.name.startswith("reduce_norm_x16"):
+                made += 1
+                assert args[-3] is x16s["mma_tiled"] and log.launched[i + 1][0].name.startswith(
+                    "mma_tiled") and "_x16" in log.launched[i + 1][0].name
             if kernel.name.startswith("norm_x16"):
                 after, _, after_args = log.launched[i + 1]
                 family = after.name.split("_")[0] + "_" + after.name.split("_")[1]
@@ -389,11 +393,13 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
             matrix.add(want.splits > 1)
             if kernel.name.endswith("_split"):
                 assert args[-1] == want.split_cols and partials in args
-                assert log.launched[i + 1][0].name.startswith("split_sum")
+                assert log.launched[i + 1][0].name.startswith(("split_sum", "reduce_norm_x16"))
                 largest = max(largest, want.splits * n * rows)
             else:
                 assert want.splits == 1
     assert matrix == ({False} if multiprocessors == 1 else {True})
+    # a split residual sum makes the next matmul's normed x16 (reduce_norm_x16, over views)
+    assert (made > 0) == (multiprocessors != 1)
     assert partials == (Allocation("mma_partials", largest * 4, "arenas") if largest else None)
     assert set(normed) == ({"mma_tiled", "mma_vec"} if dtype == "Q4_K" else {"mma_tiled"})
 

@@ -80,7 +80,8 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
                          for rows, cols in mma_vec_shapes(v) for tt in (1, 2, 4)}]
     prep = list({k.name: k for d in mma_vec.DTYPES if d in dtypes
                  for k in (mma_vec.norm_x16(d), mma_vec.reduce_norm_x16(d, 2),
-                           mma_vec.reduce_norm_x16(d, 8))}.values())
+                           mma_vec.reduce_norm_x16(d, 5), mma_vec.reduce_norm_x16(d, 8),
+                           matmul.split_sum(swiglu=True, x16=d))}.values())
     return tiled + vec + prep
 
 

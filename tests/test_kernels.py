@@ -421,6 +421,11 @@ def test_split_sum_swiglu_of_stacked_gate_up(cuda_device, dtype, n_tokens, split
     assert np.all(np.isfinite(got)), "unwritten outputs"
     worst = np.unravel_index(np.argmax(err / allowed), err.shape)
     assert np.all(err <= allowed), f"worst at {worst}: {err[worst]} > {allowed[worst]}"
+    # the x16 variant (what the down projection's mma_tiled reads): the same values rounded
+    words = run(cuda_device, matmul.split_sum(swiglu=True, x16=dtype),
+                (-(-n_tokens * half // (2 * matmul.WORKGROUP)),), partials,
+                np.zeros(n_tokens * half // 2, np.uint32), n_tokens * half, splits, half)["x16"]
+    assert np.array_equal(words.view(np.float16).reshape(got.shape), got.astype(np.float16))
 
 
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "Q4_0", "Q8_0", "F32"])

@@ -29,7 +29,7 @@ from .sampling import choice_args, choose_among, choose_fast, logprobs_among, sa
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
-SHARED_HEADS_PER_SM = 4         # attention workgroups a multiprocessor before they share KV heads
+SHARED_HEADS_PER_SM = 1         # attention workgroups a multiprocessor before they share KV heads
 
 
 def mma_choice(dtype):
@@ -295,9 +295,9 @@ class DeviceRunner(StepRunner):
         if self._has_mma_vec():
             self.mma_min_tokens = 1 + min(mma_vec.most_tokens(op.weight.dtype)
                                           for op in self.steps if op.kind == "matmul")
+        self._uses, self._slot_of, self._slot_sizes = self._assign_slots(self.steps)
         if check:
             self._check_supported()
-        self._uses, self._slot_of, self._slot_sizes = self._assign_slots(self.steps)
         self.buffers, self.graphs = {}, {}
         self._host = {}             # staged: step input or output -> its host_array int32s
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
@@ -487,6 +487,12 @@ class DeviceRunner(StepRunner):
             for i, step in enumerate(steps):
                 for kernel in self._kernels_of(step, sg, cfg, long):
                     seen.setdefault(kernel.name, kernel)
+                if long and step.kind == "matmul":
+                    after = self._next_matmul(steps, i)
+                    for launch in self._mma_launches(step).values():
+                        kernel = self._makes_x16(step, after, launch)
+                        if kernel is not None:
+                            seen.setdefault(kernel.name, kernel)
                 after = None if long or step.kind != "all_reduce" else \
                     self._normed_after(steps, i)
                 if after is not None and any(self._matvec(after.weight, n, after.variant)[2]
@@ -895,7 +901,7 @@ class DeviceRunner(StepRunner):
                              shape[-1], op.attrs["eps"])
             elif op.kind == "matmul" and long and \
                     self._mma_launch(self._tiled_weight(op), self._shape(op.x, T, R)[0]):
-                rounded = self._launch_tiled(op, T, R, rounded)
+                rounded = self._launch_tiled(op, T, R, rounded, self._next_matmul(steps, i))
             elif op.kind == "matmul":
                 w = op.weight
                 n = self._shape(op.x, T, R)[0]
@@ -981,11 +987,12 @@ class DeviceRunner(StepRunner):
             if self._staged():
                 self.device.download(self._host["argmax"], self.buffers["argmax"], R * 4)
 
-    def _launch_tiled(self, op, T, R, rounded):
+    def _launch_tiled(self, op, T, R, rounded, after=None):
         """A matmul step on the tensor cores (mma_tiled): x rounded to the operand beforehand
         where the pipeline reads x16 (mma_x16; tiled_norm_x16 where the step's norm is folded
         in), unless `rounded` says the buffer holds it already; then the tile launch, and where
-        it is split or a SwiGLU, the split_sum. Returns what the x16 buffer holds after."""
+        it is split or a SwiGLU, the split_sum, which also makes the x16 of `after` (the
+        matmul step next) where _makes_x16 says so. Returns what the x16 buffer holds after."""
         B = self._buffer
         w, variant = self._tiled_weight(op), self._tiled_variant(op)
         rows, cols = w.shape
@@ -1018,6 +1025,20 @@ class DeviceRunner(StepRunner):
         tile, add = kernels
         partials = self.buffers["mma_partials"]
         self._launch(tile, grid, *planes, x, partials, rows, cols, n, launch.split_cols)
+        made = self._makes_x16(op, after, launch)
+        if made is not None:
+            x16, wg = self.buffers["mma_x16"], matmul.WORKGROUP
+            if op.up is not None:
+                half = rows // 2
+                self._launch(made, (-(-n * half // (2 * wg)),), partials, x16, n * half,
+                             launch.splits, half)
+            else:
+                views = [self.device.view(partials, j * n * rows * 4)
+                         for j in range(launch.splits)]
+                self._launch(made, (n,), *views, *residual, *outs, B(after.norm), x16, rows,
+                             after.eps)
+            return (after.x.name, None if after.norm is None else after.norm.name,
+                    matmul.mma_operand(self._tiled_weight(after).dtype))
         if op.up is not None:
             half = rows // 2
             self._launch(add, (-(-n * half // matmul.WORKGROUP),), partials, *outs,
@@ -1027,12 +1048,42 @@ class DeviceRunner(StepRunner):
                          n * rows, launch.splits, *([rows, *starts] if starts else []))
         return rounded
 
+    @staticmethod
+    def _next_matmul(steps, i):
+        """The step after steps[i] (past reshapes) if it is a matmul, else None."""
+        for op in steps[i + 1:]:
+            if op.kind != "reshape":
+                return op if op.kind == "matmul" else None
+        return None
+
+    def _makes_x16(self, op, after, launch):
+        """The kernel by which a split (or SwiGLU) tensor-core matmul step `op` makes the x16
+        the step `after` reads, in place of its split_sum and after's own rounding launch, or
+        None: a SwiGLU whose only reader is after, on x16 and no norm: split_sum's x16
+        variant (the f32 value is never stored); a residual sum that after reads through its
+        norm: reduce_norm_x16 over the split's slices (views of the partials), which stores
+        the sum as well. Two launches fewer a layer, a step of mma_min_tokens or more."""
+        out = op.outputs[0]
+        if after is None or after.x.name != out.name or launch.splits == 1 and \
+                op.up is None or not self._mma_launches(after):
+            return None
+        dtype = self._tiled_weight(after).dtype
+        if op.up is not None and after.norm is None and self._uses[out.name] == 1 and \
+                self._tiled_variant(after).get("x16"):
+            return matmul.split_sum(swiglu=True, x16=dtype)
+        if op.residual is not None and after.norm is not None and len(op.outputs) == 1:
+            return mma_vec.reduce_norm_x16("BF16" if dtype == "BF16" else "F16",
+                                           launch.splits)
+        return None
+
     def _attention_heads(self, T, heads, kv_heads):
         """Query heads of one KV head an attention workgroup of a T-token step takes: as many as
         ops.attention_heads allows where T * kv_heads workgroups still give every
         multiprocessor SHARED_HEADS_PER_SM of them (a 512-token prefill: its K and V rows
-        are read once for their heads, 8B prefill 9.4k -> 10.2k tok/s on the H200); else one,
-        for the most workgroups at once (a one-token step: 1B decode 809 -> 921 tok/s)."""
+        are read once for their heads, 8B prefill 9.4k -> 10.2k tok/s on the H200; from one a
+        multiprocessor on, not four: 1B F16 at 32 / 64 sequences 19,364 -> 20,134 / 29,470 ->
+        31,404 tok/s, 8B F16 4,746 -> 4,823 / 7,793 -> 7,853); else one, for the most
+        workgroups at once (a one-token step: 1B decode 809 -> 921 tok/s)."""
         if T * kv_heads < SHARED_HEADS_PER_SM * self._multiprocessors():
             return 1
         return ops.attention_heads(heads, kv_heads, self.model.config.head_dim,

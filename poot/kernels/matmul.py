@@ -653,7 +653,7 @@ def split_columns(piece, split_cols, cols, minimum=min):
 
 
 @cache
-def split_sum(residual=False, outputs=1, swiglu=False):
+def split_sum(residual=False, outputs=1, swiglu=False, x16=None):
     """y[i] = partials[0, i] + ... + partials[splits - 1, i] (+ residual[i]) for i < n: a split
     mma_tiled's slices added in slice order, so a step gives the same bits every run.
     grid (ceil(n / WORKGROUP)).
@@ -662,10 +662,22 @@ def split_sum(residual=False, outputs=1, swiglu=False):
     splits), each sum stored to its part's output (store_row). `swiglu`: they are gate's rows
     then up's, `half` (a scalar after splits) each, and y [n_tokens, half] (n its size) takes
     silu(gate) * up of each pair of sums: the SwiGLU of a stacked gate/up launch, which needs
-    this pass even unsplit (a workgroup's tile holds gate's rows or up's, not both)."""
-    k = KernelBuilder("split_sum" + variant_name(residual, False, outputs, swiglu), (WORKGROUP,))
+    this pass even unsplit (a workgroup's tile holds gate's rows or up's, not both).
+
+    `x16` (with swiglu: the weight format of the x16 mma_tiled that reads the SwiGLU next):
+    the buffer is `x16`, u32 [n / 2], the values rounded to that matmul's operand two a word
+    (mma_x16's words, so that launch is not needed); a thread makes one word, grid
+    (ceil(n / 2 / WORKGROUP)), half even."""
+    if x16 is not None and not swiglu:
+        raise ValueError("split_sum: x16 words are a SwiGLU's")
+    name = variant_name(residual, False, outputs, swiglu)
+    name += "" if x16 is None else f"_x16_{mma_operand(x16).name}"
+    k = KernelBuilder("split_sum" + name, (WORKGROUP,))
     partials = k.buffer("partials", F32)
-    ys = [k.buffer("y" if outputs == 1 else f"y{i}", F32, "w") for i in range(outputs)]
+    if x16 is None:
+        ys = [k.buffer("y" if outputs == 1 else f"y{i}", F32, "w") for i in range(outputs)]
+    else:
+        words = k.buffer("x16", U32, "w")
     res = k.buffer("residual", F32) if residual else None
     n, splits = k.scalar("n", I32), k.scalar("splits", I32)
     rows = k.scalar("rows", I32) if outputs > 1 else None
@@ -679,6 +691,16 @@ def split_sum(residual=False, outputs=1, swiglu=False):
             total.set(total.get() + partials[piece * stride + at])
         return total.get()
 
+    if x16 is not None:                 # values 2i and 2i + 1, of one token (half even)
+        with k.if_(2 * i < n):
+            first = 2 * i
+            gate_at = first + (first / half) * half
+            pair = []
+            for j in range(2):
+                gate, up = summed(gate_at + j, 2 * n), summed(gate_at + half + j, 2 * n)
+                pair.append(gate / (1.0 + k.exp(-gate)) * up)
+            words[i] = _pack(k, mma_operand(x16), *pair)
+        return k.build()
     with k.if_(i < n):
         if swiglu:                      # i = t * half + c: gate at t * 2 half + c, up half on
             gate_at = i + (i / half) * half

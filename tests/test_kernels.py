@@ -594,7 +594,7 @@ def test_mma_launch_slices_tile_the_columns(rows, cols):
                 assert gz == 1 or (gx * gy * gz <= per_sm * sms
                                    and launch.split_cols >= least * depth)
             launch = matmul.mma_launch(rows, cols, n_tokens, sms)
-            assert launch.tokens == (64 if n_tokens <= 64 else 128)
+            assert launch.tokens == (32 if n_tokens <= 32 else 64 if n_tokens <= 64 else 128)
             gx, gy, gz = launch.grid(rows, n_tokens)
             assert (gx, gy, gz) == (-(-rows // 128), -(-n_tokens // launch.tokens), launch.splits)
             assert launch.split_cols % matmul.MMA_DEPTH == 0

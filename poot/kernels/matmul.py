@@ -320,13 +320,14 @@ def tiled(dtype, residual=False):
     return k.build()
 
 
-# mma_tiled: a workgroup of 8 subgroups computes `tokens` (MMA_TOKENS, or 64 for short steps) x
+# mma_tiled: a workgroup of 8 subgroups computes `tokens` (MMA_TOKENS, or 32 or 64 for short
+# steps: the 32-token tile measured even at 32 tokens on the H200, 3% ahead at 24) x
 # MMA_ROWS of y, `depth` (MMA_DEPTH unless asked) columns a step; subgroup w owns tokens
 # tokens/2 (w % 2).. and rows 32 (w // 2)... Shared tiles hold a row (a token of x, a row of W) as
 # `depth` 16-bit values in u32 words, padded by 16 bytes so the 8 rows one fragment_load reads
 # start depth/2 + 4 words apart: in 8 different groups of 4 banks.
 MMA_TOKENS, MMA_ROWS, MMA_DEPTH = 128, 128, 64
-MMA_TOKEN_TILES = (64, MMA_TOKENS)
+MMA_TOKEN_TILES = (32, 64, MMA_TOKENS)
 MMA_DEPTHS = (64, 128)
 MMA_WORKGROUP = 256
 ROW_WORDS = MMA_DEPTH // 2 + 4
@@ -731,9 +732,11 @@ class MmaLaunch:
 
 
 def mma_launch(rows, cols, n_tokens, multiprocessors, depth=MMA_DEPTH,
-               per_sm=SPLIT_BLOCKS_PER_SM, min_steps=MIN_SPLIT_STEPS, one_wave=False):
+               per_sm=SPLIT_BLOCKS_PER_SM, min_steps=MIN_SPLIT_STEPS, one_wave=False,
+               least_tile=MMA_TOKEN_TILES[0]):
     """The MmaLaunch of a [rows, cols] matmul over n_tokens on a device of `multiprocessors`:
-    64-token tiles up to 64 tokens; split along the columns when the tiles alone give fewer
+    the smallest token tile of MMA_TOKEN_TILES, from least_tile, that holds the step (128 past
+    64 tokens); split along the columns when the tiles alone give fewer
     workgroups than multiprocessors, into slices of whole `depth` steps (so of whole quant
     blocks), every slice non-empty, at least min_steps long unless the columns are fewer.
 
@@ -742,7 +745,8 @@ def mma_launch(rows, cols, n_tokens, multiprocessors, depth=MMA_DEPTH,
     64 tokens: 32 tiles x 9 slices = 288 workgroups, 24 more than 2 x 132 run at once);
     `one_wave` takes at most that many, so all run at once, with longer slices (fewer partials
     to write and add too)."""
-    tokens = MMA_TOKEN_TILES[0] if n_tokens <= MMA_TOKEN_TILES[0] else MMA_TOKENS
+    tokens = next((t for t in MMA_TOKEN_TILES[:-1] if least_tile <= t and n_tokens <= t),
+                  MMA_TOKENS)
     blocks = -(-rows // MMA_ROWS) * -(-n_tokens // tokens)
     steps = -(-cols // depth)
     if blocks >= multiprocessors:
@@ -758,7 +762,7 @@ def mma_launches(rows, cols, least, most, multiprocessors, **policy):
     the length only through its token tile and count of token tiles, so the longest length of
     each such run stands for it (the one that needs the most partials)."""
     out, low = {}, 1
-    for end in (MMA_TOKEN_TILES[0], *range(MMA_TOKENS, most + MMA_TOKENS, MMA_TOKENS)):
+    for end in (*MMA_TOKEN_TILES[:-1], *range(MMA_TOKENS, most + MMA_TOKENS, MMA_TOKENS)):
         if end >= least and low <= most:
             n = min(end, most)
             out[n] = mma_launch(rows, cols, n, multiprocessors, **policy)

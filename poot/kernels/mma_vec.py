@@ -83,17 +83,22 @@ def least_tokens(dtype):
 def most_tokens(dtype):
     """The longest step a device that runs mma_vec should give it rather than mma_tiled, as
     measured on the H200 (docs/benchmarks.md): 32 tokens of Q4_0 (8B Q4_0 at 32: 3,211 tok/s
-    on four token tiles, 2,625 on mma_tiled; at 17 to 24, token_tiles' one-tile launches have
-    not been measured against mma_tiled since the fifth session's 1,337 against 1,440 at 17),
-    16 of the rest (8B F16 at 16: 2,358 on two token tiles, 2,241 on mma_tiled; at 32, 3,772
-    on four against 4,036)."""
-    return 4 * TOKENS if dtype == "Q4_0" else 2 * TOKENS
+    on four token tiles, 2,625 on mma_tiled; at 20 / 24, one-tile launches 2,211 / 2,643
+    against mma_tiled's 1,138 / 1,342), 8 of F16 and BF16 (since mma_tiled took the fused
+    lowering, 8B F16 at 9 / 12 / 16 tokens 1,550 / 2,063 / 2,751 on mma_tiled against
+    1,334 / 1,747 / 2,369 on two token tiles; at 8 tokens mma_vec's step, 5.68 ms (1,409
+    tok/s), is shorter than mma_tiled's at 9, 5.81; BF16 runs the same pipelines, unmeasured),
+    16 of the rest (unmeasured since then)."""
+    if dtype == "Q4_0":
+        return 4 * TOKENS
+    return TOKENS if dtype in ("F16", "BF16") else 2 * TOKENS
 
 
 def token_tiles(dtype, n_tokens):
     """The token tiles of an mma_vec launch for a step of n_tokens (further launches along
     grid y where they hold fewer), as measured on the H200 (docs/benchmarks.md): F16/BF16 two
-    past 8 tokens (8B F16 at 16: 2,358 tok/s against 2,241); Q4_0 one up to 24 tokens (at 16,
+    past 8 tokens (8B F16 at 16: 2,358 tok/s against 2,241 on the unfused mma_tiled; most_tokens
+    now stops them at 8); Q4_0 one up to 24 tokens (at 16,
     two launches 3,134 against one of two token tiles 2,877; at 20 and 24, three launches
     1,808 and 2,231 against one of four 1,691 and 1,914), four past them (at 32, 3,246 against
     mma_tiled's 2,625); the other block quants one (unmeasured with more)."""

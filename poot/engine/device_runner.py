@@ -44,11 +44,16 @@ def mma_choice(dtype):
     return {}, {}
 
 
+def tiled_x16_format(dtype):
+    """The format whose mma_vec x16 words are those an x16 mma_tiled of weight format `dtype`
+    reads: x rounded to its operand (mma_operand) in column order (mma_vec's block-quant
+    pairing is not mma_tiled's)."""
+    return "BF16" if dtype == "BF16" else "F16"
+
+
 def tiled_norm_x16(dtype):
-    """The norm_x16 whose words an x16 mma_tiled of weight format `dtype` reads: x normed and
-    rounded to its operand (mma_operand) in column order (mma_vec's block-quant pairing is
-    not mma_tiled's)."""
-    return mma_vec.norm_x16("BF16" if dtype == "BF16" else "F16")
+    """The norm_x16 whose words an x16 mma_tiled of weight format `dtype` reads."""
+    return mma_vec.norm_x16(tiled_x16_format(dtype))
 
 
 def matvec_rows(dtype, group, matrices=1):
@@ -493,10 +498,14 @@ class DeviceRunner(StepRunner):
                         kernel = self._makes_x16(step, after, launch)
                         if kernel is not None:
                             seen.setdefault(kernel.name, kernel)
-                after = None if long or step.kind != "all_reduce" else \
-                    self._normed_after(steps, i)
-                if after is not None and any(self._matvec(after.weight, n, after.variant)[2]
-                                             for n in self._groups(after.weight)):
+                after = None if step.kind != "all_reduce" else self._normed_after(steps, i)
+                if after is not None and long and self._mma_launches(after):
+                    kernel = mma_vec.reduce_norm_x16(
+                        tiled_x16_format(self._tiled_weight(after).dtype), step.attrs["world"])
+                    seen.setdefault(kernel.name, kernel)
+                elif after is not None and not long and any(
+                        self._matvec(after.weight, n, after.variant)[2]
+                        for n in self._groups(after.weight)):
                     kernel = mma_vec.reduce_norm_x16(after.weight.dtype, step.attrs["world"])
                     seen.setdefault(kernel.name, kernel)
         if self.has_logits:
@@ -967,8 +976,11 @@ class DeviceRunner(StepRunner):
                 self._launch(ops.gather_rows(), (R,), B(x), B(index), B(out),
                              x.shape[-1])
             elif op.kind == "all_reduce":
-                after = None if long else self._normed_after(steps, i)
-                normed = yield from self._all_reduce(op, T, R, after)
+                held = yield from self._all_reduce(op, T, R, self._normed_after(steps, i), long)
+                if long:
+                    rounded = held
+                else:
+                    normed = held
             elif op.kind == "all_gather":
                 yield from self._all_gather(op, T, R)
             elif op.kind == "reshape":
@@ -1072,8 +1084,7 @@ class DeviceRunner(StepRunner):
                 self._tiled_variant(after).get("x16"):
             return matmul.split_sum(swiglu=True, x16=dtype)
         if op.residual is not None and after.norm is not None and len(op.outputs) == 1:
-            return mma_vec.reduce_norm_x16("BF16" if dtype == "BF16" else "F16",
-                                           launch.splits)
+            return mma_vec.reduce_norm_x16(tiled_x16_format(dtype), launch.splits)
         return None
 
     def _attention_heads(self, T, heads, kv_heads):
@@ -1185,13 +1196,15 @@ class DeviceRunner(StepRunner):
             return None
         return after
 
-    def _all_reduce(self, op, T, R, after=None):
+    def _all_reduce(self, op, T, R, after=None, long=False):
         """The sum of the group's partials, plus the residual, into this rank's output; a
         generator that yields where the group must pass a barrier, returning what the norm_x16
         buffer holds after (as _launch_matvec). One phase: every rank sums the whole message
         from every rank's partials; where `after`, the matmul that follows, reads the sum
         through a norm on mma_vec, that one launch makes its norm_x16 too (reduce_norm_x16: a
-        launch fewer, two for each layer of a tensor group). Two phases (messages of
+        launch fewer, two for each layer of a tensor group); in a step on the tensor cores
+        (`long`) where that matmul runs mma_tiled, it writes the tiled x16 instead and returns
+        what mma_x16 holds (as _launch_tiled). Two phases (messages of
         two_phase_floats or more): each rank sums its own slice, then, after a barrier, copies
         the other slices from the ranks that summed them, reading each peer's partial once
         instead of whole."""
@@ -1203,7 +1216,14 @@ class DeviceRunner(StepRunner):
         if n < self.two_phase_floats:
             rows, cols = self._shape(op.output, T, R)
             prep = None
-            if after is not None:
+            if after is not None and long:
+                dtype = self._tiled_weight(after).dtype
+                if self._mma_launch(self._tiled_weight(after), rows):
+                    self._launch(mma_vec.reduce_norm_x16(tiled_x16_format(dtype), len(parts)),
+                                 (rows,), *parts, *rest, self._buffer(after.norm),
+                                 self.buffers["mma_x16"], cols, after.eps)
+                    return (after.x.name, after.norm.name, matmul.mma_operand(dtype))
+            elif after is not None:
                 prep = self._matvec(after.weight, self._group_of(after.weight, rows),
                                     after.variant)[2]
             if prep is None:

@@ -490,14 +490,8 @@ class DeviceRunner(StepRunner):
         seen = {}
         for long, steps in ((False, self.steps), (True, self.steps if self.mma else ())):
             for i, step in enumerate(steps):
-                for kernel in self._kernels_of(step, sg, cfg, long):
+                for kernel in self._kernels_of(step, sg, cfg, long, self._next_matmul(steps, i)):
                     seen.setdefault(kernel.name, kernel)
-                if long and step.kind == "matmul":
-                    after = self._next_matmul(steps, i)
-                    for launch in self._mma_launches(step).values():
-                        kernel = self._makes_x16(step, after, launch)
-                        if kernel is not None:
-                            seen.setdefault(kernel.name, kernel)
                 after = None if step.kind != "all_reduce" else self._normed_after(steps, i)
                 if after is not None and long and self._mma_launches(after):
                     kernel = mma_vec.reduce_norm_x16(
@@ -514,7 +508,7 @@ class DeviceRunner(StepRunner):
             seen.setdefault("top_candidates", ops.top_candidates(sg))
         return list(seen.values())
 
-    def _kernels_of(self, op, sg, cfg, long=False):
+    def _kernels_of(self, op, sg, cfg, long=False, after=None):
         if op.kind == "matmul":
             chosen = [self._matvec(op.weight, n, op.variant) for n in self._groups(op.weight)]
             matvecs = [k for kernel, _, prep in chosen for k in (kernel, prep) if k is not None]
@@ -525,7 +519,7 @@ class DeviceRunner(StepRunner):
             prep = [tiled_norm_x16(dtype)] if op.norm is not None else \
                 [matmul.mma_x16(dtype)] if variant.get("x16") else []
             return matvecs + prep + [kernel for launch in launches.values()
-                                     for kernel in self._mma_kernels(op, launch)]
+                                     for kernel in self._mma_kernels(op, launch, after)]
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -603,17 +597,20 @@ class DeviceRunner(StepRunner):
         variant = mma_choice(op.weight.dtype)[0]
         return dict(variant, x16=True) if op.norm is not None else variant
 
-    def _mma_kernels(self, op, launch):
+    def _mma_kernels(self, op, launch, after=None):
         """The kernels of a matmul step's MmaLaunch, in launch order (after its x16's): one
-        mma_tiled writing the outputs, or a split one and the split_sum that adds its slices
-        into them (a SwiGLU's always: only split_sum sees gate's and up's sums together)."""
+        mma_tiled writing the outputs, or a split one and what adds its slices into them
+        (a SwiGLU's always: only the sum sees gate's and up's together): split_sum, or where
+        it can make the x16 of `after`, the matmul step next, the kernel _makes_x16 names."""
         w, variant = self._tiled_weight(op), self._tiled_variant(op)
         residual, outputs = op.residual is not None, len(op.outputs)
         if launch.splits == 1 and op.up is None:
             return [matmul.mma_tiled(w.dtype, residual, launch.tokens, outputs=outputs,
                                      **variant)]
+        made = self._makes_x16(op, after, launch)
         return [matmul.mma_tiled(w.dtype, tokens=launch.tokens, split=True, **variant),
-                matmul.split_sum(residual, outputs, op.up is not None)]
+                made if made is not None else matmul.split_sum(residual, outputs,
+                                                               op.up is not None)]
 
     def _tiled_ops(self):
         """The matmul steps that run mma_tiled at some step length."""
@@ -661,7 +658,7 @@ class DeviceRunner(StepRunner):
                     slot_of[out.name] = slot
                 elif op.kind in SHARES_INPUT:
                     slot_of[out.name] = slot_of[alias[out.name]]
-            for t in set(op.inputs):
+            for t in dict.fromkeys(op.inputs):     # once each, in order: the same slots every run
                 root = alias.get(t.name, t.name)
                 if t.kind == "value" and last_use.get(root) == i and root in slot_of:
                     free.setdefault(sizes[slot_of[root]], []).append(slot_of[root])
@@ -1029,7 +1026,7 @@ class DeviceRunner(StepRunner):
         parts = self.stacked.get(w.name, (w, (w,)))[1]
         starts = [int(s) for s in np.cumsum([p.shape[0] for p in parts])[:-1]] \
             if len(outs) > 1 else []
-        kernels = self._mma_kernels(op, launch)
+        kernels = self._mma_kernels(op, launch, after)
         grid = launch.grid(rows, n)
         if len(kernels) == 1:
             self._launch(kernels[0], grid, *planes, x, *outs, *residual, rows, cols, n, *starts)
@@ -1037,17 +1034,16 @@ class DeviceRunner(StepRunner):
         tile, add = kernels
         partials = self.buffers["mma_partials"]
         self._launch(tile, grid, *planes, x, partials, rows, cols, n, launch.split_cols)
-        made = self._makes_x16(op, after, launch)
-        if made is not None:
+        if self._makes_x16(op, after, launch) is not None:
             x16, wg = self.buffers["mma_x16"], matmul.WORKGROUP
             if op.up is not None:
                 half = rows // 2
-                self._launch(made, (-(-n * half // (2 * wg)),), partials, x16, n * half,
+                self._launch(add, (-(-n * half // (2 * wg)),), partials, x16, n * half,
                              launch.splits, half)
             else:
                 views = [self.device.view(partials, j * n * rows * 4)
                          for j in range(launch.splits)]
-                self._launch(made, (n,), *views, *residual, *outs, B(after.norm), x16, rows,
+                self._launch(add, (n,), *views, *residual, *outs, B(after.norm), x16, rows,
                              after.eps)
             return (after.x.name, None if after.norm is None else after.norm.name,
                     matmul.mma_operand(self._tiled_weight(after).dtype))

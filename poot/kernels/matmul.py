@@ -184,8 +184,7 @@ def store_row(k, ys, res, splits, rows, token, row, sums, swiglu):
     the row's two sums with swiglu, else its sum; plus the residual (res, read at y's index),
     or into the stacked output its row falls in (splits)."""
     if swiglu:
-        gate, up = sums
-        value = gate / (1.0 + k.exp(-gate)) * up
+        value = silu_times(k, *sums)
     else:
         value = sums[0]
     bounds = [None, *splits, rows]
@@ -198,6 +197,11 @@ def store_row(k, ys, res, splits, rows, token, row, sums, swiglu):
         inside = row < end if i == 0 else (row >= start) & (row < end)
         with k.if_(inside):
             y[token * (end - start) + row - start] = value
+
+
+def silu_times(k, gate, up):
+    """SwiGLU's value of a gate and an up sum: silu(gate) * up."""
+    return gate / (1.0 + k.exp(-gate)) * up
 
 
 def variant_name(residual, norm, outputs, swiglu):
@@ -698,8 +702,8 @@ def split_sum(residual=False, outputs=1, swiglu=False, x16=None):
             gate_at = first + (first / half) * half
             pair = []
             for j in range(2):
-                gate, up = summed(gate_at + j, 2 * n), summed(gate_at + half + j, 2 * n)
-                pair.append(gate / (1.0 + k.exp(-gate)) * up)
+                pair.append(silu_times(k, summed(gate_at + j, 2 * n),
+                                       summed(gate_at + half + j, 2 * n)))
             words[i] = _pack(k, mma_operand(x16), *pair)
         return k.build()
     with k.if_(i < n):

@@ -96,16 +96,15 @@ def most_tokens(dtype):
 
 def token_tiles(dtype, n_tokens):
     """The token tiles of an mma_vec launch for a step of n_tokens (further launches along
-    grid y where they hold fewer), as measured on the H200 (docs/benchmarks.md): F16/BF16 two
-    past 8 tokens (8B F16 at 16: 2,358 tok/s against 2,241 on the unfused mma_tiled; most_tokens
-    now stops them at 8); Q4_0 one up to 24 tokens (at 16,
+    grid y where they hold fewer), as measured on the H200 (docs/benchmarks.md): Q4_0 one up
+    to 24 tokens (at 16,
     two launches 3,134 against one of two token tiles 2,877; at 20 and 24, three launches
     1,808 and 2,231 against one of four 1,691 and 1,914), four past them (at 32, 3,246 against
-    mma_tiled's 2,625); the other block quants one (unmeasured with more)."""
+    mma_tiled's 2,625); the others one (F16/BF16 took two past 8 tokens, 8B F16 at 16: 2,358
+    tok/s against 2,241, until the fused mma_tiled passed them and most_tokens stopped F16 and
+    BF16 at 8; the other block quants unmeasured with more)."""
     if n_tokens <= TOKENS:
         return 1
-    if dtype in ("F16", "BF16"):
-        return 2
     return 4 if dtype == "Q4_0" and n_tokens > 3 * TOKENS else 1
 
 

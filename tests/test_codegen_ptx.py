@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from poot.codegen.ptx import (PTX_CAPS, PTX_VERSION, SHARED_LIMIT, dynamic_shared_bytes,
-                              kernel_params, render_ptx)
+from poot.codegen.ptx import (PTX_CAPS, PTX_VERSION, SHARED_LIMIT, _shared_offsets,
+                              dynamic_shared_bytes, kernel_params, ptx_caps, render_ptx)
 from poot.errors import ModelRefused
-from poot.kernels import lang, mma_vec
+from poot.kernels import lang, matmul, mma_vec
 from poot.kernels.lang import (BF16, BOOL, F16, F32, I8, I16, I32, I64, U8, U16, U32, U64,
                                Kernel, KernelBuilder)
 from poot.kernels.quant import DEVICE_DTYPES
@@ -689,6 +689,36 @@ def test_async_copies_into_dynamic_shared_memory():
     assert dynamic_shared_bytes(MMA_CASES["mma_f16"](np.random.default_rng(0)).kernel) == 0
 
 
+def test_wgmma_is_sm_90a_only_and_its_tiles_aligned():
+    """A kernel with warpgroup matrix operations renders for sm_90a (PTX ISA 8.0) and is
+    refused elsewhere; its shared arrays start at their alignment (1024: wgmma's swizzle)
+    statically and in the dynamic array, whose own alignment is the largest."""
+    assert ptx_caps(90) == PTX_CAPS | {lang.WGMMA} and ptx_caps(80) == ptx_caps(100) == PTX_CAPS
+    kernel = matmul.mma_tiled("F16", tokens=32, stages=4, x16=True, wgmma=True)
+    text = render_ptx(kernel, 90)
+    assert ".version 8.0\n.target sm_90a\n" in text
+    assert ".extern .shared .align 1024 .b8 sh_dynamic[];" in text
+    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" in text
+    for line in ("fence.proxy.async.shared::cta;", "wgmma.fence.sync.aligned;",
+                 "wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;"):
+        assert line in text
+    assert "wgmma" not in render_ptx(matmul.mma_tiled("F16", tokens=32, stages=4, x16=True), 90)
+    for sm in (80, 100):
+        with pytest.raises(ModelRefused, match=f"needs wgmma, which PTX for sm_{sm}"):
+            render_ptx(kernel, sm)
+    k = KernelBuilder("aligned")
+    k.shared("a", U32, 5)
+    k.shared("b", U32, 40 * 1024, align=1024)
+    offsets, size = _shared_offsets(k.build())
+    assert offsets == {"a": 0, "b": 1024} and size == 1024 + 160 * 1024
+    k = KernelBuilder("aligned_static")
+    k.shared("a", U32, 5)
+    k.shared("b", U32, 256, align=1024)
+    assert ".shared .align 1024 .b8 sh_b[1024];" in render_ptx(k.build())
+    with pytest.raises(ValueError, match="power of two"):
+        KernelBuilder("odd").shared("c", U32, 4, align=48)
+
+
 def test_module_header_entry_and_params():
     k = KernelBuilder("scale", (128, 2))
     y, x = k.buffer("y", F32, "w"), k.buffer("x", F16)
@@ -742,7 +772,8 @@ def _ptxas(tmp_path, text, sm, *flags):
         pytest.skip("ptxas is not installed (it comes with the CUDA toolkit)")
     source = tmp_path / "kernel.ptx"
     source.write_text(text)
-    run = subprocess.run([ptxas, f"-arch=sm_{sm}", *flags, str(source), "-o",
+    arch = f"sm_{sm}" + "a" * (f".target sm_{sm}a" in text)
+    run = subprocess.run([ptxas, f"-arch={arch}", *flags, str(source), "-o",
                           str(tmp_path / "k.cubin")], capture_output=True, text=True, timeout=120)
     if run.returncode != 0:
         lines = text.splitlines()
@@ -768,8 +799,10 @@ def test_mma_tiled_assembles_without_spills(tmp_path, dtype, sm):
     every variant the runner launches (test_kernel_sources.mma_kernels) and every pipeline
     under measurement that fits the target's shared memory (mma_variant_kernels)."""
     variants = [k for k in mma_variant_kernels([dtype])
-                if dynamic_shared_bytes(k) <= SHARED_LIMIT[sm]]
-    for kernel in [k for k in mma_kernels([dtype]) if k.name.startswith("mma_tiled")] + variants:
+                if dynamic_shared_bytes(k) <= SHARED_LIMIT[sm] and k.caps <= ptx_caps(sm)]
+    tiled = [k for k in mma_kernels([dtype])
+             if k.name.startswith("mma_tiled") and k.caps <= ptx_caps(sm)]
+    for kernel in tiled + variants:
         report = _ptxas(tmp_path, render_ptx(kernel, sm), sm, "-v")
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, \
             f"{kernel.name}: {report}"

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from poot.codegen.spirv import binding_layout, render_spirv, spirv_capabilities
+from poot.kernels import matmul
 from poot.kernels.lang import (BF16, BOOL, F16, F32, I8, I16, I32, I64, U8, U16, U32, U64,
                                KernelBuilder)
 
@@ -688,6 +689,9 @@ def test_matrix_operations_are_refused_by_name():
             spirv_capabilities(kernel)
     kernel = PTX_ONLY_CASES["async_copy"](np.random.default_rng(0)).kernel
     with pytest.raises(ModelRefused, match="kernel async_copy needs async_copy, which the SPIR-V"):
+        render_spirv(kernel, 32)
+    kernel = matmul.mma_tiled("F16", stages=4, x16=True, wgmma=True)
+    with pytest.raises(ModelRefused, match=f"kernel {kernel.name} needs async_copy, wgmma, which"):
         render_spirv(kernel, 32)
 
 

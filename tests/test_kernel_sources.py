@@ -6,10 +6,11 @@ import subprocess
 
 import pytest
 
-from poot.codegen.ptx import render_ptx
+from poot.codegen.ptx import PTX_CAPS, ptx_caps, render_ptx
 from poot.codegen.spirv import render_spirv
 from poot.engine.device_runner import TOKEN_GROUPS, matvec_rows, mma_choice
 from poot.kernels import matmul, mma_vec, ops
+from poot.kernels.lang import WGMMA
 from poot.kernels.quant import DEVICE_DTYPES
 
 
@@ -66,14 +67,24 @@ def mma_vec_shapes(variant):
 def mma_kernels(dtypes=DEVICE_DTYPES):
     """The matrix kernels, which only PTX renders (SPIR-V refuses them: test_codegen_spirv.py):
     mma_tiled in each token tile, whole (with and without the residual, or stacked outputs)
-    or split, on x or x16 (the runner's folded norm: tiled_norm_x16); mma_vec in
+    or split, on x or x16 (the runner's folded norm: tiled_norm_x16), and in the pipeline the
+    runner chooses for each format on sm_80 and on sm_90a (mma_choice: wgmma); mma_vec in
     every fused variant (a norm one as the runner launches it: on x from norm_x16), in the
     shapes the runner picks for few and many rows, norm_x16 and reduce_norm_x16."""
     tiled = [matmul.mma_tiled(d, residual, tokens, split, x16=x16) for d in dtypes
              for tokens in matmul.MMA_TOKEN_TILES for x16 in (False, True)
              for split, residual in ((False, False), (False, True), (True, False))]
-    tiled += [matmul.mma_tiled(d, tokens=tokens, outputs=3, **mma_choice(d)[0])
-              for d in dtypes for tokens in matmul.MMA_TOKEN_TILES]
+    chosen = {}
+    for d in dtypes:
+        for tokens in matmul.MMA_TOKEN_TILES:
+            for caps in (PTX_CAPS, ptx_caps(90)):
+                variant = mma_choice(d, caps, tokens)[0]
+                for kernel in [matmul.mma_tiled(d, residual, tokens, split, **variant)
+                               for split, residual in ((False, False), (False, True),
+                                                       (True, False))] + \
+                        [matmul.mma_tiled(d, tokens=tokens, outputs=3, **variant)]:
+                    chosen[kernel.name] = kernel
+    tiled += list(chosen.values())
     vec = [mma_vec.mma_vec(d, **dict(shape), **mma_vec_variant(v))
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
            for shape in {tuple(mma_vec.shape(d, rows, cols, 132, tt).items())
@@ -104,10 +115,14 @@ def mma_variant_kernels(dtypes=DEVICE_DTYPES):
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("sm", [80, 90])
 def test_every_runner_kernel_assembles_with_ptxas(tmp_path, sm):
+    """Each kernel the target offers (wgmma: sm_90a only), for its architecture."""
     for kernel in runner_kernels(32) + mma_kernels():
+        if not kernel.caps <= ptx_caps(sm):
+            continue
         source = tmp_path / f"{kernel.name}.ptx"
         source.write_text(render_ptx(kernel, sm))
-        result = subprocess.run(["ptxas", f"-arch=sm_{sm}", str(source), "-o", "/dev/null"],
+        arch = f"sm_{sm}" + "a" * (WGMMA in kernel.caps)
+        result = subprocess.run(["ptxas", f"-arch={arch}", str(source), "-o", "/dev/null"],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{kernel.name}: {result.stderr}"
 

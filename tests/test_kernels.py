@@ -360,18 +360,18 @@ def test_mma_tiled_stacked_outputs(cuda_device, dtype, n_tokens, split):
     """q, k and v stacked row-wise (parts of 512, 128 and 128 rows: not whole tiles after the
     first), each part's rows into its own output: stored by mma_tiled's epilogue (outputs=3)
     or, split, by split_sum's; with the runner's pipeline for the format (device_runner's
-    mma_choice), x read as x16 beforehand where it is."""
+    mma_choice, the device's: wgmma on the H200), x read as x16 beforehand where it is."""
     from poot.engine.device_runner import mma_choice
-    keywords = mma_choice(dtype)[0]
     parts, cols = (512, 128, 128), 1024
     rows = sum(parts)
     w_planes, dense = weight(dtype, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
-    x_in = mma_x(cuda_device, dtype, keywords, x)
     starts = list(np.cumsum(parts)[:-1])
     ys = [np.zeros((n_tokens, p), np.float32) for p in parts]
     launch = matmul.mma_launch(rows, cols, n_tokens, 132 if split else 1, **mma_choice(dtype)[1])
     assert (launch.splits > 1) == split
+    keywords = mma_choice(dtype, cuda_device.caps, launch.tokens)[0]
+    x_in = mma_x(cuda_device, dtype, keywords, x)
     if split:
         tile = matmul.mma_tiled(dtype, tokens=launch.tokens, split=True, **keywords)
         partials = run(cuda_device, tile, launch.grid(rows, n_tokens), *w_planes, x_in,
@@ -395,12 +395,12 @@ def test_split_sum_swiglu_of_stacked_gate_up(cuda_device, dtype, n_tokens, split
     then split_sum's SwiGLU of each pair of sums: against numpy's silu(x gate^T) * (x up^T),
     within the product's bound carried through silu (|silu'| < 1.1) and the multiplication."""
     from poot.engine.device_runner import mma_choice
-    keywords = mma_choice(dtype)[0]
     half, cols = 200, 512
     w_planes, dense = weight(dtype, 2 * half, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 0.5
     launch = matmul.MmaLaunch(matmul.mma_launch(2 * half, cols, n_tokens, 1).tokens, splits,
                               -(-cols // (splits * matmul.MMA_DEPTH)) * matmul.MMA_DEPTH)
+    keywords = mma_choice(dtype, cuda_device.caps, launch.tokens)[0]
     tile = matmul.mma_tiled(dtype, tokens=launch.tokens, split=True, **keywords)
     partials = run(cuda_device, tile, launch.grid(2 * half, n_tokens), *w_planes,
                    mma_x(cuda_device, dtype, keywords, x),
@@ -434,8 +434,9 @@ def test_tiled_norm_x16_feeds_mma_tiled(cuda_device, dtype):
     rounded in column order), then the x16 mma_tiled: against numpy's product of the normed x,
     whose rounding is one of the operand roundings check_mma allows."""
     from poot.engine.device_runner import mma_choice, tiled_norm_x16
-    keywords = dict(mma_choice(dtype)[0], x16=True)
     n_tokens, rows, cols = 37, 300, 1024
+    launch = matmul.mma_launch(rows, cols, n_tokens, 1)
+    keywords = dict(mma_choice(dtype, cuda_device.caps, launch.tokens)[0], x16=True)
     w_planes, dense = weight(dtype, rows, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
     g = rng.standard_normal(cols).astype(np.float32)
@@ -443,7 +444,6 @@ def test_tiled_norm_x16_feeds_mma_tiled(cuda_device, dtype):
     x16 = run(cuda_device, tiled_norm_x16(dtype), (n_tokens,), x, g,
               np.zeros(n_tokens * cols // 2, np.uint32), cols, eps)["x16"]
     normed = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + eps) * g
-    launch = matmul.mma_launch(rows, cols, n_tokens, 1)
     tile = matmul.mma_tiled(dtype, tokens=launch.tokens, **keywords)
     got = run(cuda_device, tile, launch.grid(rows, n_tokens), *w_planes, x16,
               np.zeros((n_tokens, rows), np.float32), rows, cols, n_tokens)["y"]

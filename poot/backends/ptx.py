@@ -18,7 +18,7 @@ import numpy as np
 from drivers import DriverError, LibraryNotFound
 from drivers import cuda
 
-from ..codegen.ptx import PTX_CAPS, dynamic_shared_bytes, render_ptx
+from ..codegen.ptx import dynamic_shared_bytes, ptx_caps, render_ptx
 from ..errors import BackendUnavailable, NoSuchDevice, PlacementRefused
 
 SCALAR_CTYPES = {"i32": "int32_t", "u32": "uint32_t", "f32": "float"}
@@ -71,7 +71,7 @@ class PtxDevice:
             raise BackendUnavailable(f"ptx: {self.name} is sm_{self.sm}; poot's PTX needs sm_80+")
         _thread.context = self.context
         self.ordinal = ordinal
-        self.caps = PTX_CAPS
+        self.caps = ptx_caps(self.sm)
         # sm_90 kernels wait for their predecessor in the kernel (render_ptx), so they may be
         # launched before it completes
         self.programmatic = self.sm >= 90

@@ -61,14 +61,25 @@ import numpy as np
 from poot.codegen import bf16_bits, f16_bits, f32_bits
 from poot.errors import ModelRefused
 from poot.kernels.lang import (ASYNC_COPY, BF16, BINARY, BOOL, COMPARE, F16, F32, HALF2_ARITH,
-                               I32, SPECIAL, UNARY, Assign, Barrier, CopyAsync, CopyCommit,
-                               CopyWait, For, If, Let, Return, Store, VarDecl)
+                               I32, SPECIAL, UNARY, WGMMA, AsyncProxyFence, Assign, Barrier,
+                               CopyAsync, CopyCommit, CopyWait, For, If, Let, Return, Store,
+                               VarDecl, Wgmma, WgmmaCommit, WgmmaFence, WgmmaWait)
 
 # What every sm_80+ device offers, in lang.py's capability names: the matrix operations are
 # ldmatrix (sm_75) and mma.sync m16n8k16 with f16 or bf16 operands (sm_80); cp.async (sm_80).
 PTX_CAPS = frozenset({"storage16", "storage8", "float16", "int16", "int64", "subgroup",
                       "subgroup_arith", "subgroup_shuffle", "shared", "fragment_load", "mma_f16",
                       "mma_bf16", ASYNC_COPY, HALF2_ARITH})
+
+# sm_90a adds the warpgroup matrix operations (wgmma and the fences around it), PTX ISA 8.0: a
+# kernel that uses them is rendered for sm_90a, which only an sm_90 device runs.
+WGMMA_SM, WGMMA_VERSION = 90, "8.0"
+
+
+def ptx_caps(sm):
+    """What PTX offers a device of sm_`sm` (lang.py's capability names)."""
+    return PTX_CAPS | {WGMMA} if sm == WGMMA_SM else PTX_CAPS
+
 
 # The lowest PTX ISA version that names each target; the instructions rendered here need 7.0
 # (sm_80: cvt.rn.bf16.f32, min/max.NaN, min/max.f16, tanh.approx), which every entry covers.
@@ -104,10 +115,11 @@ def kernel_params(kernel):
 
 
 def _shared_offsets(kernel):
-    """({shared array: byte offset}, bytes in all) of the arrays laid out in one, each at 16
-    bytes."""
+    """({shared array: byte offset}, bytes in all) of the arrays laid out in one, each at its
+    alignment (16 bytes at least)."""
     offsets, at = {}, 0
     for array in kernel.shared:
+        at = -(-at // array.align) * array.align
         offsets[array.name] = at
         at += -(-array.size * array.dtype.bytes // 16) * 16
     return offsets, at
@@ -163,7 +175,7 @@ class _Renderer:
         if sm not in PTX_VERSION:
             raise ValueError(f"sm_{sm}: the PTX renderer knows "
                              f"{', '.join(f'sm_{s}' for s in PTX_VERSION)}")
-        missing = kernel.caps - PTX_CAPS
+        missing = kernel.caps - ptx_caps(sm)
         if missing:
             raise ModelRefused(f"kernel {kernel.name} needs {', '.join(sorted(missing))}, "
                                f"which PTX for sm_{sm} does not offer")
@@ -212,10 +224,13 @@ class _Renderer:
 
         params = [f"    .param .{'u64' if p.kind == 'buffer' else _SCALAR_PARAM[p.dtype.name]} "
                   f"param_{p.name}" for p in k.params]
+        wgmma = WGMMA in k.caps
+        version = WGMMA_VERSION if wgmma else PTX_VERSION[self.sm]
+        align = max((a.align for a in k.shared), default=16)
         out = [f"// {k.name}: rendered by poot.codegen.ptx",
-               f".version {PTX_VERSION[self.sm]}", f".target sm_{self.sm}", ".address_size 64", "",
-               *([f".extern .shared .align 16 .b8 {DYNAMIC_SHARED}[];", ""] if self.offsets
-                 else []),
+               f".version {version}", f".target sm_{self.sm}{'a' * wgmma}", ".address_size 64",
+               "", *([f".extern .shared .align {align} .b8 {DYNAMIC_SHARED}[];", ""]
+                     if self.offsets else []),
                f".visible .entry {k.name}(" + ("\n" + ",\n".join(params) + "\n" if params else "")
                + ")", ".reqntid {}, {}, {}".format(*k.workgroup),
                *([f".minnctapersm {k.resident}"] if k.resident > 1 else []), "{"]
@@ -225,7 +240,7 @@ class _Renderer:
                 out.append(f"    .reg .{cls} {', '.join(names[i:i + 12])};")
         for array in k.shared if self.offsets is None else ():
             size = array.size * array.dtype.bytes
-            out.append(f"    .shared .align 16 .b8 sh_{array.name}[{size}];")
+            out.append(f"    .shared .align {array.align} .b8 sh_{array.name}[{size}];")
         out += self.lines
         out.append("}")
         return "\n".join(out) + "\n"
@@ -316,6 +331,16 @@ class _Renderer:
                 self.emit(f"cp.async.wait_group {stmt.pending};")
             elif isinstance(stmt, Return):
                 self.ret()
+            elif isinstance(stmt, AsyncProxyFence):
+                self.emit("fence.proxy.async.shared::cta;")
+            elif isinstance(stmt, WgmmaFence):
+                self.emit("wgmma.fence.sync.aligned;")
+            elif isinstance(stmt, Wgmma):
+                self.wgmma(stmt)
+            elif isinstance(stmt, WgmmaCommit):
+                self.emit("wgmma.commit_group.sync.aligned;")
+            elif isinstance(stmt, WgmmaWait):
+                self.emit(f"wgmma.wait_group.sync.aligned {stmt.pending};")
             else:
                 raise TypeError(f"unknown statement {stmt!r}")
 
@@ -437,6 +462,18 @@ class _Renderer:
             self.emit(f"selp.u32 {size}, 16, 0, {self.val(stmt.inside)};")
         self.emit(f"cp.async.cg.shared.global [{to}], [{at}], 16, {size};")
 
+    def wgmma(self, stmt):
+        """The accumulators are the Vars' own registers, written in place: no copy of them may
+        stand between a wgmma and the wait that ends it."""
+        for vid in stmt.accs:
+            self.var(vid)
+        accs = ", ".join(self.named(vid, F32) for vid in stmt.accs)
+        scale = self.temp("pred")
+        self.emit(f"setp.ne.b32 {scale}, 1, 0;")
+        kind = stmt.operand
+        self.emit(f"wgmma.mma_async.sync.aligned.m64n{stmt.n}k16.f32.{kind}.{kind} {{{accs}}}, "
+                  f"{self.val(stmt.desc_a)}, {self.val(stmt.desc_b)}, {scale}, 1, 1, 0, 0;")
+
     def load(self, let):
         name, shared, width = let.attr("target"), let.attr("shared"), let.attr("width", 1)
         array = self.kernel.array(name, shared)
@@ -467,6 +504,8 @@ class _Renderer:
         if op == "mma":
             return self.mma(let)
         d = self.named(let.id, t)
+        if op == "shared_address":
+            return self.mov(d, self.address(let.attr("target"), True, let.args[0]), t)
         if op == "extract":
             return self.mov(d, self.vectors[let.args[0].id][let.attr("lane")], t)
         if op == "var_get":

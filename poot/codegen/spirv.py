@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from poot.errors import ModelRefused
 from poot.kernels.lang import (ASYNC_COPY, BOOL, F32, HALF2_ARITH, I32, MMA_CAPS, U16, U32, U64,
-                               Assign, Barrier, For, If, Let, Return, Store, VarDecl)
+                               WGMMA, Assign, Barrier, For, If, Let, Return, Store, VarDecl)
 
 MAGIC, VERSION_1_3 = 0x07230203, 0x00010300
 
@@ -201,7 +201,7 @@ def _spv(dtype):
 
 
 # lang.py capabilities that SPIR-V (as rendered here) has no rendering of.
-UNRENDERED_CAPS = frozenset({"fragment_load", *MMA_CAPS.values(), ASYNC_COPY, HALF2_ARITH})
+UNRENDERED_CAPS = frozenset({"fragment_load", *MMA_CAPS.values(), ASYNC_COPY, HALF2_ARITH, WGMMA})
 
 
 class _Renderer:

@@ -22,6 +22,7 @@ from ..errors import ModelRefused
 from ..formats.quants import slice_raw
 from ..ir.graph import Tensor
 from ..kernels import matmul, mma_vec, ops
+from ..kernels.lang import WGMMA
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from . import placement
 from .batch import StepBatch, StepOutput
@@ -32,16 +33,23 @@ ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the g
 SHARED_HEADS_PER_SM = 1         # attention workgroups a multiprocessor before they share KV heads
 
 
-def mma_choice(dtype):
+def mma_choice(dtype, caps=frozenset(), tokens=matmul.MMA_TOKENS):
     """(mma_tiled keywords, mma_launch split policy) of the tensor-core matmul of a weight
-    format, chosen from scripts/bench-matmul on the H200 (docs/benchmarks.md): F16 and BF16
-    weights stream through a three-stage ring of asynchronous copies with x rounded once
-    beforehand (mma_x16), their splits kept to one wave of two workgroups a multiprocessor
-    (a Llama-8B layer's matmuls: 8.8 -> 6.4 ms at 64 tokens, 40 -> 30 ms at 512); the formats
-    decoded in the kernel keep the register pipeline."""
-    if dtype in ("F16", "BF16"):
-        return {"stages": 3, "x16": True}, {"per_sm": 2, "one_wave": True}
-    return {}, {}
+    format on a device of `caps`, for a launch of the token tile `tokens`, chosen from
+    scripts/bench-matmul on the H200 (docs/benchmarks.md): F16 and BF16 weights stream through
+    a three-stage ring of asynchronous copies with x rounded once beforehand (mma_x16), their
+    splits kept to one wave of two workgroups a multiprocessor (a Llama-8B layer's matmuls:
+    8.8 -> 6.4 ms at 64 tokens, 40 -> 30 ms at 512); where the device has wgmma (sm_90a) the
+    products run on it, from four stages for the 32- and 64-token tiles and three for 128 (a
+    layer at 32 / 64 / 128 / 512 tokens: 163 / 198 / 297 / 947 us on mma, 130 / 144 / 185 /
+    603 on wgmma). The formats decoded in the kernel keep the register pipeline."""
+    if dtype not in ("F16", "BF16"):
+        return {}, {}
+    policy = {"per_sm": 2, "one_wave": True}
+    if WGMMA in caps:
+        return {"stages": 4 if tokens < matmul.MMA_TOKENS else 3, "x16": True,
+                "wgmma": True}, policy
+    return {"stages": 3, "x16": True}, policy
 
 
 def tiled_x16_format(dtype):
@@ -590,11 +598,10 @@ class DeviceRunner(StepRunner):
         the step's weight."""
         return self._part_of[op.weight.name][0] if op.up is not None else op.weight
 
-    @staticmethod
-    def _tiled_variant(op):
-        """mma_tiled's keywords for a matmul step (mma_choice's pipeline), reading x16 where
-        the step's norm is folded in (tiled_norm_x16 makes it)."""
-        variant = mma_choice(op.weight.dtype)[0]
+    def _tiled_variant(self, op, tokens=matmul.MMA_TOKENS):
+        """mma_tiled's keywords for a matmul step in a token tile (mma_choice's pipeline),
+        reading x16 where the step's norm is folded in (tiled_norm_x16 makes it)."""
+        variant = mma_choice(op.weight.dtype, self.device.caps, tokens)[0]
         return dict(variant, x16=True) if op.norm is not None else variant
 
     def _mma_kernels(self, op, launch, after=None):
@@ -602,7 +609,7 @@ class DeviceRunner(StepRunner):
         mma_tiled writing the outputs, or a split one and what adds its slices into them
         (a SwiGLU's always: only the sum sees gate's and up's together): split_sum, or where
         it can make the x16 of `after`, the matmul step next, the kernel _makes_x16 names."""
-        w, variant = self._tiled_weight(op), self._tiled_variant(op)
+        w, variant = self._tiled_weight(op), self._tiled_variant(op, launch.tokens)
         residual, outputs = op.residual is not None, len(op.outputs)
         if launch.splits == 1 and op.up is None:
             return [matmul.mma_tiled(w.dtype, residual, launch.tokens, outputs=outputs,

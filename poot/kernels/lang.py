@@ -47,6 +47,8 @@ MATRIX = {"fragment_load", "mma"}
 MMA_CAPS = {"f16": "mma_f16", "bf16": "mma_bf16"}
 # The capability of copy_async, copy_commit and copy_wait (KernelBuilder.copy_async).
 ASYNC_COPY = "async_copy"
+# The capability of the warpgroup matrix operations (KernelBuilder.wgmma and its fences).
+WGMMA = "wgmma"
 # Arithmetic on two f16 lanes of a u32 word (KernelBuilder.half2), and its capability.
 HALF2 = {"sub": 2, "mul": 2, "fma": 3}
 HALF2_ARITH = "half2_arith"
@@ -66,6 +68,7 @@ class Shared:
     name: str
     dtype: DType
     size: int            # elements
+    align: int = 16      # bytes its start is a multiple of
 
 
 class Value:
@@ -201,6 +204,41 @@ class CopyWait:
 
 
 @dataclass(frozen=True)
+class AsyncProxyFence:
+    """This thread's shared-memory writes so far are visible to what reads shared memory
+    asynchronously after the next barrier (wgmma)."""
+
+
+@dataclass(frozen=True)
+class WgmmaFence:
+    """Orders this warpgroup's register writes before the wgmma that follow (needed before the
+    first of them and after any other write to their accumulators)."""
+
+
+@dataclass(frozen=True)
+class Wgmma:
+    """accumulators (Vars `accs`, f32) += A B, asynchronously: A 64 x 16 and B 16 x n of
+    `operand` (f16 or bf16), both read from shared memory through descriptors (u64 Values)."""
+    operand: str
+    n: int
+    desc_a: object
+    desc_b: object
+    accs: tuple
+
+
+@dataclass(frozen=True)
+class WgmmaCommit:
+    """The wgmma this warpgroup issued since its last commit form one group."""
+
+
+@dataclass(frozen=True)
+class WgmmaWait:
+    """Waits until at most `pending` of this warpgroup's committed groups are running: the
+    accumulators of the others may be read, their shared operands overwritten."""
+    pending: int
+
+
+@dataclass(frozen=True)
 class Return:
     """This thread stops (no barrier may follow for threads that returned)."""
 
@@ -315,10 +353,14 @@ class KernelBuilder:
         self._add_param(Param(name, dtype, "scalar"))
         return self.let("param", dtype, (), name=name)
 
-    def shared(self, name, dtype, size):
+    def shared(self, name, dtype, size, align=16):
+        """A shared array of `size` elements whose start is a multiple of `align` bytes (a
+        power of two from 16: wgmma's swizzled tiles need 1024)."""
         if any(s.name == name for s in self.shared_arrays):
             raise ValueError(f"shared array {name!r} declared twice")
-        array = Shared(name, dtype, int(size))
+        if align < 16 or align & (align - 1):
+            raise ValueError(f"shared array {name!r}: align {align} is no power of two >= 16")
+        array = Shared(name, dtype, int(size), int(align))
         self.shared_arrays.append(array)
         return SharedArray(self, array)
 
@@ -551,6 +593,53 @@ class KernelBuilder:
         self.caps.add(MMA_CAPS[dtype.name])
         d = self.let("mma", F32, (*a, *b, *c), operand=dtype.name)
         return tuple(self.let("extract", F32, (d,), lane=i) for i in range(4))
+
+    # -- warpgroup matrices (sm_90a) -------------------------------------------------------------
+    def shared_address(self, array, index):
+        """The shared-memory byte address (u32) of element `index` of a shared array: what a
+        wgmma descriptor holds."""
+        if not isinstance(array, SharedArray):
+            raise TypeError("shared_address of a shared array")
+        self.caps.add(WGMMA)
+        return self.let("shared_address", U32, (self.coerce(index, I32),),
+                        target=array.param.name)
+
+    def async_proxy_fence(self):
+        """See AsyncProxyFence: after a thread's shared stores (copy_async's too, once waited
+        for) that wgmma reads next, before the barrier."""
+        self.caps.add(WGMMA)
+        self.emit(AsyncProxyFence())
+
+    def wgmma_fence(self):
+        self.caps.add(WGMMA)
+        self.emit(WgmmaFence())
+
+    def wgmma(self, dtype, desc_a, desc_b, accs):
+        """accs += A B on the tensor cores of a warpgroup (4 subgroups, the first a multiple of
+        4), every thread of which takes part, asynchronously: the accumulators are read only
+        after wgmma_wait. A is 64 x 16 and B 16 x n (n = 2 len(accs), a multiple of 8, at most
+        256) of `dtype` (F16 or BF16), each stored K-major in shared memory (a row of A, a
+        column of B, 16 contiguous values) in 128-byte rows swizzled as the descriptors say
+        (matmul.wgmma_descriptor). With w = subgroup % 4, g = lane // 4, q = lane % 4, a thread's
+        accs[j] is D[16 w + g + 8 ((j // 2) % 2)][8 (j // 4) + 2 q + j % 2]."""
+        if dtype not in (F16, BF16):
+            raise TypeError(f"wgmma of {dtype}: f16 or bf16")
+        n = 2 * len(accs)
+        if n % 8 or not 8 <= n <= 256 or any(v.dtype != F32 for v in accs):
+            raise TypeError(f"wgmma takes n/2 f32 accumulators for n a multiple of 8 up to 256, "
+                            f"not {len(accs)}")
+        if desc_a.dtype != U64 or desc_b.dtype != U64:
+            raise TypeError("wgmma descriptors are u64 values")
+        self.caps.add(WGMMA)
+        self.emit(Wgmma(dtype.name, n, desc_a, desc_b, tuple(v.id for v in accs)))
+
+    def wgmma_commit(self):
+        self.caps.add(WGMMA)
+        self.emit(WgmmaCommit())
+
+    def wgmma_wait(self, pending=0):
+        self.caps.add(WGMMA)
+        self.emit(WgmmaWait(int(pending)))
 
     # -- control ---------------------------------------------------------------------------------
     @contextmanager

@@ -21,7 +21,7 @@ format (device_runner.mma_choice).
 from dataclasses import dataclass
 from functools import cache
 
-from .lang import BF16, F16, F32, I32, U16, U32, KernelBuilder
+from .lang import BF16, F16, F32, I32, U16, U32, U64, KernelBuilder
 from .quant import reader
 
 WORKGROUP = 256
@@ -333,6 +333,9 @@ def tiled(dtype, residual=False):
 MMA_TOKENS, MMA_ROWS, MMA_DEPTH = 128, 128, 64
 MMA_TOKEN_TILES = (32, 64, MMA_TOKENS)
 MMA_DEPTHS = (64, 128)
+# wgmma (sm_90a): each warpgroup's 64 rows of the 128-row tile, steps of 64 columns (a row's
+# 128 bytes: one swizzle span), tiles aligned to the 1024 bytes of a swizzle pattern.
+WGMMA_ROWS, WGMMA_DEPTH, WGMMA_ALIGN = 64, 64, 1024
 MMA_WORKGROUP = 256
 ROW_WORDS = MMA_DEPTH // 2 + 4
 WARP_ROWS = 32
@@ -355,6 +358,11 @@ MMA_VARIANTS = {
     "s3x16": {"stages": 3, "x16": True},
     "s4x16": {"stages": 4, "x16": True},
     "d128s2x16": {"depth": 128, "stages": 2, "x16": True},
+    "wg3": {"stages": 3, "x16": True, "wgmma": True},
+    "wg4": {"stages": 4, "x16": True, "wgmma": True},
+    "wg3f1": {"stages": 3, "x16": True, "wgmma": True, "in_flight": 1},
+    "wg4f1": {"stages": 4, "x16": True, "wgmma": True, "in_flight": 1},
+    "wg5f1": {"stages": 5, "x16": True, "wgmma": True, "in_flight": 1},
 }
 
 
@@ -394,7 +402,7 @@ def _pack(k, operand, lo, hi):
 
 @cache
 def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_DEPTH,
-              stages=None, x16=False, outputs=1):
+              stages=None, x16=False, outputs=1, wgmma=False, in_flight=0):
     """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / tokens))
     (mma_launch picks tokens and the split).
 
@@ -439,6 +447,17 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
       copies x by copy_async too, so no register waits for memory.
     - `depth` 128: a step reads 256 contiguous bytes of each W row instead of 128 and has half
       the barriers per byte; its tiles are twice the size (51 KiB a stage for 64 tokens).
+    - `wgmma` (with `stages` and `x16`; F16 and BF16; sm_90a): the products run on the
+      warpgroup matrix instructions instead of mma: each of the two warpgroups multiplies its
+      64 rows of the W tile by all `tokens` tokens of the x tile (W as A, x as B: m64 n=tokens
+      k16), reading both straight from shared memory, where a row (of W, or a token of x) is its
+      step's 128 bytes with their 16-byte parts swizzled (part p of row r at p ^ (r % 8):
+      wgmma_descriptor). A step's wgmma run while the next copies are started; every thread
+      waits for them before the step's end, so the ring slot the next step's copies overwrite
+      is free once all have passed its barrier.
+    - `in_flight` 1 (with wgmma): a step waits only for the step before's wgmma, so the tensor
+      cores always have the next step's queued; the copies then run S - 2 steps ahead (the
+      slot of the step before the last is the one known free at a step's barrier).
     """
     if split and residual:
         raise ValueError("a split mma_tiled leaves the residual to split_sum")
@@ -453,12 +472,17 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     if stages is not None and (stages < 2 or not raw):
         raise ValueError(f"mma_tiled: stages (2 or more) copy F16 or BF16 words as they are; "
                          f"got {stages} for {dtype}")
+    if wgmma and not (stages and x16 and depth == WGMMA_DEPTH):
+        raise ValueError(f"mma_tiled: wgmma reads staged x16 tiles of {WGMMA_DEPTH} columns")
+    if in_flight not in (0, 1) or in_flight and not (wgmma and stages >= 3):
+        raise ValueError("mma_tiled: in_flight 1 keeps a wgmma step running, 3 stages or more")
     r = reader(dtype)
     operand = mma_operand(dtype)
     name = f"mma_tiled_{dtype.lower()}" + f"_t{tokens}" * (tokens != MMA_TOKENS) + \
         f"_d{depth}" * (depth != MMA_DEPTH) + f"_s{stages}" * bool(stages) + "_x16" * x16 + \
-        "_split" * split + "_residual" * residual + f"_out{outputs}" * (outputs > 1)
-    row_words = depth // 2 + 4
+        "_wgmma" * wgmma + f"_f{in_flight}" * bool(in_flight) + "_split" * split + \
+        "_residual" * residual + f"_out{outputs}" * (outputs > 1)
+    row_words = WGMMA_DEPTH // 2 if wgmma else depth // 2 + 4
     x_tile, w_tile = tokens * row_words, MMA_ROWS * row_words
     two = stages and (stages * (x_tile + w_tile) * 4 <= TWO_RESIDENT_SHARED)
     k = KernelBuilder(name, (MMA_WORKGROUP,), resident=2 if two else 1)
@@ -471,8 +495,9 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     res = k.buffer("residual", F32) if residual else None
     rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
     parts_at = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
-    xs = k.shared("xs", U32, (stages or 1) * x_tile)
-    ws = k.shared("ws", U32, (stages or 1) * w_tile)
+    align = WGMMA_ALIGN if wgmma else 16
+    xs = k.shared("xs", U32, (stages or 1) * x_tile, align)
+    ws = k.shared("ws", U32, (stages or 1) * w_tile, align)
     tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
     m0, t0 = k.block_id(0) * MMA_ROWS, k.block_id(1) * tokens
     if split:
@@ -488,6 +513,10 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     w_parts = MMA_ROWS * w_row_parts // MMA_WORKGROUP
     x_shift, w_shift = x_row_parts.bit_length() - 1, w_row_parts.bit_length() - 1
 
+    def place(row, part, words):
+        """The shared word of a row's part of `words` words (4: 16 bytes), swizzled for wgmma."""
+        return row * row_words + (part ^ (row & 7) if wgmma else part) * words
+
     # The selects that zero columns past the end come at the stores, so that nothing waits for a
     # prefetch's loads until the next step. (A slice's end is a whole step but for the last, so
     # `end` masks the prefetch past a slice and the same columns past cols as `cols` would.)
@@ -497,7 +526,7 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
         row, part = i >> x_shift, i & (x_row_parts - 1)
         t, c = t0 + row, c0 + part * x_values
         at = t * cols + c
-        return row * row_words + part * (x_values // 2), at >> 1 if x16 else at, \
+        return place(row, part, x_values // 2), at >> 1 if x16 else at, \
             (t < n_tokens) & (c < end)
 
     def w_part(p, c0):
@@ -505,7 +534,7 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
         i = tid + p * MMA_WORKGROUP
         row, part = i >> w_shift, i & (w_row_parts - 1)
         m, c = k.min(m0 + row, rows - 1), c0 + part * 8
-        return row * row_words + part * 4, m * r.row_words("values", cols) + (c >> 1), c < end
+        return place(row, part, 4), m * r.row_words("values", cols) + (c >> 1), c < end
 
     def fetch_x(c0):
         values = []
@@ -564,7 +593,21 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     warp_tokens = tokens // 2
     wt, wn = (warp & 1) * warp_tokens, (warp >> 1) * WARP_ROWS
     tiles_t, tiles_n = warp_tokens // 16, WARP_ROWS // 8
-    acc = [[[k.var(F32, 0.0) for _ in range(4)] for _ in range(tiles_n)] for _ in range(tiles_t)]
+    if wgmma:
+        acc = [k.var(F32, 0.0) for _ in range(tokens // 2)]
+    else:
+        acc = [[[k.var(F32, 0.0) for _ in range(4)] for _ in range(tiles_n)]
+               for _ in range(tiles_t)]
+
+    def compute_wgmma(slot):
+        """Starts the step's wgmma: this warpgroup's 64 W rows (A) by the tile's tokens (B)."""
+        a = k.shared_address(ws, slot * w_tile + (warp >> 2) * (WGMMA_ROWS * row_words))
+        b = k.shared_address(xs, slot * x_tile)
+        k.wgmma_fence()
+        for ks in range(WGMMA_DEPTH // 16):
+            k.wgmma(operand, wgmma_descriptor(k, a + 32 * ks), wgmma_descriptor(k, b + 32 * ks),
+                    acc)
+        k.wgmma_commit()
 
     def compute(slot=0):
         for ks in range(depth // 16):
@@ -583,23 +626,41 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
                         v.set(value)
 
     if stages:
-        for s in range(stages - 1):
+        ahead = stages - 1 - in_flight              # steps whose copies run ahead of the mma
+        for s in range(ahead):
             copy_step(begin + s * depth, s)
         if not x16:
             store_x(fetch_x(begin), begin)
         slot = k.var(I32, 0)                        # this step's slot of the ring
         with k.for_(begin, end, depth) as c0:
-            k.copy_wait(stages - 2)                 # this step's copies are done ...
+            k.copy_wait(ahead - 1)                  # this step's copies are done ...
+            if wgmma:
+                k.async_proxy_fence()               # ... and visible to wgmma ...
             k.barrier()                             # ... everyone's, and the last step's mma
             now = slot.get()
             after = k.select(now.eq(stages - 1), 0, now + 1)
-            copy_step(c0 + (stages - 1) * depth, k.select(now.eq(0), stages - 1, now - 1))
-            values = [] if x16 else fetch_x(c0 + depth)
-            compute(now)
-            if not x16:
-                store_x(values, c0 + depth, after * x_tile)
+            if in_flight:                           # the slot `ahead` steps on
+                into = k.select(now + ahead >= stages, now + ahead - stages, now + ahead)
+            else:                                   # the slot of the step before
+                into = k.select(now.eq(0), stages - 1, now - 1)
+            if wgmma and in_flight:
+                copy_step(c0 + ahead * depth, into)
+                compute_wgmma(now)
+                k.wgmma_wait(in_flight)
+            elif wgmma:
+                compute_wgmma(now)
+                copy_step(c0 + ahead * depth, into)
+                k.wgmma_wait(0)
+            else:
+                copy_step(c0 + ahead * depth, into)
+                values = [] if x16 else fetch_x(c0 + depth)
+                compute(now)
+                if not x16:
+                    store_x(values, c0 + depth, after * x_tile)
             slot.set(after)
         k.copy_wait(0)
+        if in_flight:
+            k.wgmma_wait(0)
     else:
         x_next = [k.var(x.param.dtype, v) for v in fetch_x(begin)]
         w_next = [k.var(U32, w) for w in fetch_w_words(begin)] if raw else []
@@ -618,20 +679,37 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
                     w.set(word)
             compute()
 
+    def store(v, t, m):
+        with k.if_((t < n_tokens) & (m < rows)):
+            at = t * rows + m
+            if outputs > 1:
+                store_row(k, ys, None, parts_at, rows, t, m, [v.get()], False)
+            elif split:
+                y[piece * n_tokens * rows + at] = v.get()
+            else:
+                y[at] = v.get() + res[at] if residual else v.get()
+
+    if wgmma:
+        base = m0 + (warp >> 2) * WGMMA_ROWS + (warp & 3) * 16 + (lane >> 2)
+        for j, v in enumerate(acc):
+            store(v, t0 + 8 * (j >> 2) + 2 * (lane & 3) + (j & 1), base + 8 * ((j >> 1) & 1))
+        return k.build()
     for i in range(tiles_t):
         for j in range(tiles_n):
             for e, v in enumerate(acc[i][j]):
                 dt, dm = accumulator_position(lane, e)
-                t, m = t0 + wt + 16 * i + dt, m0 + wn + 8 * j + dm
-                with k.if_((t < n_tokens) & (m < rows)):
-                    at = t * rows + m
-                    if outputs > 1:
-                        store_row(k, ys, None, parts_at, rows, t, m, [v.get()], False)
-                    elif split:
-                        y[piece * n_tokens * rows + at] = v.get()
-                    else:
-                        y[at] = v.get() + res[at] if residual else v.get()
+                store(v, t0 + wt + 16 * i + dt, m0 + wn + 8 * j + dm)
     return k.build()
+
+
+def wgmma_descriptor(k, address):
+    """The u64 wgmma descriptor of a K-major tile at shared byte `address` (a u32 Value): rows
+    of 128 bytes, 16-byte parts swizzled within each 8 rows (128-byte swizzle, the 8 rows
+    1024 bytes apart: the stride offset; the leading offset is unused), the bit fields of
+    the PTX ISA's matrix descriptor: start >> 4 in bits 0-13, leading offset >> 4 in 16-29,
+    stride offset >> 4 in 32-45, swizzle mode in 62-63 (1: 128 bytes)."""
+    fields = (1 << 16) | ((8 * 128 >> 4) << 32) | (1 << 62)
+    return ((address & 0x3FFFF) >> 4).to(U64) | k.const(fields, U64)
 
 
 @cache

@@ -404,6 +404,33 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
     assert set(normed) == ({"mma_tiled", "mma_vec"} if dtype == "Q4_K" else {"mma_tiled"})
 
 
+@pytest.mark.parametrize("matrix", [True, False])
+def test_prompt_steps_take_attention_tiles_where_a_tile_is_one_sequence(tmp_path, matrix):
+    """On the host: a step with prompt tokens launches attention_tiles where some 16-token tile
+    is two or more tokens of one sequence (ops.tiled_tokens of the uploaded rows), and the
+    untiled attention where others are left; a decode step (every token sampled), a step with
+    no such tile, or a device without the matrix instructions, the plain attention alone."""
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    log = LaunchLog(matrix=matrix)
+    runner = DeviceRunner(model, log, num_blocks=16, max_tokens=64, max_seqs=16)
+    runner.programs = {k.name: k for k in runner._kernels()}
+    runner.buffers = {a.name: a for a in runner.allocations()}
+    cases = [([0] * 40, 1, {"attention_tiles"}), ([0] * 3 + [1] * 17, 2,
+                                                    {"attention_tiles", "untiled"}),
+             (list(range(8)), 2, {"attention"}), ([0] * 16, 16, {"attention"})]
+    for rows, R, kinds in cases:
+        runner._step_rows = np.array(rows)
+        log.launched.clear()
+        for _ in runner.launches(len(rows), R):
+            pass
+        names = {k.name for k, _, _ in log.launched if k.name.startswith("attention")}
+        launched = {"attention_tiles" if n.startswith("attention_tiles") else
+                    "untiled" if n.endswith("_untiled") else "attention" for n in names}
+        layers = sum(k.name.startswith("attention") for k, _, _ in log.launched)
+        assert launched == (kinds if matrix else {"attention"}), rows
+        assert layers == model.config.n_layers * len(launched)
+
+
 def test_no_partials_without_matrix_instructions(tmp_path):
     model = poot.load(tiny_model(tmp_path, dtype="Q4_K"))
     runner = DeviceRunner(model, LaunchLog(matrix=False), num_blocks=16, max_tokens=200)

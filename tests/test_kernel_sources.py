@@ -47,6 +47,7 @@ def runner_kernels(subgroup_size):
             ops.attention(subgroup_size, 64), ops.attention(subgroup_size, 128),
             ops.attention_split(subgroup_size, 64), ops.attention_split(subgroup_size, 128),
             ops.attention(subgroup_size, 128, 4), ops.attention_split(subgroup_size, 128, 4),
+            ops.attention(subgroup_size, 128, 4, untiled=True),
             ops.attention_combine(64), ops.attention_combine(128), ops.argmax(subgroup_size),
             ops.argmax_chunks(subgroup_size), ops.top_candidates(subgroup_size)]
     out += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
@@ -70,7 +71,8 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     or split, on x or x16 (the runner's folded norm: tiled_norm_x16), and in the pipeline the
     runner chooses for each format on sm_80 and on sm_90a (mma_choice: wgmma); mma_vec in
     every fused variant (a norm one as the runner launches it: on x from norm_x16), in the
-    shapes the runner picks for few and many rows, norm_x16 and reduce_norm_x16."""
+    shapes the runner picks for few and many rows, norm_x16 and reduce_norm_x16; attention's
+    tiles (attention_tiles)."""
     tiled = [matmul.mma_tiled(d, residual, tokens, split, x16=x16) for d in dtypes
              for tokens in matmul.MMA_TOKEN_TILES for x16 in (False, True)
              for split, residual in ((False, False), (False, True), (True, False))]
@@ -93,7 +95,8 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
                  for k in (mma_vec.norm_x16(d), mma_vec.reduce_norm_x16(d, 2),
                            mma_vec.reduce_norm_x16(d, 5), mma_vec.reduce_norm_x16(d, 8),
                            matmul.split_sum(swiglu=True, x16=d))}.values())
-    return tiled + vec + prep
+    attention = [ops.attention_tiles(d, h) for d, h in ((64, 3), (64, 4), (128, 4), (128, 1))]
+    return tiled + vec + prep + attention
 
 
 def mma_vec_variant(variant):

@@ -781,6 +781,46 @@ def test_attention(device, head_dim, n_heads, n_kv, shared):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 8, 2), (64, 9, 3), (64, 4, 4)])
+def test_attention_tiles_and_untiled(cuda_device, head_dim, n_heads, n_kv):
+    """A step with prompt tokens: attention_tiles takes the 16-token tiles of one sequence
+    (here the first two of A's 37 new tokens after 40 cached, C's full tile, and G's last,
+    partial tile), attention(untiled=True) every other token (tiles of several sequences,
+    decode tokens); each leaves the other's tokens unwritten (poisoned). Against numpy: the
+    tiles within the f16 rounding of q * scale and of the probabilities (2^-11 each), the
+    rest as attention."""
+    bs, nb = 16, 128
+    new = {"A": (40, 37), "C": (0, 27), "B": (300, 1), "D": (5, 1), "E": (100, 3),
+           "G": (0, 21)}
+    lengths = [start + n for start, n in new.values()]
+    tables, positions, seq_rows, k, v = paged_case(n_kv, head_dim, lengths, bs, nb)
+    cache_k, cache_v = (np.zeros((nb, bs, n_kv, head_dim), np.float32) for _ in range(2))
+    ref.store_kv(k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32),
+                 cache_k, cache_v, positions, seq_rows, tables)
+    qpos = np.concatenate([np.arange(start, start + n) for start, n in new.values()]).astype(
+        np.int32)
+    qrows = np.concatenate([[s] * n for s, (_, n) in enumerate(new.values())]).astype(np.int32)
+    T = len(qpos)
+    tiled = np.array(ops.tiled_tokens(qrows))      # the host's rule, which the runner follows
+    assert list(np.nonzero(tiled)[0]) == [*range(32), *range(48, 64), *range(80, 90)]
+    q = rng.standard_normal((T, n_heads, head_dim)).astype(np.float32)
+    scale = head_dim ** -0.5
+    want = ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale)
+    cache = (cache_k.astype(np.float16).view(np.uint32), cache_v.astype(np.float16).view(np.uint32),
+             qpos, qrows, tables, n_heads, n_kv, tables.shape[1], bs, scale, T)
+    heads = ops.attention_tile_heads(n_heads, n_kv)
+    got = run(cuda_device, ops.attention_tiles(head_dim, heads),
+              (-(-T // ops.ATTENTION_TILE), n_heads // heads), q, np.zeros_like(q), *cache)["out"]
+    assert np.all(np.isnan(got[~tiled]))
+    assert rel_err(got[tiled], want[tiled]) < 2e-3
+    shared = ops.attention_heads(n_heads, n_kv, head_dim, cuda_device.subgroup_size)
+    got = run(cuda_device, ops.attention(cuda_device.subgroup_size, head_dim, shared,
+                                         untiled=True),
+              (T * n_heads // shared,), q, np.zeros_like(q), *cache)["out"]
+    assert np.all(np.isnan(got[tiled]))
+    assert rel_err(got[~tiled], want[~tiled]) < 1e-5
+
+
 def split_partials(q, keys, values, qpos, qrows, split_tokens, n_splits, scale):
     """numpy's (o, m, l) of every (token, head, split): keys/values [rows, L, heads, D]."""
     T, H, D = q.shape

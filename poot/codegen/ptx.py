@@ -562,7 +562,8 @@ class _Renderer:
         words = [self.named(let.id, let.dtype, f"_{lane}") for lane in range(4)]
         self.vectors[let.id] = words
         address = self.address(let.attr("target"), True, let.args[0])
-        self.emit(f"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{', '.join(words)}}}, "
+        trans = ".trans" if let.attr("trans") else ""
+        self.emit(f"ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16 {{{', '.join(words)}}}, "
                   f"[{address}];")
 
     def mma(self, let):

@@ -295,6 +295,7 @@ class DeviceRunner(StepRunner):
         self.peers = [self]         # the runners of a tensor group, in rank order (group.py)
         self.two_phase_floats = TWO_PHASE_FLOATS
         self.long = False           # this step splits its attention (run() decides)
+        self._step_rows = None      # the uploaded step's sequence rows (host), for attention
         self._shared = self._shared_buffers()
         self.mma = self._has_mma()
         self.steps, self.stacked = self._lower(stack_swiglu=self.mma)
@@ -545,11 +546,14 @@ class DeviceRunner(StepRunner):
         if op.kind == "attention":
             heads, kv_heads = op.inputs[0].shape[1], op.inputs[1].shape[2]
             shares = {1, self._attention_heads(self.max_tokens, heads, kv_heads)}
+            tiles = self._attention_tiles(heads, kv_heads)
             return [kernel for shared in sorted(shares) for kernel in (
                 [ops.attention(sg, cfg.head_dim, shared)]
+                + ([ops.attention(sg, cfg.head_dim, shared, untiled=True)] if tiles else [])
                 + ([ops.attention_split(sg, cfg.head_dim, shared)]
                    if self.attention_splits > 1 else []))] + \
-                ([ops.attention_combine(cfg.head_dim)] if self.attention_splits > 1 else [])
+                ([ops.attention_combine(cfg.head_dim)] if self.attention_splits > 1 else []) + \
+                ([tiles] if tiles else [])
         if op.kind == "gather":
             return [ops.gather_rows()]
         if op.kind == "all_reduce":
@@ -854,6 +858,7 @@ class DeviceRunner(StepRunner):
         if T > self.max_tokens or R > self.max_seqs or len(batch.block_tables) > self.max_seqs:
             raise ValueError(f"step of {T} tokens / {R} rows exceeds the runner's "
                              f"{self.max_tokens} / {self.max_seqs}")
+        self._step_rows = np.array(batch.seq_rows)
         dev = self.device
         if self._staged():
             # the previous step's copies read this memory: they are done before it is rewritten
@@ -972,6 +977,17 @@ class DeviceRunner(StepRunner):
                                  self.split_tokens)
                     self._launch(ops.attention_combine(cfg.head_dim), (T * heads,),
                                  partials, B(out), splits)
+                elif T > R and self._attention_tiles(heads, kv_heads) and \
+                        any(taken := self._tiled_tokens(T)):
+                    # a step with prompt tokens: the tiles of one sequence's tokens on the
+                    # tensor cores, the other tokens (if any) one by one
+                    self._launch(self._attention_tiles(heads, kv_heads),
+                                 (-(-T // ops.ATTENTION_TILE),
+                                  heads // ops.attention_tile_heads(heads, kv_heads)),
+                                 B(q), B(out), *cache, T)
+                    if not all(taken):
+                        self._launch(ops.attention(sg, cfg.head_dim, shared, untiled=True),
+                                     (T * heads // shared,), B(q), B(out), *cache, T)
                 else:
                     self._launch(ops.attention(sg, cfg.head_dim, shared), (T * heads // shared,),
                                  B(q), B(out), *cache)
@@ -1089,6 +1105,21 @@ class DeviceRunner(StepRunner):
         if op.residual is not None and after.norm is not None and len(op.outputs) == 1:
             return mma_vec.reduce_norm_x16(tiled_x16_format(dtype), launch.splits)
         return None
+
+    def _attention_tiles(self, heads, kv_heads):
+        """The tensor-core attention of steps with prompt tokens (ops.attention_tiles), or None
+        where the device lacks its instructions or the head size does not suit it."""
+        head_dim = self.model.config.head_dim
+        if head_dim % 16 or head_dim > 256:
+            return None
+        kernel = ops.attention_tiles(head_dim, ops.attention_tile_heads(heads, kv_heads))
+        return kernel if kernel.caps <= self.device.caps else None
+
+    def _tiled_tokens(self, T):
+        """Which of the step's T tokens attention_tiles takes (ops.tiled_tokens of the rows
+        the step uploaded; where they are not known, some and not others: both launches)."""
+        rows = self._step_rows
+        return ops.tiled_tokens(rows) if rows is not None and len(rows) == T else [True, False]
 
     def _attention_heads(self, T, heads, kv_heads):
         """Query heads of one KV head an attention workgroup of a T-token step takes: as many as

@@ -557,18 +557,21 @@ class KernelBuilder:
         return self.let("shuffle", x.dtype, (x, self.coerce(lane, I32)))
 
     # -- matrices --------------------------------------------------------------------------------
-    def fragment_load(self, array, index):
+    def fragment_load(self, array, index, trans=False):
         """Four 8 x 8 matrices of 16-bit elements from a shared u32 array (two elements a word,
         the lower column in the low half), as four u32 words per lane.
 
         Every lane of a subgroup of 32 takes part. Lane l names, by `index` (in words, a multiple
         of 4), the start of row l % 8 of matrix l // 8: 8 consecutive elements. Word j of lane l
         gets elements 2(l % 4) and 2(l % 4) + 1 of row l // 4 of matrix j: the lane's share of
-        an mma operand."""
+        an mma operand. `trans`: of each matrix transposed instead, so elements (2(l % 4), l // 4)
+        and (2(l % 4) + 1, l // 4): mma's `b` from B stored by rows (k-major)."""
         if not isinstance(array, SharedArray) or array.param.dtype != U32:
             raise TypeError("fragment_load reads a shared u32 array")
         self.caps.add("fragment_load")
-        vec = self.let("fragment_load", U32, (self.coerce(index, I32),), target=array.param.name)
+        attrs = {"trans": True} if trans else {}
+        vec = self.let("fragment_load", U32, (self.coerce(index, I32),), target=array.param.name,
+                       **attrs)
         return tuple(self.let("extract", U32, (vec,), lane=i) for i in range(4))
 
     def mma(self, dtype, a, b, c):

@@ -10,7 +10,7 @@ Activations are f32 [tokens, features]; the KV cache holds f16 pairs in u32 word
 import math
 from functools import cache
 
-from .lang import F32, I32, U32, KernelBuilder
+from .lang import F16, F32, I32, U32, KernelBuilder
 from .quant import reader
 
 WG = 256
@@ -259,7 +259,7 @@ def attention_heads(n_heads, n_kv_heads, head_dim, subgroup_size):
                if group % h == 0 and (h == 1 or h * sums <= SHARED_SUMS_BYTES))
 
 
-def _attention(subgroup_size, head_dim, split, heads):
+def _attention(subgroup_size, head_dim, split, heads, untiled=False):
     """The body of both attention kernels: the subgroups of one workgroup share the keys
     [lo, hi) of its token and `heads` query heads of one KV head, each subgroup taking
     KEYS_PER_ROUND consecutive keys a round (every head scoring the same K and V rows), with
@@ -273,7 +273,8 @@ def _attention(subgroup_size, head_dim, split, heads):
     n_sub = WG // sg
     rounds = KEYS_PER_ROUND
     name = "attention_split" if split else "attention"
-    k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}" + f"_h{heads}" * (heads > 1), (WG,))
+    k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}" + f"_h{heads}" * (heads > 1)
+                      + "_untiled" * untiled, (WG,))
     q, out = k.buffer("q", F32), k.buffer("partials" if split else "out", F32, "w")
     k_cache, v_cache = k.buffer("k_cache", U32), k.buffer("v_cache", U32)
     positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
@@ -282,6 +283,7 @@ def _attention(subgroup_size, head_dim, split, heads):
         "n_heads", "n_kv_heads", "table_width", "block_size"))
     scale = k.scalar("scale", F32)
     split_tokens = k.scalar("split_tokens", I32) if split else None
+    n_tokens = k.scalar("n_tokens", I32) if untiled else None
     maxima = k.shared("maxima", F32, n_sub * heads)
     sums = k.shared("sums", F32, n_sub * heads)
     partial = k.shared("partial", F32, n_sub * heads * head_dim)
@@ -289,6 +291,9 @@ def _attention(subgroup_size, head_dim, split, heads):
     per_token = n_heads / heads
     t, h0 = block / per_token, block % per_token * heads
     kvh = h0 / (n_heads / n_kv)
+    if untiled:                 # attention_tiles took this token
+        with k.if_(tiled_token_tile(k, seq_rows, n_tokens, t - t % ATTENTION_TILE)):
+            k.return_()
     length = positions[t] + 1
     if split:       # a split past the length scans nothing: its partial is the neutral one
         lo = k.block_id(1) * split_tokens
@@ -380,8 +385,165 @@ def _attention(subgroup_size, head_dim, split, heads):
     return k.build()
 
 
+ATTENTION_TILE = 16     # query tokens of an attention_tiles workgroup: one mma row block
+KEY_BLOCK = 64          # keys an attention_tiles round scores
+
+
+def tiled_token_tile(k, seq_rows, n_tokens, t0):
+    """Whether the step's tokens t0.. t0 + ATTENTION_TILE - 1 (those before n_tokens) are two
+    or more of one sequence: the tiles attention_tiles takes (a bool Value, the same in every
+    thread that asks)."""
+    row = seq_rows[t0]
+    same = (n_tokens - t0) >= 2
+    for i in range(1, ATTENTION_TILE):
+        t = t0 + i
+        same = same & ((t >= n_tokens) | seq_rows[k.min(t, n_tokens - 1)].eq(row))
+    return same
+
+
+def tiled_tokens(seq_rows):
+    """tiled_token_tile on the host: for each token of a step (its sequences' rows), whether
+    attention_tiles takes it."""
+    rows, out = list(seq_rows), []
+    for t0 in range(0, len(rows), ATTENTION_TILE):
+        tile = rows[t0:t0 + ATTENTION_TILE]
+        out += [len(tile) >= 2 and all(r == tile[0] for r in tile)] * len(tile)
+    return out
+
+
+def attention_tile_heads(n_heads, n_kv_heads):
+    """Query heads (one subgroup each) of an attention_tiles workgroup: the most of one KV head's
+    that divide their number, at most 8."""
+    group = n_heads // n_kv_heads
+    return max(h for h in range(1, min(group, 8) + 1) if group % h == 0)
+
+
 @cache
-def attention(subgroup_size, head_dim, heads=1):
+def attention_tiles(head_dim, heads):
+    """The tiles of `attention` on the tensor cores (flash attention; fragment_load and mma,
+    f16 operands, f32 sums): workgroup (i, g) takes the step's tokens 16 i.. (ATTENTION_TILE)
+    where tiled_token_tile says they are two or more of one sequence, and `heads` query heads
+    g * heads.. of one KV head, subgroup w head g * heads + w. Rounds of KEY_BLOCK keys of the
+    sequence, up to the tile's last position: K and V rows copied into shared memory (once for
+    all heads), scores S = (q * scale, rounded to f16) K^T, each key past a token's position
+    masked, a running max and sum per token (the 4 lanes of a row share them), and
+    O += P V with P the scores' exponentials rounded to f16 (the accumulator of S is the A
+    operand of P V as it lies), V by transposed fragment loads. out as `attention` writes it;
+    the other tiles are left to attention(untiled=True). head_dim a multiple of 16, at most 256.
+    grid (ceil(T / ATTENTION_TILE), n_heads / heads)."""
+    if head_dim % 16 or head_dim > 256:
+        raise ValueError(f"attention_tiles: head_dim {head_dim} is no multiple of 16 up to 256")
+    half, row_words = head_dim // 2, head_dim // 2 + 4     # rows padded: ldmatrix's 8 rows
+    k = KernelBuilder(f"attention_tiles_d{head_dim}_h{heads}", (32 * heads,))
+    q, out = k.buffer("q", F32), k.buffer("out", F32, "w")
+    k_cache, v_cache = k.buffer("k_cache", U32), k.buffer("v_cache", U32)
+    positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
+        k.buffer("block_tables", I32)
+    n_heads, n_kv, table_width, block_size = (k.scalar(s, I32) for s in (
+        "n_heads", "n_kv_heads", "table_width", "block_size"))
+    scale = k.scalar("scale", F32)
+    n_tokens = k.scalar("n_tokens", I32)
+    ks = k.shared("keys", U32, KEY_BLOCK * row_words)
+    vs = k.shared("values", U32, KEY_BLOCK * row_words)
+    tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
+    t0 = k.block_id(0) * ATTENTION_TILE
+    with k.if_(~tiled_token_tile(k, seq_rows, n_tokens, t0)):
+        k.return_()
+    h = k.block_id(1) * heads + warp
+    kvh = k.block_id(1) * heads / (n_heads / n_kv)
+    row = seq_rows[t0]
+    t_last = k.min(t0 + ATTENTION_TILE, n_tokens) - 1
+    last = positions[t0]
+    for i in range(1, ATTENTION_TILE):
+        last = k.max(last, positions[k.min(t0 + i, t_last)])
+    g, quad = lane >> 2, lane & 3
+    tokens = [k.min(t0 + g, t_last), k.min(t0 + g + 8, t_last)]     # the lane's two rows
+    limits = [positions[t] for t in tokens]
+    qa = []                     # A of S: q * scale rounded, k16 step s
+    for s in range(head_dim // 16):
+        words = []
+        for j in range(4):
+            at = (tokens[j % 2] * n_heads + h) * head_dim + 16 * s + 2 * quad + 8 * (j // 2)
+            words.append(k.pack_half2(q[at] * scale, q[at + 1] * scale))
+        qa.append(words)
+    running_max = [k.var(F32, LOWEST) for _ in range(2)]
+    running_sum = [k.var(F32, 0.0) for _ in range(2)]
+    acc = [[k.var(F32, 0.0) for _ in range(4)] for _ in range(head_dim // 8)]
+    parts = KEY_BLOCK * half // 4                           # 16-byte parts of a round's rows
+    with k.for_(0, last + 1, KEY_BLOCK) as j0:
+        k.barrier()                                         # the last round is done with them
+        for p in range(-(-parts // (32 * heads))):
+            i = tid + p * 32 * heads
+            inside = i < parts if parts % (32 * heads) else None
+            key, part = i / (half // 4), i % (half // 4)
+            j = k.min(j0 + key, last)
+            at = ((tables[row * table_width + j / block_size] * block_size + j % block_size)
+                  * n_kv + kvh) * half + part * 4
+            to = key * row_words + part * 4
+            if inside is None:
+                k.copy_async(ks, to, k_cache, at)
+                k.copy_async(vs, to, v_cache, at)
+            else:
+                with k.if_(inside):
+                    k.copy_async(ks, to, k_cache, at)
+                    k.copy_async(vs, to, v_cache, at)
+        k.copy_commit()
+        k.copy_wait(0)
+        k.barrier()
+        scores = [[0.0] * 4 for _ in range(KEY_BLOCK // 8)]
+        for s in range(head_dim // 16):
+            for pair in range(KEY_BLOCK // 16):
+                words = k.fragment_load(ks, (16 * pair + (lane & 7) + (lane >> 4) * 8) * row_words
+                                        + s * 8 + ((lane >> 3) & 1) * 4)
+                for n, b in ((2 * pair, words[:2]), (2 * pair + 1, words[2:])):
+                    scores[n] = k.mma(F16, qa[s], b, [k.coerce(v, F32) for v in scores[n]])
+        # masks: key j0 + 8 n + 2 quad + e % 2 of row e // 2
+        for n in range(KEY_BLOCK // 8):
+            scores[n] = [k.select(j0 + 8 * n + 2 * quad + e % 2 <= limits[e // 2], v, LOWEST)
+                         for e, v in enumerate(scores[n])]
+        corrections, probs = [], [[None] * 4 for _ in scores]
+        for r in range(2):
+            top = running_max[r].get()
+            for n in range(KEY_BLOCK // 8):
+                top = k.max(top, k.max(scores[n][2 * r], scores[n][2 * r + 1]))
+            top = k.max(top, k.shuffle_xor(top, 1))
+            top = k.max(top, k.shuffle_xor(top, 2))
+            total = None
+            for n in range(KEY_BLOCK // 8):
+                for e in (2 * r, 2 * r + 1):
+                    keep = j0 + 8 * n + 2 * quad + e % 2 <= limits[r]
+                    probs[n][e] = k.select(keep, k.exp(scores[n][e] - top), 0.0)
+                    total = probs[n][e] if total is None else total + probs[n][e]
+            total = total + k.shuffle_xor(total, 1)
+            total = total + k.shuffle_xor(total, 2)
+            correction = k.exp(running_max[r].get() - top)
+            running_sum[r].set(running_sum[r].get() * correction + total)
+            running_max[r].set(top)
+            corrections.append(correction)
+        for n in range(head_dim // 8):
+            for e, v in enumerate(acc[n]):
+                v.set(v.get() * corrections[e // 2])
+        for kk in range(KEY_BLOCK // 16):
+            a = [k.pack_half2(probs[2 * kk + j // 2][2 * (j % 2)],
+                              probs[2 * kk + j // 2][2 * (j % 2) + 1]) for j in range(4)]
+            for dp in range(head_dim // 16):
+                words = k.fragment_load(vs, (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7))
+                                        * row_words + 8 * dp + 4 * (lane >> 4), trans=True)
+                for n, b in ((2 * dp, words[:2]), (2 * dp + 1, words[2:])):
+                    d = k.mma(F16, a, b, [v.get() for v in acc[n]])
+                    for v, value in zip(acc[n], d):
+                        v.set(value)
+    for n in range(head_dim // 8):
+        for e, v in enumerate(acc[n]):
+            t = t0 + g + 8 * (e // 2)
+            with k.if_(t < n_tokens):
+                out[(t * n_heads + h) * head_dim + 8 * n + 2 * quad + e % 2] = \
+                    v.get() / running_sum[e // 2].get()
+    return k.build()
+
+
+@cache
+def attention(subgroup_size, head_dim, heads=1, untiled=False):
     """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
     f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
     token and `heads` query heads of one KV head (attention_heads: they read its K and V rows
@@ -389,8 +551,9 @@ def attention(subgroup_size, head_dim, heads=1):
     K and V words all loaded before any arithmetic, so a lane has that many rows in flight), a
     lane holding the same few words of q, K and V rows (a subgroup sum gives a key's score);
     each subgroup keeps its own running max, sum and weighted sum of values for each head, and
-    the subgroups' are combined at the end. grid (T * n_heads / heads)."""
-    return _attention(subgroup_size, head_dim, False, heads)
+    the subgroups' are combined at the end. grid (T * n_heads / heads). `untiled`: the tokens
+    attention_tiles takes (tiled_token_tile; a further scalar n_tokens) are left to it."""
+    return _attention(subgroup_size, head_dim, False, heads, untiled)
 
 
 @cache

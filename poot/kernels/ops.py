@@ -259,6 +259,17 @@ def attention_heads(n_heads, n_kv_heads, head_dim, subgroup_size):
                if group % h == 0 and (h == 1 or h * sums <= SHARED_SUMS_BYTES))
 
 
+def _attention_params(k, out):
+    """The parameters every attention kernel starts with, declared on k in their order: q, the
+    output buffer named `out`, the paged cache and its tables, the head counts, the table's
+    width, the block size and the scale."""
+    buffers = [k.buffer("q", F32), k.buffer(out, F32, "w"), k.buffer("k_cache", U32),
+               k.buffer("v_cache", U32), k.buffer("positions", I32), k.buffer("seq_rows", I32),
+               k.buffer("block_tables", I32)]
+    scalars = [k.scalar(s, I32) for s in ("n_heads", "n_kv_heads", "table_width", "block_size")]
+    return (*buffers, *scalars, k.scalar("scale", F32))
+
+
 def _attention(subgroup_size, head_dim, split, heads, untiled=False):
     """The body of both attention kernels: the subgroups of one workgroup share the keys
     [lo, hi) of its token and `heads` query heads of one KV head, each subgroup taking
@@ -275,13 +286,8 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False):
     name = "attention_split" if split else "attention"
     k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}" + f"_h{heads}" * (heads > 1)
                       + "_untiled" * untiled, (WG,))
-    q, out = k.buffer("q", F32), k.buffer("partials" if split else "out", F32, "w")
-    k_cache, v_cache = k.buffer("k_cache", U32), k.buffer("v_cache", U32)
-    positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
-        k.buffer("block_tables", I32)
-    n_heads, n_kv, table_width, block_size = (k.scalar(s, I32) for s in (
-        "n_heads", "n_kv_heads", "table_width", "block_size"))
-    scale = k.scalar("scale", F32)
+    q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
+        block_size, scale = _attention_params(k, "partials" if split else "out")
     split_tokens = k.scalar("split_tokens", I32) if split else None
     n_tokens = k.scalar("n_tokens", I32) if untiled else None
     maxima = k.shared("maxima", F32, n_sub * heads)
@@ -435,13 +441,8 @@ def attention_tiles(head_dim, heads):
         raise ValueError(f"attention_tiles: head_dim {head_dim} is no multiple of 16 up to 256")
     half, row_words = head_dim // 2, head_dim // 2 + 4     # rows padded: ldmatrix's 8 rows
     k = KernelBuilder(f"attention_tiles_d{head_dim}_h{heads}", (32 * heads,))
-    q, out = k.buffer("q", F32), k.buffer("out", F32, "w")
-    k_cache, v_cache = k.buffer("k_cache", U32), k.buffer("v_cache", U32)
-    positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
-        k.buffer("block_tables", I32)
-    n_heads, n_kv, table_width, block_size = (k.scalar(s, I32) for s in (
-        "n_heads", "n_kv_heads", "table_width", "block_size"))
-    scale = k.scalar("scale", F32)
+    q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
+        block_size, scale = _attention_params(k, "out")
     n_tokens = k.scalar("n_tokens", I32)
     ks = k.shared("keys", U32, KEY_BLOCK * row_words)
     vs = k.shared("values", U32, KEY_BLOCK * row_words)

@@ -1,5 +1,6 @@
 """The device runner against the reference runner: same step graph, same batches, on every
 device backend that opens here (skips with the reason elsewhere)."""
+import math
 from collections import Counter
 
 import numpy as np
@@ -9,11 +10,12 @@ import poot
 from poot.backends.select import open_device
 from poot.codegen.ptx import PTX_CAPS
 from poot.engine import device_runner
-from poot.engine.device_runner import MMA_MIN_TOKENS, MULTIPROCESSORS, Allocation, DeviceRunner
+from poot.engine.device_runner import (DEQUANT_PAST_TOKENS, MMA_MIN_TOKENS, MULTIPROCESSORS,
+                                       Allocation, DeviceRunner)
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.engine.sampling import choice_args, choose, sample
 from poot.errors import BackendUnavailable
-from poot.kernels import matmul, ops
+from poot.kernels import lang, matmul, ops
 from poot.kernels.quant import DEVICE_DTYPES
 from tests.models import default_model, tiny_model
 
@@ -38,7 +40,7 @@ def prefill_of(n):
     """One random n-token prompt in one step, its last 8 tokens sampled."""
     prompt = np.random.default_rng().integers(3, 300, n).astype(np.int32)
     return StepBatch(prompt, np.arange(n, dtype=np.int32), np.zeros(n, np.int32),
-                     np.array([list(range(16))], np.int32),
+                     np.array([list(range(max(16, -(-n // 16))))], np.int32),
                      np.arange(n - 8, n, dtype=np.int32), SamplingRows.greedy(8))
 
 
@@ -276,26 +278,30 @@ def test_split_attention_batched_decode(tmp_path, device):
     assert np.linalg.norm(together - want) / np.linalg.norm(want) < 2e-3
 
 
-@pytest.mark.parametrize("dtype", ["F16", "BF16", "Q8_0", "Q4_K"])
-def test_prefill_on_matrix_instructions_matches_reference(tmp_path, device, dtype):
-    """A 130-token prefill step on a device with matrix instructions: its matmuls run mma_tiled
-    (operands rounded to f16, bf16 for BF16 weights), the 8 sampled rows' lm_head the matvec.
-    The bounds are twice what that rounding plus the f16 KV cache give in numpy."""
+@pytest.mark.parametrize("dtype,n", [("F16", 130), ("BF16", 130), ("Q8_0", 130), ("Q4_K", 130),
+                                     ("Q8_0", 300), ("Q4_K", 300)])
+def test_prefill_on_matrix_instructions_matches_reference(tmp_path, device, dtype, n):
+    """An n-token prefill step on a device with matrix instructions: its matmuls run mma_tiled
+    (operands rounded to f16, bf16 for BF16 weights), the 8 sampled rows' lm_head the matvec;
+    past DEQUANT_PAST_TOKENS on wgmma, block quants decoded to f16 first (dequant_f16), then
+    F16's tiles. The bounds are twice what that rounding plus the f16 KV cache give in numpy."""
     if not {"fragment_load", "mma_f16", "mma_bf16"} <= device.caps:
         pytest.skip(f"{device.name} has no matrix instructions (fragment_load, mma_f16/bf16)")
     model = poot.load(tiny_model(tmp_path, dtype=dtype))
-    n = 130
     batch = prefill_of(n)
-    want = model.runner(None, num_blocks=16).logits(batch)
-    runner = model.runner(device, num_blocks=16, max_tokens=256)
+    want = model.runner(None, num_blocks=32).logits(batch)
+    runner = model.runner(device, num_blocks=32, max_tokens=512)
     runner.time_kernels()                      # launches one by one, each kernel named
     got = runner.logits(batch)
-    ran, name = set(runner.kernel_times), f"mma_tiled_{dtype.lower()}"
+    decoded = n > DEQUANT_PAST_TOKENS and lang.WGMMA in device.caps
+    ran = set(runner.kernel_times)
+    name = "mma_tiled_f16" if decoded else f"mma_tiled_{dtype.lower()}"
     assert any(kernel.startswith(name) for kernel in ran), ran           # whatever its variant
     assert any(kernel.startswith(name) and kernel.endswith("_residual") for kernel in ran) or \
         "split_sum_residual" in ran
     if dtype in ("F16", "BF16"):            # x rounded once for the ring-buffered variant
         assert f"mma_x16_{dtype.lower()}" in ran
+    assert (f"dequant_f16_{dtype.lower()}" in ran) == decoded, ran
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < (8e-3 if dtype == "BF16" else 2e-3)
 
 
@@ -429,6 +435,35 @@ def test_prompt_steps_take_attention_tiles_where_a_tile_is_one_sequence(tmp_path
         layers = sum(k.name.startswith("attention") for k, _, _ in log.launched)
         assert launched == (kinds if matrix else {"attention"}), rows
         assert layers == model.config.n_layers * len(launched)
+
+
+def test_long_steps_decode_block_quants_first_on_wgmma(tmp_path):
+    """On the host, a device with wgmma: steps of more than DEQUANT_PAST_TOKENS decode each
+    block-quant weight to f16 (dequant_f16 into the dequant_f16 arena, sized for the largest)
+    and launch F16's tile over it; shorter steps, the format's own tile."""
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_K", shape="tiny-k"))
+    log = LaunchLog()
+    log.caps = PTX_CAPS | {lang.WGMMA}
+    runner = DeviceRunner(model, log, num_blocks=32, max_tokens=300, max_seqs=16)
+    runner.programs = {k.name: k for k in runner._kernels()}
+    runner.buffers = {a.name: a for a in runner.allocations()}
+    decoded = runner.buffers["dequant_f16"]
+    largest = max(math.prod(runner._tiled_weight(op).shape) for op in runner._tiled_ops())
+    assert decoded.nbytes == largest * 2
+    for T, long in ((200, False), (256, False), (257, True), (300, True)):
+        log.launched.clear()
+        for _ in runner.launches(T, 8):
+            pass
+        tiles = [(i, k) for i, (k, _, _) in enumerate(log.launched)
+                 if k.name.startswith("mma_tiled")]
+        assert tiles and all(k.name.startswith("mma_tiled_f16" if long else "mma_tiled_q4_k")
+                             for _, k in tiles), T
+        for i, kernel in tiles:
+            before, _, args = log.launched[i - 1]
+            assert (before.name == "dequant_f16_q4_k") == long
+            assert (log.launched[i][2][0] is decoded) == long
+            if long:
+                assert args[-3] is decoded and kernel.name.split("_")[2] == "f16"
 
 
 def test_no_partials_without_matrix_instructions(tmp_path):

@@ -72,7 +72,7 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     runner chooses for each format on sm_80 and on sm_90a (mma_choice: wgmma); mma_vec in
     every fused variant (a norm one as the runner launches it: on x from norm_x16), in the
     shapes the runner picks for few and many rows, norm_x16 and reduce_norm_x16; attention's
-    tiles (attention_tiles)."""
+    tiles (attention_tiles); block quants decoded to f16 for long steps (dequant_f16)."""
     tiled = [matmul.mma_tiled(d, residual, tokens, split, x16=x16) for d in dtypes
              for tokens in matmul.MMA_TOKEN_TILES for x16 in (False, True)
              for split, residual in ((False, False), (False, True), (True, False))]
@@ -96,7 +96,8 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
                            mma_vec.reduce_norm_x16(d, 5), mma_vec.reduce_norm_x16(d, 8),
                            matmul.split_sum(swiglu=True, x16=d))}.values())
     attention = [ops.attention_tiles(d, h) for d, h in ((64, 3), (64, 4), (128, 4), (128, 1))]
-    return tiled + vec + prep + attention
+    decode = [matmul.dequant_f16(d) for d in dtypes if d not in ("F16", "BF16")]
+    return tiled + vec + prep + attention + decode
 
 
 def mma_vec_variant(variant):

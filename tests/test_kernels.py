@@ -274,6 +274,22 @@ def mma_x(device, dtype, variant, x):
     return words
 
 
+@pytest.mark.parametrize("dtype", [d for d in DEVICE_DTYPES if d not in ("F16", "BF16")])
+def test_dequant_f16(cuda_device, dtype):
+    """W decoded to f16 pairs (what long steps on wgmma multiply as F16 weights): each value
+    the format's dequantized value rounded to f16, as mma_tiled's own decoding rounds it."""
+    rows, cols = 37, split_cols_of(dtype)
+    w_planes, dense = weight(dtype, rows, cols)
+    units = rows * cols // reader(dtype).block_elems
+    got = run(cuda_device, matmul.dequant_f16(dtype), (-(-units // matmul.WORKGROUP),),
+              *w_planes, np.zeros(rows * cols // 2, np.uint32), rows, cols)["out"]
+    got = got.view(np.float16).reshape(rows, cols)
+    # within f16's rounding of the value (the kernel's fma against numpy's product and sum can
+    # sit either side of a rounding midpoint), and equal to numpy's rounding nearly everywhere
+    assert np.all(np.abs(got.astype(np.float32) - dense) <= np.abs(dense) * 2.0 ** -11 + 2.0 ** -25)
+    assert np.mean(got == dense.astype(np.float16)) > 0.999
+
+
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "Q4_0"])
 def test_mma_x16(cuda_device, dtype):
     """x rounded once to the mma operand, two values a word, for mma_tiled's x16 pipelines."""

@@ -90,6 +90,10 @@ SHARES_INPUT = ("reshape", "rope", "rope_store_kv")   # run in place
 # a tensor group reduces messages this long in two phases (reduce-scatter, then all-gather):
 # each peer's partial is read once rather than by every rank, which pays from three devices on
 TWO_PHASE_FLOATS = 1 << 18
+# Steps of more than this many tokens (a multiple of mma_tiled's 128-token tile, so that every
+# length a launch of mma_launches stands for agrees) decode a block-quant (or F32) weight to f16
+# once, then multiply it on wgmma as F16 (_dequantizes): measured on 512-token prefills.
+DEQUANT_PAST_TOKENS = 256
 SPLIT_TOKENS = 512              # keys per workgroup when attention is split along the context,
 MAX_SPLITS = 32                 # ... and more when the context would need more splits than this
 SPLIT_MIN_CONTEXT = 4096        # shorter contexts keep one workgroup per (token, head): measured
@@ -527,8 +531,11 @@ class DeviceRunner(StepRunner):
             variant, dtype = self._tiled_variant(op), op.weight.dtype
             prep = [tiled_norm_x16(dtype)] if op.norm is not None else \
                 [matmul.mma_x16(dtype)] if variant.get("x16") else []
-            return matvecs + prep + [kernel for launch in launches.values()
-                                     for kernel in self._mma_kernels(op, launch, after)]
+            dequant = [matmul.dequant_f16(self._tiled_weight(op).dtype)] \
+                if any(self._dequantizes(op, n) for n in launches) else []
+            return matvecs + prep + dequant + [
+                kernel for n, launch in launches.items()
+                for kernel in self._mma_kernels(op, launch, after, n)]
         if op.kind == "embedding":
             return [ops.embedding(op.inputs[0].dtype)]
         if op.kind == "rms_norm":
@@ -608,18 +615,33 @@ class DeviceRunner(StepRunner):
         variant = mma_choice(op.weight.dtype, self.device.caps, tokens)[0]
         return dict(variant, x16=True) if op.norm is not None else variant
 
-    def _mma_kernels(self, op, launch, after=None):
+    def _dequantizes(self, op, n):
+        """Whether a matmul step of n tokens on the tensor cores first decodes its weight to
+        f16 (matmul.dequant_f16, into the dequant_f16 arena) and multiplies it as F16 weights:
+        formats other than F16/BF16 in steps of more than DEQUANT_PAST_TOKENS, on devices
+        with wgmma, where the F16 tiles run on it and the decoding, once for all the step's
+        tokens, costs less than decoding in every tile."""
+        w = self._tiled_weight(op)
+        return w.dtype not in ("F16", "BF16") and n > DEQUANT_PAST_TOKENS and \
+            WGMMA in self.device.caps
+
+    def _mma_kernels(self, op, launch, after=None, n=0):
         """The kernels of a matmul step's MmaLaunch, in launch order (after its x16's): one
         mma_tiled writing the outputs, or a split one and what adds its slices into them
         (a SwiGLU's always: only the sum sees gate's and up's together): split_sum, or where
         it can make the x16 of `after`, the matmul step next, the kernel _makes_x16 names."""
         w, variant = self._tiled_weight(op), self._tiled_variant(op, launch.tokens)
+        dtype = w.dtype
+        if self._dequantizes(op, n):        # F16's pipeline, on x16 where the format's is
+            dtype = "F16"
+            variant = mma_choice(dtype, self.device.caps, launch.tokens)[0] \
+                if variant.get("x16") else {}
         residual, outputs = op.residual is not None, len(op.outputs)
         if launch.splits == 1 and op.up is None:
-            return [matmul.mma_tiled(w.dtype, residual, launch.tokens, outputs=outputs,
+            return [matmul.mma_tiled(dtype, residual, launch.tokens, outputs=outputs,
                                      **variant)]
         made = self._makes_x16(op, after, launch)
-        return [matmul.mma_tiled(w.dtype, tokens=launch.tokens, split=True, **variant),
+        return [matmul.mma_tiled(dtype, tokens=launch.tokens, split=True, **variant),
                 made if made is not None else matmul.split_sum(residual, outputs,
                                                                op.up is not None)]
 
@@ -723,11 +745,19 @@ class DeviceRunner(StepRunner):
         partials = self._mma_partials()
         if partials:                        # the slices of a split mma_tiled, [splits, T, rows]
             out.append(Allocation("mma_partials", partials * 4, "arenas"))
+        if self._dequant_words():           # a weight decoded to f16 pairs, [rows, cols / 2]
+            out.append(Allocation("dequant_f16", self._dequant_words() * 4, "arenas"))
         if self._mma_x16_words():           # x rounded for the tensor cores, [T, cols / 2]
             out.append(Allocation("mma_x16", self._mma_x16_words() * 4, "arenas"))
         if self._norm_x16_words():          # x normed and rounded for mma_vec, [T, cols / 2]
             out.append(Allocation("norm_x16", self._norm_x16_words() * 4, "arenas"))
         return out
+
+    def _dequant_words(self):
+        """The words of the largest weight a step decodes to f16 first (0: none does)."""
+        return max((math.prod(self._tiled_weight(op).shape) // 2 for op in self._tiled_ops()
+                    if any(self._dequantizes(op, n) for n in self._mma_launches(op))),
+                   default=0)
 
     def _mma_partials(self):
         """The floats of the largest partial sums a split matmul of any step writes."""
@@ -1044,12 +1074,18 @@ class DeviceRunner(StepRunner):
                     self._launch(tiled_norm_x16(w.dtype), (n,), B(op.x), B(op.norm), x, cols,
                                  op.eps)
         planes = self._weight_planes(w)
+        if self._dequantizes(op, n):
+            decoded = self.buffers["dequant_f16"]
+            units = rows * cols // reader(w.dtype).block_elems
+            self._launch(matmul.dequant_f16(w.dtype), (-(-units // matmul.WORKGROUP),), *planes,
+                         decoded, rows, cols)
+            planes = [decoded]
         outs = [B(t) for t in op.outputs]
         residual = [] if op.residual is None else [B(op.residual)]
         parts = self.stacked.get(w.name, (w, (w,)))[1]
         starts = [int(s) for s in np.cumsum([p.shape[0] for p in parts])[:-1]] \
             if len(outs) > 1 else []
-        kernels = self._mma_kernels(op, launch, after)
+        kernels = self._mma_kernels(op, launch, after, n)
         grid = launch.grid(rows, n)
         if len(kernels) == 1:
             self._launch(kernels[0], grid, *planes, x, *outs, *residual, rows, cols, n, *starts)

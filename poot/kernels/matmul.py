@@ -713,6 +713,34 @@ def wgmma_descriptor(k, address):
 
 
 @cache
+def dequant_f16(dtype):
+    """out [rows, cols / 2] (u32: f16 pairs, the lower column in the low half) = W decoded and
+    rounded to f16 as mma_tiled's decoding rounds it (mma_operand), so an F16 mma_tiled over
+    `out` multiplies the operands the format's own would. cols a multiple of the format's
+    block; grid (ceil(rows * cols / block / WORKGROUP)), a thread a block."""
+    if mma_operand(dtype) != F16:
+        raise ValueError(f"dequant_f16 of {dtype}: its operand is not f16")
+    r = reader(dtype)
+    unit = r.block_elems
+    if unit % 8:
+        raise ValueError(f"dequant_f16: {dtype}'s blocks of {unit} are no whole 16-byte stores")
+    k = KernelBuilder(f"dequant_f16_{dtype.lower()}", (WORKGROUP,))
+    buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
+    out = k.buffer("out", U32, "w")
+    rows, cols = k.scalar("rows", I32), k.scalar("cols", I32)
+    units = cols / unit
+    j = k.block_id() * WORKGROUP + k.thread_id()
+    with k.if_(j < rows * units):
+        m, u = j / units, j % units
+        values = r.decode(k, buf, m, u, cols)
+        words = [_pack(k, F16, values[e], values[e + 1]) for e in range(0, unit, 2)]
+        at = m * (cols / 2) + u * (unit // 2)
+        for e in range(0, unit // 2, 4):
+            out.store(at + e, *words[e:e + 4])
+    return k.build()
+
+
+@cache
 def mma_x16(dtype):
     """x16 [n / 2] (u32) = x [n] (f32) rounded to the operand type of `dtype`'s mma (mma_operand)
     two values a word, the lower column in the low half: what an x16 mma_tiled reads. n a

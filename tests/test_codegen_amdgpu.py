@@ -19,7 +19,7 @@ from drivers import DriverError, LibraryNotFound, comgr
 from poot.codegen.amdgpu import (AMDGPU_CAPS, build_code_object, compiler_isas, full_isa_name,
                                  isa_family, render_opencl)
 from poot.errors import ModelRefused
-from poot.kernels import matmul, ops
+from poot.kernels import ops
 from poot.kernels.lang import F16, F32, I64, U32, Kernel, KernelBuilder
 from poot.kernels.quant import DEVICE_DTYPES
 from tests.test_codegen_ptx import CASES, MMA_CASES, PTX_ONLY_CASES

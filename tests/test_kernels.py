@@ -797,14 +797,11 @@ def test_attention(device, head_dim, n_heads, n_kv, shared):
     assert rel_err(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 8, 2), (64, 9, 3), (64, 4, 4)])
-def test_attention_tiles_and_untiled(cuda_device, head_dim, n_heads, n_kv):
-    """A step with prompt tokens: attention_tiles takes the 16-token tiles of one sequence
-    (here the first two of A's 37 new tokens after 40 cached, C's full tile, and G's last,
-    partial tile), attention(untiled=True) every other token (tiles of several sequences,
-    decode tokens); each leaves the other's tokens unwritten (poisoned). Against numpy: the
-    tiles within the f16 rounding of q * scale and of the probabilities (2^-11 each), the
-    rest as attention."""
+def prompt_attention_case(head_dim, n_heads, n_kv):
+    """A step with prompt tokens: whose 16-token tiles attention_tiles takes (the first two of
+    A's 37 new tokens after 40 cached, C's full tile and G's last, partial tile) and which it
+    leaves (tiles of several sequences, decode tokens). Returns (tiled, q, numpy's attention,
+    the kernels' arguments after q and out)."""
     bs, nb = 16, 128
     new = {"A": (40, 37), "C": (0, 27), "B": (300, 1), "D": (5, 1), "E": (100, 3),
            "G": (0, 21)}
@@ -824,15 +821,34 @@ def test_attention_tiles_and_untiled(cuda_device, head_dim, n_heads, n_kv):
     want = ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale)
     cache = (cache_k.astype(np.float16).view(np.uint32), cache_v.astype(np.float16).view(np.uint32),
              qpos, qrows, tables, n_heads, n_kv, tables.shape[1], bs, scale, T)
+    return tiled, q, want, cache
+
+
+ATTENTION_HEADS = [(128, 8, 2), (64, 9, 3), (64, 4, 4)]
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", ATTENTION_HEADS)
+def test_attention_tiles(cuda_device, head_dim, n_heads, n_kv):
+    """attention_tiles writes its tiles' tokens, within the f16 rounding of q * scale and of
+    the probabilities (2^-11 each) of numpy's attention, and leaves the others unwritten
+    (poisoned)."""
+    tiled, q, want, cache = prompt_attention_case(head_dim, n_heads, n_kv)
     heads = ops.attention_tile_heads(n_heads, n_kv)
     got = run(cuda_device, ops.attention_tiles(head_dim, heads),
-              (-(-T // ops.ATTENTION_TILE), n_heads // heads), q, np.zeros_like(q), *cache)["out"]
+              (-(-len(q) // ops.ATTENTION_TILE), n_heads // heads), q, np.zeros_like(q),
+              *cache)["out"]
     assert np.all(np.isnan(got[~tiled]))
     assert rel_err(got[tiled], want[tiled]) < 2e-3
-    shared = ops.attention_heads(n_heads, n_kv, head_dim, cuda_device.subgroup_size)
-    got = run(cuda_device, ops.attention(cuda_device.subgroup_size, head_dim, shared,
-                                         untiled=True),
-              (T * n_heads // shared,), q, np.zeros_like(q), *cache)["out"]
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", ATTENTION_HEADS)
+def test_attention_untiled_leaves_the_tiles(device, head_dim, n_heads, n_kv):
+    """attention(untiled=True), on every target: the tokens attention_tiles does not take, as
+    attention computes them, and the tiles' tokens unwritten (poisoned)."""
+    tiled, q, want, cache = prompt_attention_case(head_dim, n_heads, n_kv)
+    shared = ops.attention_heads(n_heads, n_kv, head_dim, device.subgroup_size)
+    got = run(device, ops.attention(device.subgroup_size, head_dim, shared, untiled=True),
+              (len(q) * n_heads // shared,), q, np.zeros_like(q), *cache)["out"]
     assert np.all(np.isnan(got[tiled]))
     assert rel_err(got[~tiled], want[~tiled]) < 1e-5
 

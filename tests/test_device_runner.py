@@ -425,7 +425,7 @@ def test_prompt_steps_take_attention_tiles_where_a_tile_is_one_sequence(tmp_path
                                                     {"attention_tiles", "untiled"}),
              (list(range(8)), 2, {"attention"}), ([0] * 16, 16, {"attention"})]
     for rows, R, kinds in cases:
-        runner._step_rows = np.array(rows)
+        runner._step_rows, runner._step_tiles = np.array(rows), None
         log.launched.clear()
         for _ in runner.launches(len(rows), R):
             pass

@@ -300,6 +300,7 @@ class DeviceRunner(StepRunner):
         self.two_phase_floats = TWO_PHASE_FLOATS
         self.long = False           # this step splits its attention (run() decides)
         self._step_rows = None      # the uploaded step's sequence rows (host), for attention
+        self._step_tiles = None     # ... and which of its tokens attention_tiles takes
         self._shared = self._shared_buffers()
         self.mma = self._has_mma()
         self.steps, self.stacked = self._lower(stack_swiglu=self.mma)
@@ -888,7 +889,7 @@ class DeviceRunner(StepRunner):
         if T > self.max_tokens or R > self.max_seqs or len(batch.block_tables) > self.max_seqs:
             raise ValueError(f"step of {T} tokens / {R} rows exceeds the runner's "
                              f"{self.max_tokens} / {self.max_seqs}")
-        self._step_rows = np.array(batch.seq_rows)
+        self._step_rows, self._step_tiles = batch.seq_rows, None
         dev = self.device
         if self._staged():
             # the previous step's copies read this memory: they are done before it is rewritten
@@ -1153,9 +1154,14 @@ class DeviceRunner(StepRunner):
 
     def _tiled_tokens(self, T):
         """Which of the step's T tokens attention_tiles takes (ops.tiled_tokens of the rows
-        the step uploaded; where they are not known, some and not others: both launches)."""
+        the step uploaded, worked out once a step; where they are not known, some and not
+        others: both launches)."""
         rows = self._step_rows
-        return ops.tiled_tokens(rows) if rows is not None and len(rows) == T else [True, False]
+        if rows is None or len(rows) != T:
+            return [True, False]
+        if self._step_tiles is None:
+            self._step_tiles = ops.tiled_tokens(rows)
+        return self._step_tiles
 
     def _attention_heads(self, T, heads, kv_heads):
         """Query heads of one KV head an attention workgroup of a T-token step takes: as many as

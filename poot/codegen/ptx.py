@@ -40,9 +40,13 @@ seen on an H200 over 2^20 random arguments):
   sum wraps as in the type); f16 and bf16 reduce in f32 and round once at the end. On bool, max
   is "any lane" and min is "all lanes".
 - For loops: `unroll` adds nothing; ptxas unrolls counted loops as it judges.
-- fragment_load is ldmatrix.sync.aligned.m8n8.x4.shared.b16; mma is
+- fragment_load is ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16; mma is
   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, whose fragment layouts are
   the ones lang.py documents. Both need the whole warp.
+- wgmma is wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} on the Vars'
+  registers in place (accumulating; both operands by shared-memory descriptor, K-major), with
+  wgmma.fence / commit_group / wait_group and fence.proxy.async.shared::cta: sm_90a only
+  (ptx_caps), the module then .target sm_90a, PTX ISA 8.0.
 - half2 is {sub,mul,fma}.rn.f16x2 on b32 registers (sm_53 and later).
 - copy_async is cp.async.cg (16 bytes, L2 only; a src-size of 0 where it is outside), commit
   and wait are cp.async.commit_group and cp.async.wait_group.

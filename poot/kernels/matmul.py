@@ -15,8 +15,9 @@ tensor cores, operands rounded to f16 (bf16 for BF16 weights). Where its tiles w
 the device (decode-sized steps, small matrices) it is split along the columns (mma_launch):
 each slice writes a partial tile and `split_sum` adds them, in a fixed order. Other pipelines
 of mma_tiled (MMA_VARIANTS: async copies a few steps ahead, x rounded once beforehand by
-`mma_x16`, deeper steps) are measured by scripts/bench-matmul; the runner picks one per weight
-format (device_runner.mma_choice).
+`mma_x16`, deeper steps, Hopper's wgmma) are measured by scripts/bench-matmul; the runner
+picks one per weight format and device (device_runner.mma_choice). `dequant_f16` decodes a
+weight to f16 once, for long steps that then run F16's tiles over it.
 """
 from dataclasses import dataclass
 from functools import cache

@@ -17,6 +17,12 @@ WG = 256
 LOWEST = -3.4028234663852886e38     # the lowest finite f32: wgpu's translator refuses -inf
 
 
+def cache_slot(tables, row, position, table_width, block_size):
+    """The paged cache's slot of a sequence's position: its block (from the sequence's row of
+    block tables) times block_size, plus the position within the block."""
+    return tables[row * table_width + position / block_size] * block_size + position % block_size
+
+
 def block_reduce(k, value, subgroup_size, scratch, op="add"):
     """The sum (or max) of `value` over the workgroup, in every thread. Uses scratch[0:WG/sub]."""
     part = k.subgroup_add(value) if op == "add" else k.subgroup_max(value)
@@ -175,8 +181,7 @@ def store_kv():
     with k.if_(g < n_tokens * words):
         t, wd = g / words, g % words
         pos = positions[t]
-        block = tables[seq_rows[t] * table_width + pos / block_size]
-        slot = block * block_size + pos % block_size
+        slot = cache_slot(tables, seq_rows[t], pos, table_width, block_size)
         src = t * words * 2 + wd * 2
         k_cache[slot * words + wd] = k.pack_half2(key[src], key[src + 1])
         v_cache[slot * words + wd] = k.pack_half2(value[src], value[src + 1])
@@ -223,8 +228,7 @@ def rope_store_kv(style):
                 ka, kb = (_neox_dim(k, key, base, i, n_pairs, angle, inv_freq)
                           for i in (d, d + 1))
             pos = positions[t]
-            block = tables[seq_rows[t] * table_width + pos / block_size]
-            slot = (block * block_size + pos % block_size) * n_kv + kvh
+            slot = cache_slot(tables, seq_rows[t], pos, table_width, block_size) * n_kv + kvh
             k_cache[slot * half + word] = k.pack_half2(ka, kb)
             v_cache[slot * half + word] = k.pack_half2(value[base + d], value[base + d + 1])
     return k.build()
@@ -326,8 +330,8 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False):
     acc = [[k.var(F32, 0.0) for _ in range(2 * per_lane)] for _ in range(heads)]
     with k.for_(lo + sub * rounds, hi, n_sub * rounds) as j0:
         keys = [k.min(j0 + u, hi - 1) for u in range(rounds)]
-        bases = [((tables[row * table_width + j / block_size] * block_size + j % block_size)
-                  * n_kv + kvh) * half for j in keys]
+        bases = [(cache_slot(tables, row, j, table_width, block_size) * n_kv + kvh) * half
+                 for j in keys]
         kw = [[k.unpack_half2(k_cache[base + w]) for w in words] for base in bases]
         vw = [[k.unpack_half2(v_cache[base + w]) for w in words] for base in bases]
         for hh in range(heads):
@@ -478,8 +482,8 @@ def attention_tiles(head_dim, heads):
             inside = i < parts if parts % (32 * heads) else None
             key, part = i / (half // 4), i % (half // 4)
             j = k.min(j0 + key, last)
-            at = ((tables[row * table_width + j / block_size] * block_size + j % block_size)
-                  * n_kv + kvh) * half + part * 4
+            at = (cache_slot(tables, row, j, table_width, block_size) * n_kv + kvh) * half \
+                + part * 4
             to = key * row_words + part * 4
             if inside is None:
                 k.copy_async(ks, to, k_cache, at)

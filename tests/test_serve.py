@@ -350,8 +350,9 @@ def test_the_api_key_guards_every_route_but_health(tiny):
         assert call(server, "GET", "/health")[0] == 200
         for method, path in (("GET", "/v1/models"), ("GET", "/metrics"),
                              ("POST", "/v1/completions"), ("POST", "/tokenize")):
-            status, _, body = call(server, method, path, {"prompt": "x"})
+            status, response, body = call(server, method, path, {"prompt": "x"})
             assert status == 401 and body["error"]["code"] == "invalid_api_key"
+            assert response.getheader("WWW-Authenticate").startswith("Bearer")
         status, _, _ = call(server, "GET", "/v1/models",
                             headers={"Authorization": "Bearer wrong"})
         assert status == 401

@@ -84,6 +84,10 @@ COMPLETION_CASES = [
     ({}, 400, "prompt", "required"),
     ({"prompt": [1, 2, 10 ** 7]}, 400, "prompt", "vocabulary"),
     ({"prompt": "\ud800 lone surrogate"}, 400, "prompt", "surrogate"),
+    ({"prompt": "x", "temperature": 10 ** 400}, 400, "temperature", "finite number"),
+    ({"prompt": "x", "stop": ["y" * 600]}, 400, "stop", "at most 512 characters"),
+    ({"prompt": "x", "stop_token_ids": list(range(300))}, 400, "stop_token_ids", "at most"),
+    ({"prompt": "x", "stop": [[[["deep"]]]]}, 400, "stop", None),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
     ({"prompt": "x", "model": 7}, 400, "model", "string"),
 ]
@@ -103,6 +107,7 @@ CHAT_CASES = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "role"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role", None),
     ({"messages": ["hi"]}, "messages[0]", "object"),
+    ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role", "role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content", "text parts"),
@@ -150,7 +155,10 @@ def test_a_model_without_a_chat_template_refuses_chat(tiny, tmp_path):
     (b"\"text\"", "JSON object"),
     (b'{"prompt": "\xff\xfe"}', "UTF-8"),
     (b"[" * 20000 + b"]" * 20000, "nested too deeply"),
-], ids=["truncated", "empty", "array", "string", "not-utf8", "deep"])
+    (b'{"prompt": "x", "n": ' + b"7" * 5000 + b"}", "not valid JSON"),
+    (b'{"prompt": "x", "temperature": NaN}', "not valid JSON"),
+    (b'{"prompt": "x", "top_p": -Infinity}', "not valid JSON"),
+], ids=["truncated", "empty", "array", "string", "not-utf8", "deep", "huge-int", "nan", "inf"])
 def test_bodies_that_are_not_json_objects(server, raw, words):
     assert_error(call(server, "POST", "/v1/completions", raw,
                       {"Content-Type": "application/json"}), 400, words=words)
@@ -183,8 +191,56 @@ def test_a_connection_is_reused_only_when_its_framing_is_intact(server):
     still_serving(server)
 
 
+def test_sampling_integers_past_the_device_s_types_are_served(server):
+    """A top_k past int32 (and past the vocabulary) is no cut at all: the request is served, as
+    is the next one (it once overflowed the step's int32 array and stopped the engine)."""
+    for top_k in (2 ** 31, 10 ** 30):
+        status, _, body = call(server, "POST", "/v1/completions",
+                               {"prompt": "x", "max_tokens": 3, "top_k": top_k, "seed": -1})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    still_serving(server)
+
+
+def raw_request(server, head, body=b""):
+    """Sends `head` (request line and headers, CRLF-separated, without the blank line) and
+    `body` on a connection of its own; the reply, read until the server closes it."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head + b"\r\n\r\n" + body)
+        sock.shutdown(socket.SHUT_WR)
+        return read_until_closed(sock)
+
+
+@pytest.mark.parametrize("headers", [
+    b"Content-Length: 25\r\nContent-Length: 26",
+    b"Content-Length: 25, 26",
+    b"Content-Length: +25",
+    b"Content-Length: 0x19",
+    b"Content-Length: 25\r\nTransfer-Encoding: chunked",
+    b"Content-Length: \xd9\xa2\xd9\xa5",                # Arabic-Indic digits: not 1*DIGIT
+], ids=["two", "list", "plus", "hex", "with-chunked", "unicode-digits"])
+def test_ambiguous_framing_is_refused_and_the_connection_ends(server, headers):
+    body = b'{"prompt": "framing", "x": 1}'[:25]
+    reply = raw_request(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + headers,
+                        body + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, rest = reply.partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 400 ") and "Connection: close" in head, reply
+    assert '"ambiguous_framing"' in rest and "HTTP/1.1" not in rest     # nothing more read
+    still_serving(server)
+
+
+def test_repeated_equal_content_lengths_frame_one_body(server):
+    body = json.dumps({"prompt": "twice", "max_tokens": 1}).encode()
+    n = str(len(body)).encode()
+    reply = raw_request(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: "
+                        b"close\r\nContent-Length: " + n + b"\r\nContent-Length: " + n, body)
+    assert reply.startswith("HTTP/1.1 200 "), reply
+
+
 def test_tokenize_and_detokenize_refuse_bad_input(server):
     assert_error(call(server, "POST", "/tokenize", {"prompt": 5}), 400, "prompt")
+    assert_error(call(server, "POST", "/tokenize", {"messages": [{"role": ["user"],
+                                                                  "content": "hi"}]}),
+                 400, "messages[0].role")
     assert_error(call(server, "POST", "/detokenize", {"tokens": "abc"}), 400, "tokens")
     assert_error(call(server, "POST", "/detokenize", {"tokens": [-1]}), 400, "tokens",
                  words="vocabulary")

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from poot.errors import PootError
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 512            # a stop string's length bounds the text held back each token
+MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 
 
@@ -66,6 +68,11 @@ class SamplingParams:
             bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad("stop", f"a stop string holds at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got "
+                f"{len(self.stop_token_ids)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
 
@@ -111,6 +118,13 @@ class StopText:
     def __init__(self, stops):
         self.stops = tuple(stops)
         self.pending = ""
+        # by character, the lengths of the stops' proper prefixes that end in it, longest
+        # first: the only held-back suffixes worth testing after text that ends in it
+        ends = {}
+        for stop in self.stops:
+            for k in range(1, len(stop)):
+                ends.setdefault(stop[k - 1], set()).add(k)
+        self._ends = {c: sorted(ks, reverse=True) for c, ks in ends.items()}
 
     def push(self, piece):
         """Add text; return (text now final, whether a stop string was found)."""
@@ -133,11 +147,11 @@ class StopText:
 
     def _held_suffix(self):
         """Length of the longest suffix of pending that is a proper prefix of a stop string."""
-        longest = min(len(self.pending), max(len(s) for s in self.stops) - 1)
-        for k in range(longest, 0, -1):
-            tail = self.pending[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
+        for k in self._ends.get(self.pending[-1:], ()):
+            if k <= len(self.pending):
+                tail = self.pending[-k:]
+                if any(s.startswith(tail) for s in self.stops):
+                    return k
         return 0
 
 

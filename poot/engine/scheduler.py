@@ -439,7 +439,8 @@ class Engine:
         params = [s.params for s in sampled]
         sampling = SamplingRows(
             temperature=np.array([p.temperature for p in params], np.float32),
-            top_k=np.array([p.top_k for p in params], np.int32),
+            # a cut past the vocabulary keeps it all (and any top_k fits int32 so)
+            top_k=np.array([min(p.top_k, self.runner.vocab_size) for p in params], np.int32),
             top_p=np.array([p.top_p for p in params], np.float32),
             min_p=np.array([p.min_p for p in params], np.float32),
             seed=np.array([s.seed for s in sampled], np.uint64),

@@ -232,7 +232,7 @@ def device_runner(model, device, memory, args):
     free, _, source = memory
     chosen = plan.plan(model, device, free, source, args.max_seqs, args.ctx).require()
     runner = plan.runner_for(model, device, chosen.candidate)
-    before, _ = plan.held(device)
+    before, _ = device.held()
     runner.allocate()
     check = plan.verify(device, chosen.footprint, runner, before)
     f = chosen.footprint
@@ -257,7 +257,7 @@ def group_runner(model, group, memory, args):
     chosen = plan.plan_group(model, group, kind, frees, memory[0][2], args.max_seqs,
                              args.ctx).require()
     runner = plan.group_runner_for(model, group, kind, chosen.candidate)
-    before = [plan.held(d)[0] for d in group.devices]
+    before = [d.held()[0] for d in group.devices]
     runner.allocate()
     checks = plan.verify_group(group, chosen, runner, before)
     log.info("plan for %s on %s group %s: %s (%d KV blocks of %d tokens)", model.name, kind,

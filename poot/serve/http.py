@@ -9,6 +9,7 @@ request so the engine frees its KV blocks. It never touches the engine's interna
 import hmac
 import json
 import logging
+import re
 import select
 import socket
 import sys
@@ -31,6 +32,11 @@ DISCONNECT_POLL_S = 0.25
 
 class ClientGone(Exception):
     pass
+
+
+def _not_json(name):
+    """Python's json reads NaN and Infinity, which JSON has not."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 class Serving:
@@ -166,12 +172,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def dispatch(self):
         self.status_sent = None
-        # A body this handler does not read would be parsed as the next request: unless it is
-        # read, the connection ends with this response.
-        self.body_pending = (self.headers.get("Content-Length", "0").strip() != "0"
-                             or "Transfer-Encoding" in self.headers)
+        # A body this handler does not read would be parsed as the next request: unless its
+        # framing is intact and it is read, the connection ends with this response.
+        self.body_pending = True
         route, path, model_id = self._route()
         try:
+            length = self._body_length()
+            self.body_pending = length > 0
             if route is None:
                 raise APIError(404, f"no route {self.command} {path}", "invalid_request_error",
                                None, "not_found")
@@ -183,7 +190,7 @@ class Handler(BaseHTTPRequestHandler):
                                "method_not_allowed")
             if needs_key:
                 self._check_key()
-            body = self._read_json() if self.command == "POST" else None
+            body = self._read_json(length) if self.command == "POST" else None
             if model_id is not None:
                 self.model_card(model_id)
             else:
@@ -202,6 +209,30 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             self.serving.metrics.count_request(route or "unknown", self.status_sent or 0)
 
+    def _body_length(self):
+        """The body's length by the request's framing. Framing that a proxy in front could read
+        otherwise (RFC 9112 6.3: Transfer-Encoding beside Content-Length, Content-Lengths that
+        disagree, or one that is not plain digits) is refused, as request smuggling starts
+        there; a Transfer-Encoding alone is refused too, as bodies come with a length here."""
+        values = [v.strip() for header in self.headers.get_all("Content-Length", [])
+                  for v in header.split(",")]
+        if "Transfer-Encoding" in self.headers:
+            if values:
+                raise APIError(400, "the request has both Transfer-Encoding and Content-Length",
+                               "invalid_request_error", None, "ambiguous_framing")
+            raise APIError(411, "send the body with a Content-Length (chunked request bodies "
+                           "are not accepted)", "invalid_request_error", None, "length_required")
+        if not values:
+            return 0
+        if len(set(values)) > 1 or not all(re.fullmatch(r"[0-9]+", v) for v in values):
+            raise APIError(400, f"Content-Length must be one non-negative integer, got "
+                           f"{', '.join(values)!r:.80}", "invalid_request_error", None,
+                           "ambiguous_framing")
+        digits = values[0].lstrip("0") or "0"
+        if len(digits) > len(str(self.serving.max_body)):
+            return self.serving.max_body + 1        # refused as too large, unread
+        return int(digits)
+
     def _check_key(self):
         key = self.serving.api_key
         if key is None:
@@ -213,21 +244,8 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer "
                            "<key>'", "invalid_request_error", None, "invalid_api_key")
 
-    def _read_json(self):
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
-            raise APIError(411, "send the body with a Content-Length (chunked request bodies "
-                           "are not accepted)", "invalid_request_error", None, "length_required")
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self.close_connection = True
-            raise APIError(400, "Content-Length is not a non-negative integer",
-                           "invalid_request_error") from None
+    def _read_json(self, length):
         if length > self.serving.max_body:
-            self.close_connection = True      # the body stays unread, so the connection ends
             raise APIError(413, f"the body is {length} bytes; the limit is "
                            f"{self.serving.max_body}", "invalid_request_error", None,
                            "request_too_large")
@@ -242,8 +260,8 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(400, f"the body is not valid UTF-8 (byte {exc.start})",
                            "invalid_request_error") from None
         try:
-            body = json.loads(text)
-        except json.JSONDecodeError as exc:
+            body = json.loads(text, parse_constant=_not_json)
+        except ValueError as exc:       # JSONDecodeError, or an integer of over 4,300 digits
             raise APIError(400, f"the body is not valid JSON: {exc}",
                            "invalid_request_error") from None
         except RecursionError:
@@ -276,6 +294,8 @@ class Handler(BaseHTTPRequestHandler):
         headers = []
         if exc.status == 405:
             headers.append(("Allow", ", ".join(sorted(self.allowed))))
+        if exc.status == 401:            # RFC 6750 3: the scheme the key goes in
+            headers.append(("WWW-Authenticate", 'Bearer realm="poot-serve"'))
         if self.status_sent is not None:      # a stream already started: nothing more to say
             self.close_connection = True
             return

@@ -47,7 +47,7 @@ def _get(body, name, kind, default=None):
     ok = {
         "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
         "number": lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)
-                             and math.isfinite(v)),
+                             and _finite(v)),
         "bool": lambda v: isinstance(v, bool),
         "str": lambda v: isinstance(v, str),
         "list": lambda v: isinstance(v, list),
@@ -59,6 +59,14 @@ def _get(body, name, kind, default=None):
         raise invalid(f"'{name}' must be {article}, got {type(value).__name__} {value!r:.60}",
                       name)
     return value
+
+
+def _finite(value):
+    """Whether a JSON number is a finite float (an integer past float's range is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check_text(text, param):
@@ -178,7 +186,7 @@ def chat_messages(body):
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object", where)
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise invalid(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r:.40}",
                           f"{where}.role")
         content = message.get("content")

@@ -103,6 +103,23 @@ def test_memory_comes_from_the_budget_extension_or_is_a_capacity_error(device):
     assert 0 < free <= total
 
 
+def test_each_buffer_grows_the_heap_usage_by_its_planned_bytes(vulkan):
+    """What the plan counts for a buffer (allocation_bytes: the driver's requirement in whole
+    pages of its own) is what the driver's heapUsage grows by when it is allocated, small and
+    large buffers alike (NVIDIA's driver takes 64 KiB pages); without a budget extension the
+    device counts its allocations the same way."""
+    for nbytes in (4, 4096, 65540, (1 << 20) + 4, 3 << 20, (8 << 20) + 4):
+        before, source = vulkan.held()
+        buffer = vulkan.alloc(nbytes)
+        after, _ = vulkan.held()
+        vulkan.free(buffer)
+        assert after - before == vulkan.allocation_bytes(nbytes) >= nbytes, (nbytes, source)
+    if lavapipe(vulkan):
+        assert vulkan.page == 1 and "count of its allocations" in source
+    elif vulkan.name.startswith("NVIDIA"):
+        assert vulkan.page == 64 << 10 and "heapUsage" in source
+
+
 @pytest.mark.parametrize("nbytes", [4, 1000, 3 << 20])
 def test_alloc_write_read_round_trip(device, nbytes):
     data = rng.integers(0, 256, nbytes, dtype=np.uint8)

@@ -203,6 +203,59 @@ def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):
     assert got[1] == got[0]
 
 
+def test_a_step_that_samples_no_row_launches_nothing_empty(tmp_path, device):
+    """A prompt's chunk before its last samples no row: such a step computes no logits (no
+    gather, head or argmax) and every launch it makes has work, as every backend refuses an
+    empty grid (backends.workgroups)."""
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    runner = model.runner(device, num_blocks=16, max_tokens=32)
+    launched, launch = [], device.launch
+
+    def recorded(program, kernel, grid, args):
+        launched.append(kernel.name)
+        return launch(program, kernel, grid, args)
+    device.launch = recorded
+    try:
+        s = step(list(range(3, 23)), 0, list(range(16)))
+        out = runner.step(StepBatch(s.tokens, s.positions, s.seq_rows, s.block_tables,
+                                    np.zeros(0, np.int32), SamplingRows.greedy(0)))
+    finally:
+        del device.launch
+    assert out.tokens.shape == (0,) and launched
+    assert not any("argmax" in name or "gather" in name for name in launched), launched
+
+
+def test_engine_serves_prompts_of_several_chunks(tmp_path, device):
+    """Prompts longer than a step's token budget prefill in chunks (the steps before a prompt's
+    last chunk sample nothing): alone, beside sequences decoding and beside other long prompts,
+    each request's greedy tokens are those of the reference engine's run of it alone."""
+    from poot.engine.request import SamplingParams
+    from poot.engine.scheduler import Engine
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    rng = np.random.default_rng()
+    lengths, new = (100, 7, 70, 5, 130), (6, 12, 5, 9, 4)
+    prompts = [rng.integers(3, 300, n).tolist() for n in lengths]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in new]
+
+    def served(runner, together):
+        engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32)
+        if not together:
+            return [[t for o in engine.generate(p, q) for t in o.token_ids]
+                    for p, q in zip(prompts, params)]
+        handles = [engine.submit(p, q) for p, q in zip(prompts[:2], params[:2])]
+        engine.step()
+        engine.step()                   # the short one decodes while the long one prefills
+        handles += [engine.submit(p, q) for p, q in zip(prompts[2:], params[2:])]
+        engine.run_until_idle()
+        assert engine.kv.num_used == 0
+        return [[t for o in h for t in o.token_ids] for h in handles]
+
+    want = served(model.runner(None, num_blocks=64), together=False)
+    runner = model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4)
+    assert served(runner, together=False) == want
+    assert served(runner, together=True) == want
+
+
 @pytest.mark.parametrize("dtype", ["F16", "Q4_K"])
 @pytest.mark.parametrize("n", [20, 70])
 def test_long_prefill_matches_reference(tmp_path, device, dtype, n):

@@ -101,7 +101,7 @@ def test_the_chosen_candidate_is_the_largest_that_fits(tiny, device, free):
 def test_a_real_allocation_agrees_with_the_plan(tiny, device):
     p = plan.plan(tiny, device, 64 << 20, "a test").require()
     runner = plan.runner_for(tiny, device, p.candidate)
-    before, _ = plan.held(device)
+    before, _ = device.held()
     runner.allocate()
     try:
         check = plan.verify(device, p.footprint, runner, before)
@@ -116,7 +116,7 @@ def test_a_real_allocation_agrees_with_the_plan(tiny, device):
 def test_a_buffer_allocated_behind_the_plans_back_fails_the_check(tiny, device):
     p = plan.plan(tiny, device, 64 << 20, "a test").require()
     runner = plan.runner_for(tiny, device, p.candidate)
-    before, _ = plan.held(device)
+    before, _ = device.held()
     runner.allocate()
     stowaway = device.alloc(1 << 20)
     try:
@@ -131,7 +131,7 @@ def test_a_buffer_allocated_behind_the_plans_back_fails_the_check(tiny, device):
 def test_a_buffer_freed_behind_the_plans_back_fails_the_check(tiny, device):
     p = plan.plan(tiny, device, 64 << 20, "a test").require()
     runner = plan.runner_for(tiny, device, p.candidate)
-    before, _ = plan.held(device)
+    before, _ = device.held()
     runner.allocate()
     cache = next(a.name for a in runner.allocations() if a.kind == "state")
     device.free(runner.buffers.pop(cache))

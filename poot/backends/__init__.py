@@ -7,6 +7,9 @@ None for no limit of its own), `memory_source` (where memory() comes from), and:
 
     memory() -> (free, total)           bytes, from the driver's own accounting (`memory_source`
                                         names it); CapacityError when the driver reports none
+    held() -> (bytes, source)           the device memory this process holds now, by the
+                                        driver's own account where it keeps one (the
+                                        post-allocation check compares its growth to the plan)
     allocation_bytes(nbytes)            the device memory one buffer of nbytes takes (the
                                         allocator's rounding; engine/plan.py counts with it)
     alloc(nbytes) -> buffer             free(buffer); `allocated` counts the bytes held
@@ -21,4 +24,21 @@ None for no limit of its own), `memory_source` (where memory() comes from), and:
 
 select.py opens them (--backend, auto order, refusals); the device runner
 (engine/device_runner.py) is their only user in the engine.
+
+Every backend refuses a launch of an empty grid (`workgroups`): CUDA does
+(CUDA_ERROR_INVALID_VALUE) while Vulkan and wgpu run nothing without a word, so the same
+refusal everywhere lets the CPU's Vulkan (lavapipe) catch what would fail on a GPU.
 """
+
+
+class EmptyLaunch(ValueError):
+    """A launch of a grid with no workgroups: its caller has lost count of its work."""
+
+
+def workgroups(kernel, grid):
+    """A launch's grid as three workgroup counts (missing dimensions 1); EmptyLaunch when one
+    is below 1."""
+    groups = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    if min(groups) < 1:
+        raise EmptyLaunch(f"{kernel.name}: launch of an empty grid {groups}")
+    return groups

@@ -19,6 +19,7 @@ from drivers import DriverError, LibraryNotFound
 from drivers import cuda
 
 from ..codegen.ptx import dynamic_shared_bytes, ptx_caps, render_ptx
+from . import workgroups
 from ..errors import BackendUnavailable, NoSuchDevice, PlacementRefused
 
 SCALAR_CTYPES = {"i32": "int32_t", "u32": "uint32_t", "f32": "float"}
@@ -105,6 +106,12 @@ class PtxDevice:
         self._current()
         return self.cu.mem_get_info()
 
+    def held(self):
+        """(bytes of device memory held, where the figure comes from): total minus free by
+        cuMemGetInfo, the driver's only figure (other processes' allocations show in it too)."""
+        free, total = self.memory()
+        return total - free, self.memory_source
+
     def allocation_bytes(self, nbytes):
         """The device memory one buffer of `nbytes` takes: whole 2 MiB pages."""
         return -(-max(int(nbytes), 1) // ALLOCATION_GRANULARITY) * ALLOCATION_GRANULARITY
@@ -175,6 +182,7 @@ class PtxDevice:
 
     def launch(self, function, kernel, grid, args):
         """One launch in stream order; args follow kernel.params (buffers, then Python scalars)."""
+        grid = workgroups(kernel, grid)
         self._current()
         typed = []
         for param, arg in zip(kernel.params, args, strict=True):

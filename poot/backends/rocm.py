@@ -26,6 +26,7 @@ from drivers import DriverError, hsa
 from ..codegen.amdgpu import (AMDGPU_CAPS, WAVEFRONT, CodeObject, build_code_object,
                               compiler_isas, full_isa_name, isa_family)
 from ..errors import BackendUnavailable, NoSuchDevice
+from . import workgroups
 
 ffi = hsa.ffi
 QUEUE_PACKETS = 1024        # ring slots (64 KiB); longer submissions go in ring-sized pieces
@@ -223,6 +224,12 @@ class RocmDevice:
             return free, self.total
         return self.total - self.allocated, self.total
 
+    def held(self):
+        """(bytes of device memory held, where the figure comes from): total minus free, by
+        the figure memory() reads."""
+        free, total = self.memory()
+        return total - free, self.memory_source
+
     def allocation_bytes(self, nbytes):
         """The device memory one buffer of `nbytes` takes: whole allocation granules of the
         pool (HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_GRANULE)."""
@@ -367,7 +374,7 @@ class RocmDevice:
 
     def launch(self, program, kernel, grid, args):
         """One dispatch in order after everything issued before; args follow kernel.params."""
-        grid = tuple(grid) + (1,) * (3 - len(grid))
+        grid = workgroups(kernel, grid)
         arguments = kernel_arguments(program.code, kernel, grid, args)
         if self._recording is not None:
             self._recording.append((program, kernel, grid, arguments))

@@ -22,6 +22,7 @@ from drivers import vulkan as vk
 
 from ..codegen.spirv import binding_layout, render_spirv
 from ..errors import BackendUnavailable, CapacityError, ModelRefused, NoSuchDevice
+from . import workgroups
 
 ffi = vk.ffi
 VALIDATION_ENV = "POOT_VULKAN_VALIDATION"
@@ -47,7 +48,7 @@ class DeviceBuffer:
     nbytes: int
     mapped: object            # host pointer of a host-visible allocation, else None
     serial: int
-    allocation: int           # bytes of device memory behind it (VkMemoryRequirements.size)
+    allocation: int           # bytes of device memory behind it, as the driver takes it
 
 
 @dataclass(eq=False)
@@ -138,6 +139,18 @@ def device_extensions(lib, physical):
         lib.vkEnumerateDeviceExtensionProperties, "VkExtensionProperties", physical, ffi.NULL)}
 
 
+def _local_heaps(lib, physical):
+    """[(size, budget, usage)] of the device-local heaps, from VK_EXT_memory_budget (the caller
+    knows the extension is there)."""
+    budget = vk.new("VkPhysicalDeviceMemoryBudgetPropertiesEXT")
+    memory = vk.chain(vk.new("VkPhysicalDeviceMemoryProperties2"), budget)
+    lib.vkGetPhysicalDeviceMemoryProperties2(physical, memory)
+    props = memory.memoryProperties
+    return [(props.memoryHeaps[i].size, budget.heapBudget[i], budget.heapUsage[i])
+            for i in range(props.memoryHeapCount)
+            if props.memoryHeaps[i].flags & lib.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT]
+
+
 def heap_budget(lib, physical, extensions, name):
     """(free, total) bytes of the device-local heaps: VK_EXT_memory_budget's budget minus usage.
 
@@ -146,16 +159,14 @@ def heap_budget(lib, physical, extensions, name):
     if BUDGET_EXTENSION not in extensions:
         raise CapacityError(f"{name}: the Vulkan driver reports no memory budget (no "
                             f"{BUDGET_EXTENSION}); --memory-limit sets one")
-    budget = vk.new("VkPhysicalDeviceMemoryBudgetPropertiesEXT")
-    memory = vk.chain(vk.new("VkPhysicalDeviceMemoryProperties2"), budget)
-    lib.vkGetPhysicalDeviceMemoryProperties2(physical, memory)
-    props = memory.memoryProperties
-    free = total = 0
-    for i in range(props.memoryHeapCount):
-        if props.memoryHeaps[i].flags & lib.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT:
-            free += max(budget.heapBudget[i] - budget.heapUsage[i], 0)
-            total += props.memoryHeaps[i].size
-    return free, total
+    heaps = _local_heaps(lib, physical)
+    return sum(max(b - u, 0) for _, b, u in heaps), sum(size for size, _, _ in heaps)
+
+
+def heap_usage(lib, physical):
+    """Bytes of the device-local heaps this process uses, by VK_EXT_memory_budget's heapUsage
+    (unlike the budget, which moves as other processes use memory, this is ours alone)."""
+    return sum(u for _, _, u in _local_heaps(lib, physical))
 
 
 class PhysicalDeviceView:
@@ -207,7 +218,7 @@ class VulkanDevice:
         except DriverError as e:
             raise BackendUnavailable(f"vulkan: cannot open Vulkan device {ordinal}: {e}") from None
         self.ordinal = ordinal
-        self.allocated = 0            # bytes of device memory allocated, as the driver sized it
+        self.allocated = 0            # bytes of device memory allocated, as the driver takes it
         self._sizes = {}              # buffer bytes -> the allocation the driver requires
         self._serials = count()
         self._host_arrays = []        # (address, bytes, staging buffer) of host_array's
@@ -219,6 +230,7 @@ class VulkanDevice:
         self._capturing = None
         self._staging, self._staged = None, 0
         self._timed, self._queries = None, None
+        self.page = self._page()
 
     # -- opening -------------------------------------------------------------------------------
     def _describe(self, ordinal):
@@ -318,10 +330,34 @@ class VulkanDevice:
         """(free, total) bytes of the device-local heaps, from VK_EXT_memory_budget."""
         return heap_budget(self.lib, self.physical, self.extensions, f"vulkan: {self.name}")
 
+    def held(self):
+        """(bytes of device memory this process holds, where the figure comes from): the
+        device-local heaps' usage where the driver reports it, else this device's count."""
+        if BUDGET_EXTENSION in self.extensions:
+            return heap_usage(self.lib, self.physical), f"{BUDGET_EXTENSION} heapUsage"
+        return self.allocated, "the vulkan device's count of its allocations"
+
+    def _page(self):
+        """The unit in which the driver takes device memory, as its own accounting shows it:
+        the heaps' usage grows by whole pages (NVIDIA's driver: 64 KiB, so a buffer of 4 KiB
+        takes 64 KiB), read once by allocating the smallest buffer. 1 where no budget shows
+        the usage, or its growth is no power of two: each buffer then counts as the size
+        VkMemoryRequirements gives, and the post-allocation check (engine/plan.py) judges."""
+        if BUDGET_EXTENSION not in self.extensions:
+            return 1
+        before = heap_usage(self.lib, self.physical)
+        local = self.lib.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+        probe = self._buffer(4, self._storage_usage(), [local], host_access=False)
+        growth = heap_usage(self.lib, self.physical) - before
+        self.lib.vkDestroyBuffer(self.device, probe.handle, ffi.NULL)
+        self.lib.vkFreeMemory(self.device, probe.memory, ffi.NULL)
+        return growth if growth >= probe.allocation and growth & (growth - 1) == 0 else 1
+
     def allocation_bytes(self, nbytes):
         """The device memory one buffer of `nbytes` takes: the size the driver's
         VkMemoryRequirements asks for a storage buffer of that many bytes (each buffer has an
-        allocation of its own), read from a buffer created and destroyed for the question."""
+        allocation of its own), read from a buffer created and destroyed for the question, in
+        whole pages of the driver's (_page)."""
         size = _buffer_bytes(nbytes)
         if size not in self._sizes:
             lib = self.lib
@@ -332,7 +368,7 @@ class VulkanDevice:
             needs = ffi.new("VkMemoryRequirements *")
             lib.vkGetBufferMemoryRequirements(self.device, handle[0], needs)
             lib.vkDestroyBuffer(self.device, handle[0], ffi.NULL)
-            self._sizes[size] = needs.size
+            self._sizes[size] = -(-needs.size // self.page) * self.page
         return self._sizes[size]
 
     def _storage_usage(self):
@@ -410,6 +446,7 @@ class VulkanDevice:
             raise CapacityError(f"vulkan: {self.name}: cannot allocate {nbytes} bytes: {e}") \
                 from None
         buffer.nbytes = nbytes
+        buffer.allocation = -(-buffer.allocation // self.page) * self.page
         self.allocated += buffer.allocation
         return buffer
 
@@ -448,6 +485,8 @@ class VulkanDevice:
         return offset
 
     def _copy(self, src, src_offset, dst, dst_offset, nbytes):
+        if nbytes == 0:          # nothing to copy, and a region's size must be above 0
+            return
         cb = self._record()
         region = ffi.new("VkBufferCopy *", {"srcOffset": src_offset, "dstOffset": dst_offset,
                                             "size": nbytes})
@@ -657,7 +696,7 @@ class VulkanDevice:
         buffers, scalars = [], []
         for param, arg in zip(kernel.params, args, strict=True):
             (buffers if param.kind == "buffer" else scalars).append(arg)
-        groups = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        groups = workgroups(kernel, grid)
         if any(g > m for g, m in zip(groups, self.limits.maxComputeWorkGroupCount)):
             raise ValueError(f"{kernel.name}: grid {groups} is over the device's "
                              f"{tuple(self.limits.maxComputeWorkGroupCount)}")

@@ -25,6 +25,7 @@ from drivers import wgpu
 
 from ..codegen.spirv import binding_layout, render_spirv
 from ..errors import BackendUnavailable, CapacityError, ModelRefused, NoSuchDevice
+from . import workgroups
 from .vulkan import BUDGET_EXTENSION, PhysicalDeviceView
 
 ffi = wgpu.ffi
@@ -195,6 +196,12 @@ class WgpuDevice:
         """The bytes one buffer of `nbytes` asks wgpu for: whole 4-byte words, at least one.
         (wgpu sub-allocates its Vulkan memory in blocks of its own, which it does not show.)"""
         return max(-(-int(nbytes) // 4) * 4, 4)
+
+    def held(self):
+        """(bytes held, where the figure comes from): this device's count of its allocations.
+        wgpu takes Vulkan memory in blocks of its own, which a budget would show but the plan
+        cannot count."""
+        return self.allocated, "the wgpu device's count of its allocations"
 
     def memory(self):
         """(free, total) bytes of the device-local heaps, from VK_EXT_memory_budget read
@@ -385,7 +392,7 @@ class WgpuDevice:
         buffers, scalars = [], []
         for param, arg in zip(kernel.params, args, strict=True):
             (buffers if param.kind == "buffer" else scalars).append(arg)
-        groups = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        groups = workgroups(kernel, grid)
         if max(groups) > self.limits.maxComputeWorkgroupsPerDimension:
             raise ValueError(f"{kernel.name}: grid {groups} is over the adapter's "
                              f"{self.limits.maxComputeWorkgroupsPerDimension} per dimension")

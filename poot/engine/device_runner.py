@@ -223,6 +223,8 @@ class StepRunner:
         batch, R = self._launched
         self._launched = None
         rows = batch.sampling
+        if R == 0:
+            return _tokens_only(np.zeros(0, np.int32))
         if not self._has_candidates() and (rows.logprobs or rows.n_logprobs
                                            or np.any(rows.temperature > 0)):
             return sample(self._logits_of(R), rows)
@@ -937,6 +939,8 @@ class DeviceRunner(StepRunner):
         steps = self.steps
         for i, op in enumerate(steps):
             ins, out = op.inputs, op.outputs[0]
+            if R == 0 and "R" in out.shape:
+                continue        # a step that samples no row (a prompt's chunk before its last)
             if op.kind not in ("matmul", "reshape"):
                 rounded = normed = None
             if op.kind == "embedding":
@@ -1039,7 +1043,7 @@ class DeviceRunner(StepRunner):
             else:
                 raise ModelRefused(f"{self.device.name}: op {op.kind} has no kernel")
         # the greedy choice of every row, so greedy steps read back tokens, not logits
-        if self.has_logits:
+        if self.has_logits and R:
             logits = self.graph.outputs["logits"]
             chunks = ARGMAX_CHUNKS
             values, indices = (self.buffers[name] for name in ("argmax_values",

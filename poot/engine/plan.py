@@ -216,35 +216,21 @@ def plan(model, device, free, source, max_seqs=None, context=None):
                 fitting[-1] if fitting else None)
 
 
-def held(device):
-    """(bytes of device memory held now, where the figure comes from): total minus free by the
-    driver's own figure where it reports one; else the device's count of its allocations —
-    always for wgpu, whose allocator takes Vulkan memory in blocks of its own that a budget
-    would show but the plan cannot count."""
-    if device.backend != "wgpu":
-        try:
-            free, total = device.memory()
-            return total - free, device.memory_source
-        except CapacityError:
-            pass
-    return device.allocated, f"the {device.backend} device's count of its allocations"
-
-
 def verify(device, footprint, runner, before):
     """Checks what the allocation took against the planned `footprint` (the chosen candidate's
-    on this device): `before` is held(device)[0] read just
-    before runner.allocate(). The growth must lie between the buffers' own bytes and the
-    plan's rounded total, give or take one granule of the allocator; otherwise PlanMismatch
-    (exit status 6) stops the server before it serves."""
-    after, source = held(device)
+    on this device): `before` is device.held()[0] read just before runner.allocate(). The
+    growth must lie between the buffers' own bytes and the plan's rounded total, give or take
+    one granule of the allocator; otherwise PlanMismatch (exit status 6) stops the server
+    before it serves."""
+    after, source = device.held()
     check = Check(planned=footprint.total, measured=after - before,
                   requested=sum(a.nbytes for a in runner.allocations()),
                   granularity=device.allocation_bytes(1), source=source)
     low, high = check.requested - check.granularity, check.planned + check.granularity
     if not low <= check.measured <= high:
         raise PlanMismatch(
-            f"{device.backend}: {device.name}: the allocation took {check.measured} bytes by {source}, but the "
-            f"plan counted {check.planned} ({check.requested} requested, allocator granularity "
+            f"{device.backend}: {device.name}: the allocation took {check.measured} bytes by "
+            f"{source}, but the plan counted {check.planned} ({check.requested} requested, allocator granularity "
             f"{check.granularity}): the plan cannot be trusted, so nothing is served")
     return check
 

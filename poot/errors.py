@@ -58,6 +58,13 @@ class ModelFileError(PootError):
         super().__init__(f"{where}: {reason}")
 
 
+class ServingFailed(PootError):
+    """While serving, the engine could serve no more (its device lost to a sticky driver
+    error, or a fault outside any step): the server drained and stopped, for a supervisor to
+    start it again."""
+    exit_status = 8
+
+
 class TemplateError(PootError):
     """A chat template could not be rendered (bad template, or messages it rejects)."""
     exit_status = 2

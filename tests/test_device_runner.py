@@ -256,6 +256,55 @@ def test_engine_serves_prompts_of_several_chunks(tmp_path, device):
     assert served(runner, together=True) == want
 
 
+def test_steps_that_fail_on_the_device_fail_only_their_requests(tmp_path, device):
+    """Every 9th step fails at its third launch (while issued, or while its decode step is
+    captured), or just before its recorded step replays: its requests fail, the runner
+    recovers, and every other request, then every request served again, gets the reference
+    engine's tokens. A device that cannot recover is lost, and so is the engine."""
+    from poot.engine.faults import Faults
+    from poot.engine.request import EngineFailed, SamplingParams
+    from poot.engine.scheduler import Engine
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    rng = np.random.default_rng()
+    lengths, new = (40, 6, 9, 3, 50, 7, 12), (8, 10, 6, 12, 5, 9, 7)
+    requests = [(rng.integers(3, 300, n).tolist(),
+                 SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+                for n, m in zip(lengths, new)]
+    reference = Engine(model.runner(None, num_blocks=64), model.tokenizer)
+    want = [[t for o in reference.generate(p, q) for t in o.token_ids] for p, q in requests]
+    runner = model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4)
+    engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32)
+
+    def served():
+        handles = [engine.submit(p, q) for p, q in requests]
+        engine.run_until_idle()
+        got = []
+        for h in handles:
+            try:
+                got.append([t for o in h for t in o.token_ids])
+            except EngineFailed as e:
+                got.append(e)
+        return got
+
+    runner.faults = faults = Faults(every=2)      # the first decode step, while captured
+    with pytest.raises(EngineFailed, match="injected fault in step 2"):
+        list(engine.generate(*requests[1]))
+    assert not runner.graphs and engine.kv.num_used == 0
+    faults.every = None
+    assert [t for o in engine.generate(*requests[2]) for t in o.token_ids] == want[2]
+    faults.every = 9
+    got = served()
+    assert faults.injected and engine.error is None and engine.kv.num_used == 0
+    assert any(isinstance(g, EngineFailed) for g in got)
+    assert [g for g in got if not isinstance(g, EngineFailed)] == [
+        w for g, w in zip(got, want) if not isinstance(g, EngineFailed)] != []
+    faults.every = None
+    assert served() == want
+    faults.lost_at = faults.steps + 2
+    assert all(isinstance(g, EngineFailed) for g in served())
+    assert engine.device_lost and engine.error.startswith("device lost")
+
+
 @pytest.mark.parametrize("dtype", ["F16", "Q4_K"])
 @pytest.mark.parametrize("n", [20, 70])
 def test_long_prefill_matches_reference(tmp_path, device, dtype, n):

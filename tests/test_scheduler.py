@@ -12,6 +12,7 @@ import pytest
 
 import poot
 from tests.models import tiny_model
+from poot.engine.faults import Faults
 from poot.engine.request import (EngineFailed, InvalidRequest, SamplingParams, StopText)
 from poot.engine.scheduler import Engine
 
@@ -206,31 +207,82 @@ def test_the_engine_thread_serves_many_caller_threads(model):
     assert engine.stats().kv_blocks_used == 0
 
 
-class FailsOnStep:
-    """The real runner, made to raise at its n-th step as a lost device would."""
-
-    def __init__(self, runner, n):
-        self.runner, self.n = runner, n
-        self.block_size, self.num_blocks = runner.block_size, runner.num_blocks
-        self.vocab_size, self.max_context = runner.vocab_size, runner.max_context
-
-    def step(self, batch):
-        self.n -= 1
-        if self.n == 0:
-            raise RuntimeError("device lost")
-        return self.runner.step(batch)
+def faulty_engine(model, faults, **kw):
+    runner = model.runner(num_blocks=64, block_size=4)
+    runner.faults = faults
+    return Engine(runner, model.tokenizer, **kw)
 
 
-def test_a_failing_step_fails_every_request_in_flight(model):
-    runner = FailsOnStep(model.runner(num_blocks=64, block_size=4), 3)
-    engine = Engine(runner, model.tokenizer)
+def outcome(handle):
+    """A request's tokens, or the EngineFailed it ended with."""
+    got = []
+    try:
+        for out in handle:
+            got += out.token_ids
+    except EngineFailed as e:
+        return e
+    return got
+
+
+def test_a_failing_step_fails_its_requests_and_the_rest_are_served(model):
+    """Every 9th step raises: the requests in it fail with the step's error and free their
+    blocks; the others, and requests that come after, get the tokens they get alone."""
+    requests = list(zip(prompts(model, [3, 12, 7, 20, 5], seed=6),
+                        [greedy(n) for n in (8, 5, 9, 6, 7)]))
+    faults = Faults(every=9)
+    engine = faulty_engine(model, faults, max_seqs=2, step_tokens=8)
+    handles = [engine.submit(p, params) for p, params in requests]
+    engine.run_until_idle()
+    got = [outcome(h) for h in handles]
+    failed = [g for g in got if isinstance(g, EngineFailed)]
+    assert faults.injected >= 1 and failed and len(failed) < len(requests)
+    assert all("injected fault" in str(e) for e in failed)
+    for g, (p, params) in zip(got, requests):
+        if not isinstance(g, EngineFailed):
+            assert g == alone(model, p, params)
+    stats = engine.stats()
+    assert stats.error is None and stats.step_failures_total == faults.injected
+    assert stats.kv_blocks_used == 0 and stats.running == 0
+    faults.every = None
+    assert tokens(engine.generate(*requests[0])) == alone(model, *requests[0])
+
+
+def test_a_lost_device_fails_every_request_and_the_engine(model):
+    """A step fails and the runner cannot recover: the device is lost. Every request ends
+    with that error, the engine refuses new ones and tells on_failure."""
+    told = threading.Event()
+    engine = faulty_engine(model, Faults(lost_at=3))
+    engine.on_failure = told.set
     handles = [engine.submit(p, greedy(10)) for p in prompts(model, [3, 5, 7])]
     engine.start()
     for handle in handles:
         with pytest.raises(EngineFailed, match="device lost"):
             list(handle)
-    assert "device lost" in engine.stats().error
+    assert told.wait(10) and engine.device_lost
+    assert engine.stats().error.startswith("device lost: InjectedFault")
     assert engine.stats().kv_blocks_used == 0
     with pytest.raises(EngineFailed):
         engine.submit([1, 2], greedy(1))
     engine.stop()
+
+
+def test_a_request_whose_delivery_raises_fails_alone(model, monkeypatch):
+    """A fault in one request's own bookkeeping (its text, its stop checks) fails that request
+    only: the step's other requests go on."""
+    from poot.engine.request import Sequence
+    requests = list(zip(prompts(model, [4, 6], seed=2), [greedy(6), greedy(6)]))
+    expected = alone(model, *requests[1])
+    engine = make_engine(model)
+    handles = [engine.submit(p, params) for p, params in requests]
+    accept = Sequence.accept
+
+    def fragile(seq, token_id, *args):
+        if seq.seq_id == handles[0].seq_id and seq.num_generated == 2:
+            raise UnicodeError("a decoder fault")
+        return accept(seq, token_id, *args)
+    monkeypatch.setattr(Sequence, "accept", fragile)
+    engine.run_until_idle()
+    first, second = outcome(handles[0]), outcome(handles[1])
+    assert isinstance(first, EngineFailed) and "a decoder fault" in str(first)
+    assert second == expected
+    assert engine.error is None and engine.stats().kv_blocks_used == 0

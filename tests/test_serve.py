@@ -444,14 +444,15 @@ def test_the_default_model_serves_concurrent_chats_like_single_ones(default_serv
 # ---- the program ----------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def server_process(*flags):
-    """`python -m poot serve FLAGS --port P` in its own process: yields (process, port); the
-    process is killed if the test leaves it running."""
+def server_process(*flags, env=None):
+    """`python -m poot serve FLAGS --port P` in its own process (with `env` added to the
+    environment): yields (process, port); the process is killed if the test leaves it
+    running."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "poot", "serve", *map(str, flags), "--port", str(port)],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})))
     try:
         yield proc, port
     finally:
@@ -524,6 +525,23 @@ def test_the_program_refuses_what_it_cannot_do_with_an_exit_status(flags, status
     assert main(flags + ["--port", "0"]) == status
     err = capsys.readouterr().err
     assert err.startswith("poot-serve: ") and words in err and err.count("\n") == 1
+
+
+def test_the_program_exits_8_after_its_device_is_lost(tmp_path):
+    """A lost device (injected: POOT_INJECT_FAULTS) fails the request in flight, /health says
+    "device lost", and the program drains and exits 8 for a supervisor to restart it."""
+    with server_process("--backend", "reference", "--model", tiny_model(tmp_path), "--ctx",
+                        256, env={"POOT_INJECT_FAULTS": "lost=3"}) as (proc, port):
+        wait_until_serving(proc, port, 60)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": "lost", "max_tokens": 20, "ignore_eos": True}))
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        assert response.status == 500 and "device lost" in body["error"]["message"]
+        assert proc.wait(30) == 8
+        err = proc.stderr.read()
+        assert "injecting faults" in err and "poot-serve: device lost: InjectedFault" in err
 
 
 def test_the_program_exits_7_on_an_unreadable_model_file(tmp_path, capsys):

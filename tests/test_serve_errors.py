@@ -303,33 +303,57 @@ def test_the_openai_client_sees_these_as_its_own_errors(server, tiny):
     still_serving(server)
 
 
-class FailsOnStep:
-    """The real runner, made to raise at its n-th step as a lost device would."""
-
-    def __init__(self, runner, n):
-        self.runner, self.n, self.backend = runner, n, runner.backend
-        self.block_size, self.num_blocks = runner.block_size, runner.num_blocks
-        self.vocab_size, self.max_context = runner.vocab_size, runner.max_context
-
-    def step(self, batch):
-        self.n -= 1
-        if self.n == 0:
-            raise RuntimeError("device lost")
-        return self.runner.step(batch)
+def stream_events(server, body):
+    """A streamed completion's events, in order ([DONE] as the string)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)))
+    response = conn.getresponse()
+    assert response.status == 200
+    events = [line[len(b"data: "):].decode() for line in response.read().split(b"\n")
+              if line.startswith(b"data: ")]
+    conn.close()
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
-def test_an_engine_failure_fails_requests_and_turns_health_503(tiny):
+@pytest.fixture
+def faulty(tiny):
+    """A server whose runner fails the steps its Faults say (engine/faults.py)."""
+    from poot.engine.faults import Faults
     from poot.serve import Server
+    runner = tiny.runner(num_blocks=32, block_size=4)
+    runner.faults = Faults()
     server = Server(port=0)
-    try:
-        server.load(tiny, FailsOnStep(tiny.runner(num_blocks=32, block_size=4), 3))
-        assert isinstance(server.engine, Engine)
-        status, _, body = call(server, "POST", "/v1/completions",
-                               {"prompt": "doomed", "max_tokens": 10, "ignore_eos": True})
-        assert_error((status, None, body), 500, code="engine_failed", words="device lost")
-        status, _, health = call(server, "GET", "/health")
-        assert status == 503 and health["status"] == "error" and "device lost" in health["error"]
-        assert_error(call(server, "POST", "/v1/completions", {"prompt": "again"}), 503,
-                     code="engine_failed")
-    finally:
-        server.close(grace=0)
+    server.load(tiny, runner, max_context=128)
+    yield server, runner.faults
+    server.close(grace=0)
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_serves_on(faulty):
+    server, faults = faulty
+    request = {"prompt": "doomed", "max_tokens": 10, "ignore_eos": True, "temperature": 0}
+    faults.every = faults.steps + 3             # the request's third step
+    assert_error(call(server, "POST", "/v1/completions", request), 500, code="engine_failed",
+                 words="injected fault")
+    faults.every = faults.steps + 2
+    events = stream_events(server, request)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_failed"
+    assert set(events[-2]["error"]) == {"message", "type", "param", "code"}
+    assert all("choices" in e for e in events[:-2]) and len(events) <= 3   # step 1's token
+    faults.every = None
+    assert call(server, "GET", "/health")[0] == 200
+    still_serving(server)
+    status, _, text = call(server, "GET", "/metrics")
+    assert "poot_engine_step_failures_total 2" in text and "poot_kv_blocks_used 0" in text
+
+
+def test_a_lost_device_turns_health_503_device_lost(faulty):
+    server, faults = faulty
+    faults.lost_at = faults.steps + 2
+    assert_error(call(server, "POST", "/v1/completions", {"prompt": "doomed", "max_tokens": 10,
+                                                          "ignore_eos": True}),
+                 500, code="engine_failed", words="device lost")
+    status, _, health = call(server, "GET", "/health")
+    assert status == 503 and health["status"] == "device lost"
+    assert "InjectedFault" in health["error"]
+    assert_error(call(server, "POST", "/v1/completions", {"prompt": "again"}), 503,
+                 code="device_lost")

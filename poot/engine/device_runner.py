@@ -149,9 +149,10 @@ class Allocation:
 
 class StepRunner:
     """A step's run, logits and sampling over the hooks a runner gives: _upload, _issue,
-    _can_capture, _capture, _replay and _read (DeviceRunner for one device, GroupRunner in
-    engine/group.py for a device group)."""
+    _can_capture, _capture, _replay, _read and _synchronize (DeviceRunner for one device,
+    GroupRunner in engine/group.py for a device group)."""
     kernel_times = None
+    faults = None               # engine/faults.py: steps made to fail, for tests
 
     def run(self, batch, record=True):
         """Runs a step on the device, leaving logits and greedy tokens there.
@@ -165,10 +166,15 @@ class StepRunner:
         """
         T, R = len(batch.tokens), len(batch.sample_tokens)
         long = self._set_long(int(batch.positions.max(initial=0)) + 1)
+        faults = self.faults
+        if faults is not None:
+            faults.begin_step()
         if self.kernel_times is not None:
             self._upload(batch)
             self.device.start_timing()
             self._issue(T, R)
+            if faults is not None:
+                faults.end_step()
             for name, seconds in self.device.stop_timing():
                 total = self.kernel_times.setdefault(name, [0, 0.0])
                 total[0] += 1
@@ -187,11 +193,26 @@ class StepRunner:
             if graph is None:
                 graph = self.graphs[bucket, long] = self._capture(
                     lambda: self._issue(bucket, bucket))
+            if faults is not None:
+                faults.end_step()
             self._replay(graph)
         else:
             self._upload(batch)
             self._issue(T, R)
+            if faults is not None:
+                faults.end_step()
         return R
+
+    def recover(self):
+        """After a step raised (a launch refused, a driver error, an injected fault): what it
+        issued is waited for and nothing of it is held, so the next step starts as any does
+        (a capture the error broke was ended where it broke). Raises when the device cannot
+        even do that: a sticky driver error (CUDA's illegal address, Vulkan's device lost)
+        fails every call after it, so the device is lost."""
+        self._launched = None
+        if self.faults is not None:
+            self.faults.recover()
+        self._synchronize()
 
     def logits(self, batch):
         """Runs a step; the logits of its sampled rows, float32 [R, vocab]."""
@@ -884,6 +905,8 @@ class DeviceRunner(StepRunner):
         return tuple({"T": n_tokens, "R": n_rows}.get(d, d) for d in tensor.shape)
 
     def _launch(self, kernel, grid, *args):
+        if self.faults is not None:
+            self.faults.launch()
         self.device.launch(self.programs[kernel.name], kernel, grid, args)
 
     def _upload(self, batch):
@@ -1369,6 +1392,9 @@ class DeviceRunner(StepRunner):
 
     def _capture(self, issue):
         return self.device.capture(issue)
+
+    def _synchronize(self):
+        self.device.synchronize()
 
     def _replay(self, graph):
         self.device.replay(graph)

@@ -177,6 +177,9 @@ class GroupRunner(StepRunner):
     def _replay(self, graph):
         self.group.replay(graph)
 
+    def _synchronize(self):
+        self.group.synchronize()
+
     def _read(self, name, nbytes):
         return self.head._read(name, nbytes)
 

@@ -12,6 +12,7 @@ from .sampling import sample
 
 class ReferenceRunner:
     backend = "reference"
+    faults = None               # engine/faults.py: steps made to fail, for tests
 
     def __init__(self, model, num_blocks, block_size=16):
         self.model = model
@@ -32,4 +33,12 @@ class ReferenceRunner:
         return self.interpreter.run(inputs)["logits"]
 
     def step(self, batch):
+        if self.faults is not None:
+            self.faults.begin_step()
+            self.faults.end_step()
         return sample(self.logits(batch), batch.sampling)
+
+    def recover(self):
+        """After a step raised: the host holds nothing of it (see StepRunner.recover)."""
+        if self.faults is not None:
+            self.faults.recover()

@@ -14,6 +14,11 @@ up to its share), and `step` takes the lanes in turn, collecting the lane's step
 delivering its tokens, then scheduling and launching its next step while the other lanes' run.
 A sequence whose step is in flight is never preempted nor freed: where only such a sequence
 could give up blocks, or a cancelled one is in flight, its lane's step is collected first.
+
+A step that raises fails its own requests (their handles get EngineFailed, their blocks are
+freed), the runner recovers (`recover`: what the step issued is waited for) and the engine
+serves on. Where the runner cannot recover, the device is lost: every request fails, `error`
+says so, `device_lost` is set and `on_failure` is called, so the server stops and exits.
 """
 import logging
 import queue
@@ -43,6 +48,7 @@ class EngineStats:
     preemptions_total: int
     steps_total: int
     error: str | None
+    step_failures_total: int = 0
     kernel_times: dict | None = None    # kernel -> (launches, device seconds), when timed
 
 
@@ -119,7 +125,9 @@ class Engine:
         self.step_tokens = min(max(step_tokens, self.max_seqs),
                                getattr(runner, "max_tokens", step_tokens))
         self.table_width = blocks_for(self.context_limit, runner.block_size)
-        self.error = None
+        self.error = None           # why the engine serves no more (device lost, or a bug)
+        self.device_lost = False
+        self.on_failure = None      # called (on the engine's thread) once error is set
         self._next_id = 0
         self._inbox = deque()
         self._wake = threading.Condition()
@@ -138,6 +146,7 @@ class Engine:
         self._generation_tokens_total = 0
         self._preemptions_total = 0
         self._steps_total = 0
+        self._step_failures_total = 0
 
     # ---- the caller's side -------------------------------------------------------------------
 
@@ -227,7 +236,8 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             preemptions_total=self._preemptions_total, steps_total=self._steps_total,
-            error=self.error, kernel_times=_snapshot(getattr(self.runner, "kernel_times", None)))
+            error=self.error, step_failures_total=self._step_failures_total,
+            kernel_times=_snapshot(getattr(self.runner, "kernel_times", None)))
 
     def _cancel(self, seq_id):
         with self._wake:
@@ -249,8 +259,8 @@ class Engine:
                     return
             try:
                 stepped = self.step()
-            except Exception as exc:       # a bug outside the runner must not hang requests
-                self._fail(exc)
+            except Exception as exc:       # a bug outside any step must not hang requests
+                self._fail(f"engine failed: {type(exc).__name__}: {exc}", exc)
                 return
             if not stepped:
                 if self.error is not None:
@@ -274,17 +284,17 @@ class Engine:
             return self.error is None and bool(delivered or plan or any(self._flight))
 
     def _launch(self, lane, plan):
-        """Issues a lane's step of `plan` (without lanes: runs it); False if the runner raised
-        (the engine failed)."""
-        batch, sampled = self._build(plan)
+        """Issues a lane's step of `plan` (without lanes: runs it); False if it raised (its
+        requests failed)."""
         try:
+            batch, sampled = self._build(plan)
             if len(self.lanes) == 1:
                 out = self.runner.step(batch)
             else:
                 self.lanes[lane].launch(batch)
                 out = None                      # collect() gives it
         except Exception as exc:
-            self._fail(exc)
+            self._step_failed(lane, plan, exc)
             return False
         self._steps_total += 1
         self._flight[lane] = (plan, sampled, out)
@@ -301,14 +311,46 @@ class Engine:
             if out is None:
                 out = self.lanes[lane].collect()
         except Exception as exc:
-            self._fail(exc)
+            self._step_failed(lane, plan, exc)
             return False
         for seq, n in plan:
             seq.num_computed += n
         now = time.monotonic()
         for r, seq in enumerate(sampled):
-            self._deliver(seq, out, r, now)
+            try:
+                self._deliver(seq, out, r, now)
+            except Exception as exc:        # one request's text or stop check: it alone fails
+                log.error("request %d failed", seq.seq_id, exc_info=exc)
+                self._fail_sequences([seq], f"request failed: {type(exc).__name__}: {exc}")
         return True
+
+    def _step_failed(self, lane, plan, exc):
+        """A step raised: its requests fail and the lane's runner recovers; a runner that
+        cannot recover has lost its device, and the engine fails."""
+        self._step_failures_total += 1
+        log.error("a step of %d sequence(s) failed; they fail, the others are served",
+                  len(plan), exc_info=exc)
+        try:
+            self.lanes[lane].recover()
+        except Exception as lost:
+            self.device_lost = True
+            self._fail(f"device lost: {type(lost).__name__}: {lost} (after a step failed: "
+                       f"{type(exc).__name__}: {exc})", lost)
+            return
+        self._fail_sequences([seq for seq, _ in plan],
+                             f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _fail_sequences(self, seqs, message):
+        """These requests end with EngineFailed(message); their blocks are freed."""
+        for seq in seqs:
+            for queue_ in (self._running, self._waiting):
+                if seq in queue_:
+                    queue_.remove(seq)
+                    self.kv.release(seq.blocks)
+                    seq.finish_reason = "error"
+                    handle = self._handles.pop(seq.seq_id, None)
+                    if handle is not None:
+                        handle._put(EngineFailed(message))
 
     def _in_flight(self):
         """The ids of the sequences whose steps are in flight (their blocks are in use)."""
@@ -470,9 +512,10 @@ class Engine:
         else:
             self._handles[seq.seq_id]._put(output)
 
-    def _fail(self, exc):
-        """A step raised: every request in flight ends with the error, and so does the engine."""
-        self.error = f"engine step failed: {type(exc).__name__}: {exc}"
+    def _fail(self, message, exc):
+        """The engine can serve no more: every request ends with the error, and on_failure
+        is told (the server drains and exits, for a supervisor to restart it)."""
+        self.error = message
         log.error("%s", self.error, exc_info=exc)
         for handle in self._handles.values():
             handle._put(EngineFailed(self.error))
@@ -481,3 +524,5 @@ class Engine:
         self._running.clear()
         self._flight = [None] * len(self.lanes)
         self.kv = BlockAllocator(self.kv.num_blocks, self.kv.block_size)   # nothing holds any
+        if self.on_failure is not None:
+            self.on_failure()

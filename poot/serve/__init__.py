@@ -35,12 +35,14 @@ class Server:
         return self.serving.engine
 
     def load(self, model, runner, *, devices=(), plan=None, max_seqs=16, step_tokens=256,
-             max_context=None):
+             max_context=None, on_failure=None):
         """Start an engine over `runner` for `model`; /health then reports serving, naming
         `devices` (what the runner runs on, as the program describes them) and `plan` (the
-        memory plan and its check, engine/plan.py) beside the shape the engine runs."""
+        memory plan and its check, engine/plan.py) beside the shape the engine runs.
+        `on_failure` is called once the engine can serve no more (its device lost)."""
         engine = Engine(runner, model.tokenizer, max_seqs=max_seqs, step_tokens=step_tokens,
                         max_context=max_context)
+        engine.on_failure = on_failure
         engine.start()
         plan = dict(plan or {}, max_seqs=engine.max_seqs, context=engine.context_limit,
                     step_tokens=engine.step_tokens, kv_blocks=runner.num_blocks,

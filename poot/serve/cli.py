@@ -9,6 +9,7 @@ where errors become a message and a status.
 """
 import logging
 import math
+import os
 import platform
 import re
 import signal
@@ -18,8 +19,9 @@ import threading
 from poot.backends.select import BACKENDS, open_device
 from poot.cli import Parser
 from poot.engine import plan
+from poot.engine.faults import Faults
 from poot.errors import (BackendUnavailable, CapacityError, NoSuchDevice, PlacementRefused,
-                         PootError, UsageError)
+                         PootError, ServingFailed, UsageError)
 
 # The reference backend plans nothing against host memory: it serves this shape unless pinned.
 REFERENCE_BLOCK_SIZE = 16
@@ -27,6 +29,7 @@ REFERENCE_STEP_TOKENS = 256
 REFERENCE_MAX_SEQS = 8
 REFERENCE_CONTEXT = 4096
 SHUTDOWN_GRACE_S = 10.0
+FAULTS_ENV = "POOT_INJECT_FAULTS"
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
                "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
@@ -202,18 +205,39 @@ def serve(args, stop_event):
             runner, shape = group_runner(model, device, memory, args)
         else:
             runner, shape = device_runner(model, device, memory, args)
+        inject_faults(runner)
         engine = server.load(model, runner, devices=devices, plan=shape,
                              max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
-                             max_context=shape["context"])
+                             max_context=shape["context"], on_failure=stop_event.set)
     except BaseException:
         server.close(grace=0)
         raise
     log.info("serving %s on %s: backend %s, %d sequences x %d tokens", model.name, server.url,
              runner.backend, engine.max_seqs, engine.context_limit)
     stop_event.wait()
+    if engine.error is not None:
+        # /health says why until the port closes; the exit status tells a supervisor
+        log.error("the engine serves no more: %s; draining, then exiting", engine.error)
+        server.close(grace=SHUTDOWN_GRACE_S)
+        raise ServingFailed(f"{engine.error}; the server drained and stopped")
     log.info("stopping: finishing in-flight requests (up to %.0f s)", SHUTDOWN_GRACE_S)
     server.close(grace=SHUTDOWN_GRACE_S)
     return 0
+
+
+def inject_faults(runner):
+    """POOT_INJECT_FAULTS (engine/faults.py's every=N, lost=N) makes steps fail on purpose, so
+    that scripts/serve-check can watch the server isolate them; unset, nothing is injected."""
+    text = os.environ.get(FAULTS_ENV)
+    if not text:
+        return
+    try:
+        faults = Faults.parse(text)
+    except ValueError as e:
+        raise UsageError(f"{FAULTS_ENV}={text!r}: {e}") from None
+    log.warning("%s: injecting faults (%s)", FAULTS_ENV, faults)
+    for lane in getattr(runner, "lanes", [runner]):
+        lane.faults = faults
 
 
 def reference_runner(model, args, memory_limit):

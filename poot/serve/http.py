@@ -58,16 +58,26 @@ class Serving:
         self.model, self.engine, self.info = model, engine, info
         self.status = "serving"
 
+    def failure(self):
+        """(status, message) once the engine serves no more, else None."""
+        engine = self.engine
+        if engine is None or engine.error is None:
+            return None
+        return ("device lost" if engine.device_lost else "error"), engine.error
+
     def health(self):
-        if self.engine is not None and self.engine.error is not None:
-            return 503, {"status": "error", "error": self.engine.error}
+        failed = self.failure()
+        if failed is not None:
+            return 503, {"status": failed[0], "error": failed[1]}
         if self.status == "serving":
             return 200, dict({"status": "serving"}, **self.info)
         return 503, {"status": self.status}
 
     def require_engine(self):
-        if self.engine is not None and self.engine.error is not None:
-            raise APIError(503, self.engine.error, "server_error", None, "engine_failed")
+        failed = self.failure()
+        if failed is not None:
+            raise APIError(503, failed[1], "server_error", None,
+                           "device_lost" if failed[0] == "device lost" else "engine_failed")
         if self.status != "serving":
             raise APIError(503, f"the server is {self.status}", "server_error", None,
                            f"server_{self.status}")

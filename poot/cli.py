@@ -61,6 +61,7 @@ def build_parser():
     pln.add_argument("--memory-limit", metavar="SIZE", help="memory to plan within, e.g. 8GiB")
     pln.add_argument("--max-seqs", type=int, help="pin the sequences decoded at once")
     pln.add_argument("--ctx", type=int, help="pin the context length per sequence")
+    pln.add_argument("--prefill-chunk", type=int, help="pin the most tokens a step runs")
     pln.set_defaults(device_timing=False, port=0)
 
     sub.add_parser("devices", help="the toolchain check: driver libraries, devices, memory, "
@@ -155,13 +156,14 @@ def cmd_plan(args):
         memory = [device_memory(d, memory_limit) for d in members]
         kind, _ = parse_placement(args.placement)
         result = plan.plan_group(model, device, kind, [m[0] for m in memory], memory[0][2],
-                                 args.max_seqs, args.ctx)
+                                 args.max_seqs, args.ctx, args.prefill_chunk)
     else:
         try:
             free, _, source = device_memory(device, memory_limit)
         except CapacityError as e:
             unknown, free, source = e, None, device.memory_source
-        result = plan.plan(model, device, free, source, args.max_seqs, args.ctx)
+        result = plan.plan(model, device, free, source, args.max_seqs, args.ctx,
+                           args.prefill_chunk)
     print(f"plan for {model.name} on {device.name}")
     print("\n".join(result.lines()))
     if unknown is not None:

@@ -305,6 +305,49 @@ def test_steps_that_fail_on_the_device_fail_only_their_requests(tmp_path, device
     assert engine.device_lost and engine.error.startswith("device lost")
 
 
+WILD_LAUNCH = """
+import sys
+import poot
+from poot.backends.ptx import DeviceBuffer
+from poot.backends.select import open_device
+from poot.engine.request import EngineFailed, SamplingParams
+from poot.engine.scheduler import Engine
+model = poot.load(sys.argv[1])
+runner = model.runner(open_device("ptx"), num_blocks=16, max_tokens=32, max_seqs=4)
+engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32)
+params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+print("before", len([o for o in engine.generate([5, 6, 7], params)]))
+launch = runner._launch
+def wild(kernel, grid, *args):      # every buffer at an address nothing maps
+    return launch(kernel, grid, *(DeviceBuffer(0xDEAD0000, a.nbytes)
+                                  if isinstance(a, DeviceBuffer) else a for a in args))
+runner._launch = wild
+try:
+    list(engine.generate([5, 6, 7], params))
+except EngineFailed as e:
+    print("failed:", e)
+print("lost:", engine.device_lost)
+"""
+
+
+def test_an_illegal_address_on_ptx_loses_the_device(tmp_path):
+    """A step's kernels touch memory nothing maps: CUDA reports CUDA_ERROR_ILLEGAL_ADDRESS at
+    the next synchronisation, and every call after it (the runner's recovery too) fails the
+    same way, so the engine reports the device lost in the driver's words. In a process of
+    its own: the context stays broken."""
+    import subprocess
+    import sys
+    try:
+        open_device("ptx")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    done = subprocess.run([sys.executable, "-c", WILD_LAUNCH, str(tiny_model(tmp_path))],
+                          capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    assert "before 4" in out and "lost: True" in out, out + done.stderr
+    assert "failed: device lost: DriverError" in out and "CUDA_ERROR_ILLEGAL_ADDRESS" in out
+
+
 @pytest.mark.parametrize("dtype", ["F16", "Q4_K"])
 @pytest.mark.parametrize("n", [20, 70])
 def test_long_prefill_matches_reference(tmp_path, device, dtype, n):

@@ -206,6 +206,15 @@ def test_completion_logprobs_have_the_completions_shape(client, tiny):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and chosen == pytest.approx(max(top.values()))
+    # vLLM's return_tokens_as_token_ids: the same tokens named by id, the same text
+    by_id = client.completions.create(model=tiny.name, prompt="Log", max_tokens=4,
+                                      temperature=0, logprobs=3, extra_body={
+                                          "ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids = [int(t.removeprefix("token_id:")) for t in by_id.choices[0].logprobs.tokens]
+    assert tiny.tokenizer.decode(ids, skip_special=True) == r.choices[0].text
+    assert by_id.choices[0].logprobs.text_offset == lp.text_offset
+    assert all(k.startswith("token_id:") for top in by_id.choices[0].logprobs.top_logprobs
+               for k in top)
 
 
 def test_seeded_sampling_repeats_and_unseeded_varies(client, tiny):

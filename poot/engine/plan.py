@@ -146,10 +146,10 @@ def size(nbytes):
     return f"{nbytes / (1 << 20):,.1f} MiB"
 
 
-def candidates(model_context, max_seqs=None, context=None):
+def candidates(model_context, max_seqs=None, context=None, step_tokens=None):
     """Every candidate, smallest rank first: contexts doubling from MIN_CONTEXT up to the
-    model's own, sequences from MAX_SEQS, prefill chunks from STEP_TOKENS; a pinned --max-seqs
-    or --ctx is the only value of its axis."""
+    model's own, sequences from MAX_SEQS, prefill chunks from STEP_TOKENS; a pinned --max-seqs,
+    --ctx or --prefill-chunk is the only value of its axis."""
     if context is not None:
         contexts = [context]
     else:
@@ -159,7 +159,8 @@ def candidates(model_context, max_seqs=None, context=None):
             c *= 2
         contexts.append(model_context)
     seqs = [max_seqs] if max_seqs is not None else MAX_SEQS
-    shapes = {Candidate(s, c, max(t, s)) for s in seqs for c in contexts for t in STEP_TOKENS}
+    chunks = [step_tokens] if step_tokens is not None else STEP_TOKENS
+    shapes = {Candidate(s, c, max(t, s)) for s in seqs for c in contexts for t in chunks}
     return sorted(shapes, key=lambda c: c.rank)
 
 
@@ -203,14 +204,14 @@ def _collected_after():
             gc.enable()
 
 
-def plan(model, device, free, source, max_seqs=None, context=None):
+def plan(model, device, free, source, max_seqs=None, context=None, step_tokens=None):
     """Every candidate's footprint against `free` bytes (None when unknown), and the largest
     that fits chosen; Plan.require() stops when none does."""
     # the kernels' needs are checked once, on the first candidate (they are the same kernels)
     with _collected_after():
         table = tuple((c, footprint(runner_for(model, device, c, check=i == 0)))
                       for i, c in enumerate(candidates(model.context_length, max_seqs,
-                                                       context)))
+                                                       context, step_tokens)))
     fitting = [i for i, (_, f) in enumerate(table) if fits(f, free, device.max_buffer)]
     return Plan(f"{device.backend}: {device.name}", free, source, device.max_buffer, table,
                 fitting[-1] if fitting else None)
@@ -292,13 +293,15 @@ class GroupPlan:
         return out
 
 
-def plan_group(model, group, kind, frees, source, max_seqs=None, context=None):
+def plan_group(model, group, kind, frees, source, max_seqs=None, context=None,
+               step_tokens=None):
     """Every candidate's footprint on each device of a group against that device's free
     bytes; the largest candidate that fits on all of them chosen."""
     from .group import GroupRunner
     table = []
     with _collected_after():
-        for i, c in enumerate(candidates(model.context_length, max_seqs, context)):
+        for i, c in enumerate(candidates(model.context_length, max_seqs, context,
+                                         step_tokens)):
             runner = GroupRunner(model, group, kind, c.kv_blocks, BLOCK_SIZE, c.step_tokens,
                                  c.max_seqs, check=i == 0)        # as plan(): checked once
             table.append((c, tuple(footprint(share) for share in runner.shares())))

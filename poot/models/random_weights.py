@@ -7,6 +7,7 @@ runs. Weights are drawn so activations stay of order one through the layers.
 """
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -167,3 +168,25 @@ class RandomArray:
         values = np.random.default_rng(self.seed).standard_normal(self.shape, dtype=np.float32)
         scale = self.scale / np.sqrt(self.shape[1]) if len(self.shape) == 2 else self.scale
         return (values * np.float32(scale) + np.float32(self.offset)).astype(dtype or np.float32)
+
+
+SPEC_SHAPES = {"tiny": "tiny-k", "1b": "llama-1b", "8b": "llama-8b"}
+POOL_ROWS = 512         # a benchmark matrix's rows drawn from this many random ones
+
+
+def model_file(spec, folder):
+    """The file of a model named as the scripts name them: 'default' (the default model), or
+    SIZE:FORMAT (tiny, 1b or 8b, e.g. 8b:F16) for a random Llama of that shape, written into
+    `folder` once (matrices pooled from POOL_ROWS rows: an 8B file is written in seconds)."""
+    from ..loader import default_model_path
+    if spec == "default":
+        return default_model_path()
+    size, _, dtype = spec.partition(":")
+    if size not in SPEC_SHAPES or not dtype:
+        raise ValueError(f"model {spec!r}: expected default or SIZE:FORMAT with SIZE one of "
+                         f"{', '.join(SPEC_SHAPES)} (e.g. 1b:F16)")
+    path = Path(folder) / f"random-{size}-{dtype.lower()}-pooled.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_random_llama(path, SPEC_SHAPES[size], dtype=dtype, pool_rows=POOL_ROWS)
+    return path

@@ -76,6 +76,10 @@ def build_parser():
     p.add_argument("--ctx", type=int, help="context length per sequence (default: the "
                    "longest that fits, up to the model's; reference: the model's, at most "
                    f"{REFERENCE_CONTEXT})")
+    p.add_argument("--prefill-chunk", type=int, help="the most tokens one step runs, prompt "
+                   "chunks and decode tokens together (default: the largest that fits, of "
+                   f"{', '.join(map(str, plan.STEP_TOKENS))}; reference: "
+                   f"{REFERENCE_STEP_TOKENS})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
@@ -91,6 +95,8 @@ def check_flags(args):
         raise UsageError(f"--max-seqs {args.max_seqs}: must be at least 1")
     if args.ctx is not None and args.ctx < 1:
         raise UsageError(f"--ctx {args.ctx}: must be at least 1")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk {args.prefill_chunk}: must be at least 1")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port}: not a port number")
     ordinals = [0]
@@ -245,16 +251,17 @@ def reference_runner(model, args, memory_limit):
     max_seqs = args.max_seqs or REFERENCE_MAX_SEQS
     blocks = reference_blocks(model, context, max_seqs, memory_limit)
     runner = model.runner(None, num_blocks=blocks, block_size=REFERENCE_BLOCK_SIZE)
-    return runner, {"max_seqs": max_seqs, "context": context,
-                    "step_tokens": REFERENCE_STEP_TOKENS, "kv_blocks": blocks,
-                    "kv_block_size": REFERENCE_BLOCK_SIZE}
+    step_tokens = args.prefill_chunk or REFERENCE_STEP_TOKENS
+    return runner, {"max_seqs": max_seqs, "context": context, "step_tokens": step_tokens,
+                    "kv_blocks": blocks, "kv_block_size": REFERENCE_BLOCK_SIZE}
 
 
 def device_runner(model, device, memory, args):
     """The runner of the planned shape: planned, allocated, checked against the device's own
     accounting, then uploaded; and the plan as /health shows it."""
     free, _, source = memory
-    chosen = plan.plan(model, device, free, source, args.max_seqs, args.ctx).require()
+    chosen = plan.plan(model, device, free, source, args.max_seqs, args.ctx,
+                       args.prefill_chunk).require()
     runner = plan.runner_for(model, device, chosen.candidate)
     before, _ = device.held()
     runner.allocate()
@@ -279,7 +286,7 @@ def group_runner(model, group, memory, args):
     kind, _ = parse_placement(args.placement)
     frees = [free for free, _, _ in memory]
     chosen = plan.plan_group(model, group, kind, frees, memory[0][2], args.max_seqs,
-                             args.ctx).require()
+                             args.ctx, args.prefill_chunk).require()
     runner = plan.group_runner_for(model, group, kind, chosen.candidate)
     before = [d.held()[0] for d in group.devices]
     runner.allocate()

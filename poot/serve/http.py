@@ -315,9 +315,15 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def send_error(self, code, message=None, explain=None):
-        """http.server's own errors (bad request line, huge headers) in the OpenAI shape."""
+        """http.server's own errors (bad request line, huge headers) in the OpenAI shape. Its
+        two 5xx answers are the client's mistakes, and 5xx is kept for the server's own
+        failures: a method it does not know is 405, an HTTP version it does not speak 400."""
         self.close_connection = True
         self.status_sent = None
+        if code == HTTPStatus.NOT_IMPLEMENTED:
+            code, message = 405, f"method {self.command!r:.40} is not allowed"
+        elif code == HTTPStatus.HTTP_VERSION_NOT_SUPPORTED:
+            code = 400
         if self.request_version == "HTTP/0.9":     # the line did not parse: answer as 1.1
             self.request_version = "HTTP/1.1"
         phrase = HTTPStatus(code).phrase if code in HTTPStatus._value2member_map_ else "Error"

@@ -234,8 +234,12 @@ def chat_prompt_ids(model, messages):
 class Completion:
     """One validated /v1/completions or /v1/chat/completions request, and its response shapes."""
 
-    def __init__(self, kind, model, prompt_ids, params, stream, include_usage):
+    def __init__(self, kind, model, prompt_ids, params, stream, include_usage,
+                 ids_as_tokens=False):
         self.kind = kind                      # "chat" or "text"
+        # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", which tells
+        # apart tokens whose bytes are no whole characters
+        self.ids_as_tokens = ids_as_tokens
         self.model = model
         self.tokenizer = model.tokenizer
         self.prompt_ids = prompt_ids
@@ -260,7 +264,8 @@ class Completion:
             raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         params = _sampling(body, ("max_completion_tokens", "max_tokens"), logprobs)
         prompt_ids = chat_prompt_ids(model, chat_messages(body))
-        return cls("chat", model, prompt_ids, params, *_stream_flags(body))
+        return cls("chat", model, prompt_ids, params, *_stream_flags(body),
+                   _get(body, "return_tokens_as_token_ids", "bool", False))
 
     @classmethod
     def text(cls, body, model):
@@ -275,12 +280,16 @@ class Completion:
             raise invalid(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
         params = _sampling(body, ("max_tokens",), logprobs)
         return cls("text", model, _prompt_ids(body, model.tokenizer), params,
-                   *_stream_flags(body))
+                   *_stream_flags(body), _get(body, "return_tokens_as_token_ids", "bool", False))
 
     # ---- shaping ----
 
-    def _token(self, token_id):
+    def _text(self, token_id):
         return self.tokenizer.token_bytes(token_id).decode("utf-8", "replace")
+
+    def _token(self, token_id):
+        """A token as logprobs name it: its text, or "token_id:N"."""
+        return f"token_id:{token_id}" if self.ids_as_tokens else self._text(token_id)
 
     def _logprobs(self, entries):
         if entries is None:
@@ -288,17 +297,17 @@ class Completion:
         if self.kind == "chat":
             def one(token_id, logprob):
                 raw = self.tokenizer.token_bytes(token_id)
-                return {"token": raw.decode("utf-8", "replace"), "logprob": logprob,
+                return {"token": self._token(token_id), "logprob": logprob,
                         "bytes": list(raw)}
             return {"content": [dict(one(e.token_id, e.logprob),
                                      top_logprobs=[one(i, lp) for i, lp in e.top])
                                 for e in entries]}
-        tokens = [self._token(e.token_id) for e in entries]
         offsets = []
-        for token in tokens:
+        for e in entries:
             offsets.append(self.text_offset)
-            self.text_offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            self.text_offset += len(self._text(e.token_id))
+        return {"tokens": [self._token(e.token_id) for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self._token(i): lp for i, lp in e.top} for e in entries],
                 "text_offset": offsets}
 

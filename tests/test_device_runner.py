@@ -171,6 +171,32 @@ def test_logprob_steps_take_sample_s_rows_from_candidates(device, monkeypatch):
         assert np.allclose(got.top_logprobs, want.top_logprobs, rtol=0, atol=1e-4)
 
 
+def test_rows_that_report_no_logprobs_are_sampled_from_their_own_candidates(device,
+                                                                            monkeypatch):
+    """In a step where some rows report log probabilities, the rows that do not (reports) are
+    decided from candidates at their own temperature, so a sampled row at 0.7 beside them reads
+    no logits back; each row's token is sample()'s, the reporting rows' log probabilities too."""
+    n = 6
+    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    reports = np.array([True, False, False, True, False, True])
+    rows = SamplingRows(temperature=np.array([0, 0.7, 1.3, 1, 0.9, 0], np.float32),
+                        top_k=np.array([0, 5, 40, 7, ops.TOP_KEEP, 3], np.int32),
+                        top_p=np.array([1, .9, 1, 1, 1, 1], np.float32),
+                        min_p=np.array([0, 0, 0, 0, .05, 0], np.float32),
+                        seed=rng.integers(0, 2**63, n).astype(np.uint64),
+                        step=np.arange(n, dtype=np.int64), n_logprobs=4, logprobs=True,
+                        reports=reports)        # short top-k cuts: always decided
+    batch = batch_of(0, rows)
+    read.clear()
+    got = runner.step(batch)
+    assert runner._output_name() not in read, read
+    want = sample(runner.logits(batch), rows)   # the same step again: the same logits
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert got.top_ids[reports].tolist() == want.top_ids[reports].tolist()
+    assert np.allclose(got.logprobs[reports], want.logprobs[reports], rtol=0, atol=1e-4)
+    assert np.allclose(got.top_logprobs[reports], want.top_logprobs[reports], rtol=0, atol=1e-4)
+
+
 def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):
     """Steps whose inputs and greedy tokens pass through the device's host_array memory,
     copied by the step itself (recorded with its launches): ptx and a discrete GPU's vulkan do
@@ -201,6 +227,20 @@ def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):
                 p.append(int(token))
         got.append(ids)
     assert got[1] == got[0]
+
+
+def test_every_backend_refuses_a_launch_of_an_empty_grid(device):
+    from poot.backends import EmptyLaunch
+    kernel = ops.elementwise("add")
+    buffers = [device.alloc(64) for _ in range(3)]
+    program = device.program(kernel)
+    for grid in ((0,), (4, 0), (1, 1, 0)):
+        with pytest.raises(EmptyLaunch, match="empty grid"):
+            device.launch(program, kernel, grid, (*buffers, 16, 16))
+    device.launch(program, kernel, (1,), (*buffers, 16, 16))
+    device.synchronize()
+    for b in buffers:
+        device.free(b)
 
 
 def test_a_step_that_samples_no_row_launches_nothing_empty(tmp_path, device):

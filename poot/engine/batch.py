@@ -22,6 +22,8 @@ class SamplingRows:
     The random draw of a row is a pure function of (seed, step): see sampling.uniform.
     logprobs says whether any row reports log probabilities (the chosen token's, and the
     n_logprobs most likely alternatives); without it a runner may leave them out (zeros).
+    reports says which rows do (None: every row, when logprobs); a runner may leave out the
+    others' (zeros).
     """
     temperature: np.ndarray   # float32 [R]
     top_k: np.ndarray         # int32 [R]
@@ -31,6 +33,7 @@ class SamplingRows:
     step: np.ndarray          # int64 [R]: how many tokens this sequence has sampled before
     n_logprobs: int = 0
     logprobs: bool = False
+    reports: np.ndarray | None = None   # bool [R]
 
     @classmethod
     def greedy(cls, rows):

@@ -26,7 +26,8 @@ from ..kernels.lang import WGMMA
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from . import placement
 from .batch import StepBatch, StepOutput
-from .sampling import choice_args, choose_among, choose_fast, logprobs_among, sample
+from .sampling import (choice_args, choose_among, choose_fast, logprobs_among, sample,
+                       sample_row)
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
@@ -266,22 +267,35 @@ class StepRunner:
         return _tokens_only(np.array(tokens, np.int32))
 
     def _step_with_logprobs(self, R, rows):
-        """The tokens and log probabilities (of the raw logits) of the last step's R rows: from
-        the rows' candidates with sums at temperature 1 (sampling.logprobs_among) where every
-        row's can tell them, else from the logits read back (sample)."""
-        candidates = self._candidates(R, np.ones(R, np.float32))
-        got = []
-        for r in range(R):
-            got.append(logprobs_among(*(part[r] for part in candidates), self.vocab_size,
-                                      *choice_args(rows, r), rows.n_logprobs))
-            if got[-1] is None:
-                return sample(self._logits_of(R), rows)
+        """The tokens and log probabilities (of the raw logits) of the last step's R rows, from
+        their candidates: a row that reports log probabilities from candidates with sums at
+        temperature 1 (sampling.logprobs_among), a row that does not (rows.reports) from
+        candidates at its own temperature (choose_among); only the rows those cannot decide
+        are taken from the logits read back (sampling.sample_row)."""
         k = rows.n_logprobs
-        tokens, chosen, top, top_lp = zip(*got)
-        return StepOutput(tokens=np.array(tokens, np.int32),
-                          logprobs=np.array(chosen, np.float32),
-                          top_ids=np.array(top, np.int32).reshape(R, k),
-                          top_logprobs=np.array(top_lp, np.float32).reshape(R, k))
+        reports = np.ones(R, bool) if rows.reports is None else np.asarray(rows.reports, bool)
+        temperature = np.where(reports | (rows.temperature <= 0), 1.0, rows.temperature)
+        candidates = self._candidates(R, temperature.astype(np.float32))
+        tokens, chosen = np.zeros(R, np.int32), np.zeros(R, np.float32)
+        top, top_lp = np.zeros((R, k), np.int32), np.zeros((R, k), np.float32)
+        undecided = []
+        for r in range(R):
+            part = [c[r] for c in candidates]
+            if reports[r]:
+                got = logprobs_among(*part, self.vocab_size, *choice_args(rows, r), k)
+                if got is not None:
+                    tokens[r], chosen[r], top[r], top_lp[r] = got
+            else:
+                got = choose_among(*part, self.vocab_size, *choice_args(rows, r))
+                if got is not None:
+                    tokens[r] = got
+            if got is None:
+                undecided.append(r)
+        if undecided:                    # the candidates could not tell: the rows' logits can
+            logits = self._logits_of(R)
+            for r in undecided:
+                tokens[r], chosen[r], top[r], top_lp[r] = sample_row(logits[r], rows, r, k)
+        return StepOutput(tokens=tokens, logprobs=chosen, top_ids=top, top_logprobs=top_lp)
 
     def _has_candidates(self):
         """Whether the runner leaves its rows' top_candidates on the device (_candidates)."""

@@ -206,6 +206,15 @@ def choice_args(rows, r):
             float(rows.min_p[r]), uniform(rows.seed[r], rows.step[r]))
 
 
+def sample_row(logits, rows, r, k):
+    """sample()'s row r of SamplingRows `rows` alone, from its logits [V]: (token, its log
+    probability, the k best ids and theirs)."""
+    token = choose_fast(logits, *choice_args(rows, r))
+    logprobs = log_softmax(np.asarray(logits, np.float32))
+    top = best(logprobs, k) if k else np.zeros(0, np.int64)
+    return token, logprobs[token], top, logprobs[top]
+
+
 def sample(logits, rows):
     """StepOutput for logits [R, V] under SamplingRows `rows` (choose_fast for each row)."""
     logits = np.asarray(logits, np.float32)

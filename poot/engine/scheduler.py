@@ -488,7 +488,8 @@ class Engine:
             seed=np.array([s.seed for s in sampled], np.uint64),
             step=np.array([s.num_generated for s in sampled], np.int64),
             n_logprobs=max([p.logprobs or 0 for p in params], default=0),
-            logprobs=any(p.logprobs is not None for p in params))
+            logprobs=any(p.logprobs is not None for p in params),
+            reports=np.array([p.logprobs is not None for p in params], bool))
         batch = StepBatch(tokens=np.array(tokens, np.int32),
                           positions=np.array(positions, np.int32),
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,

@@ -231,8 +231,9 @@ def verify(device, footprint, runner, before):
     if not low <= check.measured <= high:
         raise PlanMismatch(
             f"{device.backend}: {device.name}: the allocation took {check.measured} bytes by "
-            f"{source}, but the plan counted {check.planned} ({check.requested} requested, allocator granularity "
-            f"{check.granularity}): the plan cannot be trusted, so nothing is served")
+            f"{source}, but the plan counted {check.planned} ({check.requested} requested, "
+            f"allocator granularity {check.granularity}): the plan cannot be trusted, so "
+            "nothing is served")
     return check
 
 

@@ -107,9 +107,9 @@ def decoding(device, n, monkeypatch):
         runner.logits(step(rng.integers(3, 3000, 5 + i).tolist(), 0, tables[i]))
     reader, read = runner._read, []
 
-    def recorded(name, nbytes):
+    def recorded(name, nbytes, offset=0):
         read.append(name)
-        return reader(name, nbytes)
+        return reader(name, nbytes, offset)
     monkeypatch.setattr(runner, "_read", recorded)
 
     def batch(decode, rows):

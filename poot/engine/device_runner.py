@@ -26,7 +26,7 @@ from ..kernels.lang import WGMMA
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from . import placement
 from .batch import StepBatch, StepOutput
-from .sampling import (choice_args, choose_among, choose_fast, logprobs_among, sample,
+from .sampling import (choice_args, choose_among, choose_sorted, logprobs_among, sample,
                        sample_row)
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
@@ -224,6 +224,13 @@ class StepRunner:
         raw = self._read(self._output_name(), R * self.vocab_size * 4)
         return np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
 
+    def _logit_rows(self, rows):
+        """Rows `rows` of the last step's logits, each read back alone: the rows a step's
+        candidates left undecided are few, the rest need not cross to the host."""
+        size = self.vocab_size * 4
+        return {r: np.frombuffer(self._read(self._output_name(), size, r * size), np.float32)
+                for r in rows}
+
     def step(self, batch):
         """Runs a step and returns its tokens (launch, then collect)."""
         self.launch(batch)
@@ -260,10 +267,8 @@ class StepRunner:
         tokens = [choose_among(*(part[r] for part in candidates), self.vocab_size, *params[r])
                   for r in range(R)]
         undecided = [r for r, token in enumerate(tokens) if token is None]
-        if undecided:                    # the candidates could not tell: the rows' logits can
-            logits = self._logits_of(R)
-            for r in undecided:
-                tokens[r] = choose_fast(logits[r], *params[r])
+        for r, logits in self._logit_rows(undecided).items():   # the candidates could not tell
+            tokens[r] = choose_sorted(logits, *params[r])
         return _tokens_only(np.array(tokens, np.int32))
 
     def _step_with_logprobs(self, R, rows):
@@ -291,10 +296,8 @@ class StepRunner:
                     tokens[r] = got
             if got is None:
                 undecided.append(r)
-        if undecided:                    # the candidates could not tell: the rows' logits can
-            logits = self._logits_of(R)
-            for r in undecided:
-                tokens[r], chosen[r], top[r], top_lp[r] = sample_row(logits[r], rows, r, k)
+        for r, logits in self._logit_rows(undecided).items():   # the candidates could not tell
+            tokens[r], chosen[r], top[r], top_lp[r] = sample_row(logits, rows, r, k)
         return StepOutput(tokens=tokens, logprobs=chosen, top_ids=top, top_logprobs=top_lp)
 
     def _has_candidates(self):
@@ -1437,12 +1440,12 @@ class DeviceRunner(StepRunner):
             out.append(array[..., 0] if width == 1 else array)
         return out
 
-    def _read(self, name, nbytes):
+    def _read(self, name, nbytes, offset=0):
         """Bytes of a buffer of the runner that computes the logits."""
         if name in self._host:                  # staged: the step copied them out
             self.device.synchronize()
-            return self._host[name][:nbytes // 4].tobytes()
-        return self.device.read(self.buffers[name], nbytes)
+            return self._host[name][offset // 4:(offset + nbytes) // 4].tobytes()
+        return self.device.read(self.buffers[name], nbytes, offset)
 
     def _output_name(self):
         return f"arena.{self._slot_of[self.graph.outputs['logits'].name]}"

@@ -180,8 +180,8 @@ class GroupRunner(StepRunner):
     def _synchronize(self):
         self.group.synchronize()
 
-    def _read(self, name, nbytes):
-        return self.head._read(name, nbytes)
+    def _read(self, name, nbytes, offset=0):
+        return self.head._read(name, nbytes, offset)
 
     def _output_name(self):
         return self.head._output_name()

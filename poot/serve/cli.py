@@ -20,6 +20,7 @@ from poot.backends.select import BACKENDS, open_device
 from poot.cli import Parser
 from poot.engine import plan
 from poot.engine.faults import Faults
+from poot.serve.profile import StackSampler
 from poot.errors import (BackendUnavailable, CapacityError, NoSuchDevice, PlacementRefused,
                          PootError, ServingFailed, UsageError)
 
@@ -84,6 +85,8 @@ def build_parser():
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
                    "/health")
+    p.add_argument("--profile", metavar="PATH", help="sample every thread's stack while "
+                   "serving and write where the time went to PATH at exit")
     return p
 
 
@@ -220,7 +223,10 @@ def serve(args, stop_event):
         raise
     log.info("serving %s on %s: backend %s, %d sequences x %d tokens", model.name, server.url,
              runner.backend, engine.max_seqs, engine.context_limit)
+    sampler = StackSampler(args.profile).start() if args.profile else None
     stop_event.wait()
+    if sampler is not None:
+        sampler.stop()
     if engine.error is not None:
         # /health says why until the port closes; the exit status tells a supervisor
         log.error("the engine serves no more: %s; draining, then exiting", engine.error)

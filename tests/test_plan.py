@@ -34,6 +34,7 @@ def device(request):
 
 def test_candidates_are_ordered_and_bounded_by_the_model_and_the_pins():
     every = plan.candidates(8192)
+    assert all(c.kv_blocks == c.full_blocks == c.max_seqs * -(-c.context // 16) for c in every)
     assert [c.rank for c in every] == sorted(c.rank for c in every)
     assert {c.context for c in every} == {512, 1024, 2048, 4096, 8192}
     assert {c.max_seqs for c in every} == set(plan.MAX_SEQS)
@@ -96,6 +97,41 @@ def test_the_chosen_candidate_is_the_largest_that_fits(tiny, device, free):
     assert p.require() is p and p.chosen == fits[-1]
     assert p.footprint.total <= free
     assert all(f.total > free for _, f in p.table[p.chosen + 1:])
+
+
+def test_a_shapes_footprint_at_any_kv_blocks_is_its_runners(tiny, device):
+    """Scaling (the plan's footprint of a shape at a count of KV blocks) is what the runner
+    built for that count lists, from the least blocks a shape serves with to its full count."""
+    shape = plan.Candidate(8, 256, 128)
+    least = shape.sharing(shape.least_blocks)
+    scaling = plan.Scaling.of(plan.runner_for(tiny, device, least).allocations(),
+                              least.kv_blocks, device.allocation_bytes)
+    for blocks in (shape.least_blocks, shape.least_blocks + 7, shape.full_blocks):
+        runner = plan.runner_for(tiny, device, shape.sharing(blocks))
+        assert scaling.at(blocks) == plan.footprint(runner)
+        assert runner.max_context == 256
+
+
+def test_sequences_share_the_kv_cache_the_memory_leaves(tiny, device):
+    """Where a full context for every sequence does not fit, the plan still takes the longest
+    context and the most sequences, and gives the KV cache every block that fits: one more
+    would not."""
+    roomy = plan.plan(tiny, device, 1 << 30, "a test").require()
+    context = tiny.context_length
+    assert (roomy.candidate.context, roomy.candidate.max_seqs) == (context, max(plan.MAX_SEQS))
+    full = roomy.candidate.full_blocks
+    assert roomy.candidate.kv_blocks == full
+    f = roomy.footprint
+    per_block = f.state // full
+    free = f.total - (full // 3) * per_block        # a third of the full cache does not fit
+    tight = plan.plan(tiny, device, free, "a test").require()
+    c = tight.candidate
+    assert (c.context, c.max_seqs, c.step_tokens) == (context, max(plan.MAX_SEQS),
+                                                       roomy.candidate.step_tokens)
+    assert c.least_blocks <= c.kv_blocks < full and tight.footprint.total <= free
+    more = plan.footprint(plan.runner_for(tiny, device, c.sharing(c.kv_blocks + 1)))
+    assert more.total > free
+    assert "sharing" in str(c)
 
 
 def test_a_real_allocation_agrees_with_the_plan(tiny, device):

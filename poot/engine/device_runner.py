@@ -315,10 +315,11 @@ def _tokens_only(tokens):
 
 class DeviceRunner(StepRunner):
     def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16,
-                 part=None, split_tokens=None, check=True):
+                 part=None, split_tokens=None, check=True, context=None):
         """check=False: a runner only for its allocation list (a plan's candidate, of which the
         plan builds dozens), whose kernels are not checked against the device's capabilities:
-        the runner of the chosen candidate does that."""
+        the runner of the chosen candidate does that. `context`: the longest sequence it serves
+        (the model's unless less), which sizes its block tables and attention splits."""
         self.model, self.device, self.part = model, device, part
         self.base = None            # a lane's runner whose weights and KV cache it uses
         self._chosen = {}           # choices by weight shape (_matvec, _mma_launches, _groups)
@@ -326,7 +327,7 @@ class DeviceRunner(StepRunner):
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.vocab_size = model.config.vocab_size
-        self.max_context = model.context_length
+        self.max_context = min(model.context_length, context or model.context_length)
         self.table_width = -(-min(self.max_context, num_blocks * block_size) // block_size)
         context = self.table_width * block_size
         if split_tokens is None:        # split only long contexts, in at most MAX_SPLITS pieces

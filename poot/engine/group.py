@@ -69,7 +69,7 @@ class GroupRunner(StepRunner):
     backend = "ptx"
 
     def __init__(self, model, group, kind, num_blocks, block_size=16, max_tokens=256,
-                 max_seqs=16, check=True, lanes=None):
+                 max_seqs=16, check=True, lanes=None, context=None):
         """check=False: for a plan's candidate (DeviceRunner's check). lanes: steps a pipeline
         keeps in flight at once (one per stage unless given; a tensor group has one)."""
         if kind not in ("pipeline", "tensor"):
@@ -77,7 +77,7 @@ class GroupRunner(StepRunner):
         self.model, self.group, self.placement = model, group, kind
         self.parts = parts(model, kind, len(group.devices), num_blocks, block_size)
         self.runners = [DeviceRunner(model, device, num_blocks, block_size, max_tokens,
-                                     max_seqs, part, check=check)
+                                     max_seqs, part, check=check, context=context)
                         for device, part in zip(group.devices, self.parts)]
         if kind == "tensor":
             for runner in self.runners:

@@ -1,13 +1,18 @@
 """The memory plan: the serving shape a device can hold, chosen before anything is allocated.
 
-A Candidate is a serving shape: sequences decoded at once, tokens of context each, and the
-prefill chunk (the most tokens one engine step runs). Its Footprint is the device runner's own
-allocation list (DeviceRunner.allocations(), which a runner reports before touching device
-memory), each buffer rounded by the device's allocation rule (Device.allocation_bytes): weights
-counted once, the arenas every step reuses, and the state (the paged KV cache). `plan` takes the
-largest candidate whose footprint fits the free memory (and whose every buffer fits the device's
-limit for one buffer); that candidate's runner allocates exactly
-the list that was counted, and `verify` then compares the device's own accounting with the plan.
+A Candidate is a serving shape: sequences decoded at once, tokens of context each, the prefill
+chunk (the most tokens one engine step runs), and the KV blocks the sequences share. Its
+Footprint is the device runner's own allocation list (DeviceRunner.allocations(), which a runner
+reports before touching device memory), each buffer rounded by the device's allocation rule
+(Device.allocation_bytes): weights counted once, the arenas every step reuses, and the state
+(the paged KV cache). `plan` takes the largest shape that fits the free memory (and whose every
+buffer fits the device's limit for one buffer): the longest context, then the most sequences,
+then the larger chunk; its KV cache takes the memory left, up to a full context for every
+sequence and at least one full context. Sequences take blocks as they grow, so 64 sequences
+of a 128k-token context share what memory there is rather than each reserving 128k; when the
+blocks run out the scheduler preempts the latest arrival. The chosen candidate's runner
+allocates exactly the list that was counted, and `verify` then compares the device's own
+accounting with the plan.
 
 A device group (engine/group.py) is planned the same way per device: a candidate's footprint on
 each device is that device's own runner's list (its weights, arenas and share of the KV cache),
@@ -36,22 +41,41 @@ class Candidate:
     max_seqs: int
     context: int
     step_tokens: int
+    kv_blocks: int = 0          # 0: a full context for every sequence
+
+    def __post_init__(self):
+        if not self.kv_blocks:
+            object.__setattr__(self, "kv_blocks", self.full_blocks)
 
     @property
-    def kv_blocks(self):
-        """KV blocks for every sequence holding a full context at once."""
-        return self.max_seqs * -(-self.context // BLOCK_SIZE)
+    def full_blocks(self):
+        """KV blocks for every sequence holding a full context at once (more would idle)."""
+        return self.max_seqs * blocks_for(self.context)
+
+    @property
+    def least_blocks(self):
+        """The fewest KV blocks it serves with: one full context, and a block a sequence."""
+        return max(blocks_for(self.context), self.max_seqs)
+
+    def sharing(self, kv_blocks):
+        return Candidate(self.max_seqs, self.context, self.step_tokens, kv_blocks)
 
     @property
     def rank(self):
-        """Candidates are ordered by the tokens of KV cache they hold; at equal tokens the longer
-        context comes later (a request longer than the context cannot be served at all, while
-        sequences beyond max_seqs only wait their turn); then the larger prefill chunk."""
-        return (self.max_seqs * self.context, self.context, self.step_tokens)
+        """Shapes are ordered by their context (a request longer than the context cannot be
+        served at all), then by sequences at once (more waiting their turn otherwise), then by
+        the prefill chunk; the KV blocks are the memory left, not a preference."""
+        return (self.context, self.max_seqs, self.step_tokens)
 
     def __str__(self):
+        shared = "" if self.kv_blocks == self.full_blocks else \
+            f", sharing {self.kv_blocks * BLOCK_SIZE} tokens of KV cache"
         return (f"{self.max_seqs} sequence{'s' if self.max_seqs > 1 else ''} x {self.context} "
-                f"tokens, prefill chunk {self.step_tokens}")
+                f"tokens, prefill chunk {self.step_tokens}{shared}")
+
+
+def blocks_for(tokens):
+    return -(-tokens // BLOCK_SIZE)
 
 
 @dataclass(frozen=True)
@@ -111,16 +135,16 @@ class Plan:
 
     def lines(self):
         """Every candidate as a table row, the chosen one marked."""
-        out = [f"{'seqs':>5} {'context':>8} {'chunk':>6} {'weights':>12} {'arenas':>12} "
-               f"{'state':>12} {'total':>12}"]
+        out = [f"{'seqs':>5} {'context':>8} {'chunk':>6} {'KV tokens':>10} {'weights':>12} "
+               f"{'arenas':>12} {'state':>12} {'total':>12}"]
         for i, (c, f) in enumerate(self.table):
             over = self.free is not None and f.total > self.free
             too_large = self.max_buffer is not None and f.largest > self.max_buffer
             mark = ("  <- chosen" if i == self.chosen else "  over" if over
                     else "  buffer over the device's limit" if too_large else "")
             out.append(f"{c.max_seqs:>5} {c.context:>8} {c.step_tokens:>6} "
-                       f"{size(f.weights):>12} {size(f.arenas):>12} {size(f.state):>12} "
-                       f"{size(f.total):>12}{mark}")
+                       f"{c.kv_blocks * BLOCK_SIZE:>10} {size(f.weights):>12} "
+                       f"{size(f.arenas):>12} {size(f.state):>12} {size(f.total):>12}{mark}")
         free = "unknown" if self.free is None else size(self.free)
         out.append(f"free: {free} ({self.source})")
         return out
@@ -168,20 +192,59 @@ def runner_for(model, device, candidate, check=True):
     """The device runner of a candidate, nothing allocated (it has read the device's caps, and
     with `check` refused a model whose kernels need what the device lacks)."""
     return DeviceRunner(model, device, candidate.kv_blocks, BLOCK_SIZE, candidate.step_tokens,
-                        candidate.max_seqs, check=check)
+                        candidate.max_seqs, check=check, context=candidate.context)
 
 
 def footprint(runner):
     """The device memory of a runner's allocation list, by kind, each buffer rounded by the
     device's allocation rule."""
-    rounded = runner.device.allocation_bytes
-    kinds = dict.fromkeys(KINDS, 0)
-    allocations = runner.allocations()
-    for a in allocations:
-        kinds[a.kind] += rounded(a.nbytes)
-    largest = max(allocations, key=lambda a: a.nbytes)
-    return Footprint(**kinds, total=sum(kinds.values()), largest=largest.nbytes,
-                     largest_name=largest.name)
+    return Scaling.of(runner.allocations(), runner.num_blocks,
+                      runner.device.allocation_bytes).at(runner.num_blocks)
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """An allocation list's footprint at any count of KV blocks: the cache's buffers ("state")
+    grow by the same bytes with every block, the others stay as they are."""
+    fixed: dict                 # kind -> rounded bytes of the buffers that do not scale
+    largest: tuple              # (bytes, name) of the largest buffer that does not scale
+    per_block: tuple            # (bytes a block, name) of each cache buffer
+    rounded: object             # the device's allocation rule
+
+    @classmethod
+    def of(cls, allocations, blocks, rounded):
+        fixed = dict.fromkeys(KINDS, 0)
+        for a in allocations:
+            if a.kind != "state":
+                fixed[a.kind] += rounded(a.nbytes)
+        largest = max(((a.nbytes, a.name) for a in allocations if a.kind != "state"),
+                      default=(0, ""))
+        per_block = tuple((a.nbytes // blocks, a.name) for a in allocations if a.kind == "state")
+        if any(n * blocks != a.nbytes for (n, _), a in
+               zip(per_block, [a for a in allocations if a.kind == "state"])):
+            raise ValueError("a KV cache buffer is not a whole number of bytes a block")
+        return cls(fixed, largest, per_block, rounded)
+
+    def at(self, blocks):
+        state = sum(self.rounded(n * blocks) for n, _ in self.per_block)
+        largest = max([self.largest] + [(n * blocks, name) for n, name in self.per_block])
+        return Footprint(self.fixed["weights"], self.fixed["arenas"], state,
+                         self.fixed["weights"] + self.fixed["arenas"] + state, *largest)
+
+
+def most_blocks(candidate, scalings, frees, max_buffers):
+    """The most KV blocks, from the candidate's least to its full count, at which every
+    device's footprint fits its free memory; None where even the least does not."""
+    def fit(blocks):
+        return all(fits(s.at(blocks), free, limit)
+                   for s, free, limit in zip(scalings, frees, max_buffers))
+    low, high = candidate.least_blocks, candidate.full_blocks
+    if not fit(low):
+        return None
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fit(middle) else (low, middle - 1)
+    return low
 
 
 def fits(footprint, free, max_buffer):
@@ -205,16 +268,23 @@ def _collected_after():
 
 
 def plan(model, device, free, source, max_seqs=None, context=None, step_tokens=None):
-    """Every candidate's footprint against `free` bytes (None when unknown), and the largest
-    that fits chosen; Plan.require() stops when none does."""
+    """Every shape's footprint against `free` bytes (None when unknown), with the most KV blocks
+    that fit (the least where none do), and the largest that fits chosen; Plan.require() stops
+    when none does."""
+    table = []
     # the kernels' needs are checked once, on the first candidate (they are the same kernels)
     with _collected_after():
-        table = tuple((c, footprint(runner_for(model, device, c, check=i == 0)))
-                      for i, c in enumerate(candidates(model.context_length, max_seqs,
-                                                       context, step_tokens)))
+        for i, shape in enumerate(candidates(model.context_length, max_seqs, context,
+                                             step_tokens)):
+            least = shape.sharing(shape.least_blocks)
+            scaling = Scaling.of(runner_for(model, device, least, check=i == 0).allocations(),
+                                 least.kv_blocks, device.allocation_bytes)
+            blocks = most_blocks(shape, [scaling], [free], [device.max_buffer])
+            chosen = shape.sharing(blocks or least.kv_blocks)
+            table.append((chosen, scaling.at(chosen.kv_blocks)))
     fitting = [i for i, (_, f) in enumerate(table) if fits(f, free, device.max_buffer)]
-    return Plan(f"{device.backend}: {device.name}", free, source, device.max_buffer, table,
-                fitting[-1] if fitting else None)
+    return Plan(f"{device.backend}: {device.name}", free, source, device.max_buffer,
+                tuple(table), fitting[-1] if fitting else None)
 
 
 def verify(device, footprint, runner, before):
@@ -282,12 +352,13 @@ class GroupPlan:
                 "memory_source": self.source}
 
     def lines(self):
-        out = [f"{'seqs':>5} {'context':>8} {'chunk':>6} " + " ".join(
+        out = [f"{'seqs':>5} {'context':>8} {'chunk':>6} {'KV tokens':>10} " + " ".join(
             f"{'device ' + str(i):>12}" for i in range(len(self.devices)))]
         for i, (c, fs) in enumerate(self.table):
             over = any(f.total > free for f, free in zip(fs, self.free))
             mark = "  <- chosen" if i == self.chosen else "  over" if over else ""
             out.append(f"{c.max_seqs:>5} {c.context:>8} {c.step_tokens:>6} "
+                       f"{c.kv_blocks * BLOCK_SIZE:>10} "
                        + " ".join(f"{size(f.total):>12}" for f in fs) + mark)
         for i, (name, free) in enumerate(zip(self.devices, self.free)):
             out.append(f"device {i}: {name}: {size(free)} free ({self.source})")
@@ -296,18 +367,26 @@ class GroupPlan:
 
 def plan_group(model, group, kind, frees, source, max_seqs=None, context=None,
                step_tokens=None):
-    """Every candidate's footprint on each device of a group against that device's free
-    bytes; the largest candidate that fits on all of them chosen."""
+    """plan() for a group: every shape's footprint on each device against that device's free
+    bytes, with the most KV blocks that fit on all of them; the largest shape that fits on all
+    of them chosen."""
     from .group import GroupRunner
     table = []
+    limits = [d.max_buffer for d in group.devices]
     with _collected_after():
-        for i, c in enumerate(candidates(model.context_length, max_seqs, context,
-                                         step_tokens)):
-            runner = GroupRunner(model, group, kind, c.kv_blocks, BLOCK_SIZE, c.step_tokens,
-                                 c.max_seqs, check=i == 0)        # as plan(): checked once
-            table.append((c, tuple(footprint(share) for share in runner.shares())))
+        for i, shape in enumerate(candidates(model.context_length, max_seqs, context,
+                                             step_tokens)):
+            least = shape.sharing(shape.least_blocks)
+            runner = GroupRunner(model, group, kind, least.kv_blocks, BLOCK_SIZE,
+                                 shape.step_tokens, shape.max_seqs, check=i == 0,
+                                 context=shape.context)          # as plan(): checked once
+            scalings = [Scaling.of(share.allocations(), least.kv_blocks,
+                                   share.device.allocation_bytes) for share in runner.shares()]
+            blocks = most_blocks(shape, scalings, frees, limits)
+            chosen = shape.sharing(blocks or least.kv_blocks)
+            table.append((chosen, tuple(s.at(chosen.kv_blocks) for s in scalings)))
     fitting = [i for i, (_, fs) in enumerate(table)
-               if all(fits(f, free, None) for f, free in zip(fs, frees))]
+               if all(fits(f, free, limit) for f, free, limit in zip(fs, frees, limits))]
     return GroupPlan(tuple(f"{d.backend}: {d.name}" for d in group.devices), tuple(frees),
                      source, tuple(table), fitting[-1] if fitting else None)
 
@@ -315,7 +394,7 @@ def plan_group(model, group, kind, frees, source, max_seqs=None, context=None,
 def group_runner_for(model, group, kind, candidate):
     from .group import GroupRunner
     return GroupRunner(model, group, kind, candidate.kv_blocks, BLOCK_SIZE,
-                       candidate.step_tokens, candidate.max_seqs)
+                       candidate.step_tokens, candidate.max_seqs, context=candidate.context)
 
 
 def verify_group(group, plan, runner, before):

@@ -42,8 +42,8 @@ def test_candidates_are_ordered_and_bounded_by_the_model_and_the_pins():
     assert {c.context for c in plan.candidates(300)} == {300}
     pinned = plan.candidates(8192, max_seqs=3, context=1000)
     assert {(c.max_seqs, c.context) for c in pinned} == {(3, 1000)}
-    assert {c.step_tokens for c in plan.candidates(8192, max_seqs=200)} == {200, 512}
-    assert {c.step_tokens for c in plan.candidates(8192, max_seqs=600)} == {600}
+    assert {c.step_tokens for c in plan.candidates(8192, max_seqs=200)} == {200, 512, 2048}
+    assert {c.step_tokens for c in plan.candidates(8192, max_seqs=600)} == {600, 2048}
 
 
 def test_the_footprint_is_the_runners_allocation_list_rounded_by_the_device(tiny, device):

@@ -32,7 +32,7 @@ from .device_runner import DeviceRunner
 BLOCK_SIZE = 16                         # tokens per KV block
 MAX_SEQS = (1, 2, 4, 8, 16, 32, 64)     # sequences at once, unless --max-seqs pins one
 MIN_CONTEXT = 512                       # the shortest context offered (the model's if shorter)
-STEP_TOKENS = (128, 512)                # prefill chunks (at least max_seqs: a decode step)
+STEP_TOKENS = (128, 512, 2048)          # prefill chunks (at least max_seqs: a decode step)
 KINDS = ("weights", "arenas", "state")
 
 

@@ -14,6 +14,7 @@ import select
 import socket
 import sys
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -410,13 +411,18 @@ class Handler(BaseHTTPRequestHandler):
             self.serving.leave()
 
     def _outputs(self, handle):
-        """The request's outputs as they come, watching for the client to leave meanwhile."""
+        """The request's outputs as they come, looking every DISCONNECT_POLL_S whether the
+        client has left meanwhile (also while outputs keep coming: a whole answer is written
+        only at its end, so nothing else would notice)."""
         first = True
+        looked = time.monotonic()
         while True:
             output = handle.next_output(timeout=DISCONNECT_POLL_S)
-            if output is None:
+            if time.monotonic() - looked >= DISCONNECT_POLL_S or output is None:
+                looked = time.monotonic()
                 if self._client_gone():
                     raise ClientGone
+            if output is None:
                 continue
             if output.token_ids and output.elapsed is not None:
                 self.serving.metrics.observe_token(first, output.elapsed)

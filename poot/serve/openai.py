@@ -13,6 +13,8 @@ from poot.engine.request import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidRequest, 
 from poot.errors import TemplateError
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# OpenAI's default for /v1/completions without max_tokens (chat's is the rest of the context)
+COMPLETION_MAX_TOKENS = 16
 
 
 class APIError(Exception):
@@ -105,13 +107,15 @@ def _refuse_unsupported(body):
                       "response_format")
 
 
-def _sampling(body, max_tokens_names, logprobs):
-    max_tokens = None
+def _sampling(body, max_tokens_names, logprobs, max_tokens=None):
+    """SamplingParams of a request; `max_tokens` where the request names none (None: up to
+    the context)."""
     for name in max_tokens_names:
-        max_tokens = _get(body, name, "int")
-        if max_tokens is not None:
-            if max_tokens < 1:
-                raise invalid(f"'{name}' must be at least 1, got {max_tokens}", name)
+        given = _get(body, name, "int")
+        if given is not None:
+            if given < 1:
+                raise invalid(f"'{name}' must be at least 1, got {given}", name)
+            max_tokens = given
             break
     stop = body.get("stop")
     if stop is None:
@@ -278,7 +282,7 @@ class Completion:
         logprobs = _get(body, "logprobs", "int")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise invalid(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
-        params = _sampling(body, ("max_tokens",), logprobs)
+        params = _sampling(body, ("max_tokens",), logprobs, COMPLETION_MAX_TOKENS)
         return cls("text", model, _prompt_ids(body, model.tokenizer), params,
                    *_stream_flags(body), _get(body, "return_tokens_as_token_ids", "bool", False))
 

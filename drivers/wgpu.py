@@ -34,6 +34,9 @@ from drivers import DriverError, load_library
 
 ENV_VAR = "POOT_WGPU_LIB"
 HEADER_MAJOR = 29  # the wgpu-native version whose webgpu.h / wgpu.h the declarations follow
+# the `wgpu` releases whose wheel carries wgpu-native 29.x: scripts/setup installs it and
+# scripts/bundle carries it, without its Python dependencies (the package is never imported)
+WHEEL = "wgpu==0.32.*"
 LIBRARY_NAMES = ("libwgpu_native-release.so", "libwgpu_native-release.dylib",
                  "wgpu_native-release.dll")
 

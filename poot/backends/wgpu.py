@@ -74,7 +74,8 @@ class WgpuDevice:
         try:
             self.lib, _ = wgpu.load()
         except LibraryNotFound as e:
-            raise BackendUnavailable(f"wgpu: wgpu-native is not installed (pip install wgpu): "
+            raise BackendUnavailable(f"wgpu: wgpu-native is not installed (scripts/setup "
+                                     f"installs it: pip install --no-deps '{wgpu.WHEEL}'): "
                                      f"{e}") from None
         except DriverError as e:
             raise BackendUnavailable(f"wgpu: {e}") from None
@@ -101,9 +102,10 @@ class WgpuDevice:
         self.adapter, self.ordinal = adapters[ordinal], ordinal
         try:
             described = [self._describe(adapter) for adapter in adapters]
-            name, ids, subgroup_sizes = described[ordinal]
+            name, ids, subgroup_sizes, kind = described[ordinal]
             self.name = f"{name} (wgpu:{ordinal})"
-            twins = sum(1 for _, other, _ in described[:ordinal] if other == ids)
+            self.on_cpu = kind == lib.WGPUAdapterType_CPU     # lavapipe: no GPU underneath
+            twins = sum(1 for _, other, _, _ in described[:ordinal] if other == ids)
             self._open(ids, twins, subgroup_sizes)
         except DriverError as e:
             raise BackendUnavailable(f"wgpu: cannot open adapter {ordinal}: {e}") from None
@@ -119,14 +121,15 @@ class WgpuDevice:
         self._readback = None
 
     def _describe(self, adapter):
-        """(device name, (vendor id, device id), (min, max subgroup size)) of an adapter."""
+        """(device name, (vendor id, device id), (min, max subgroup size), adapter type) of an
+        adapter."""
         lib = self.lib
         info = wgpu.new("WGPUAdapterInfo")
         if lib.wgpuAdapterGetInfo(adapter, info) != lib.WGPUStatus_Success:
             raise DriverError("wgpu", "wgpuAdapterGetInfo", None, "failed", "no adapter info")
         try:
             return (wgpu.text(info.device), (info.vendorID, info.deviceID),
-                    (info.subgroupMinSize, info.subgroupMaxSize))
+                    (info.subgroupMinSize, info.subgroupMaxSize), info.adapterType)
         finally:
             lib.wgpuAdapterInfoFreeMembers(info[0])
 

@@ -12,6 +12,7 @@ import logging
 import re
 import select
 import socket
+import socketserver
 import sys
 import threading
 import time
@@ -109,6 +110,13 @@ class HTTPServer(ThreadingHTTPServer):
     @property
     def port(self):
         return self.server_address[1]
+
+    def server_bind(self):
+        """http.server's bind, less its reverse lookup of the host's name (socket.getfqdn), which
+        can be a DNS query: poot opens no network connection but its port (docs/air-gapped.md).
+        `server_name` (only CGI reads it) is the address as bound."""
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
 
     def handle_error(self, request, client_address):
         """A connection that broke between requests is the client's business; anything else

@@ -9,9 +9,9 @@ import pytest
 import poot
 from poot.backends.select import open_device
 from poot.codegen.ptx import PTX_CAPS
-from poot.engine import device_runner
-from poot.engine.device_runner import (DEQUANT_PAST_TOKENS, MMA_MIN_TOKENS, MULTIPROCESSORS,
-                                       Allocation, DeviceRunner)
+from poot.engine import kernel_choice
+from poot.engine.kernel_choice import DEQUANT_PAST_TOKENS, MMA_MIN_TOKENS, MULTIPROCESSORS
+from poot.engine.device_runner import Allocation, DeviceRunner
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.engine.sampling import choice_args, choose, sample
 from poot.errors import BackendUnavailable
@@ -404,7 +404,7 @@ def test_long_prefill_matches_reference(tmp_path, device, dtype, n):
 def test_prefill_with_shared_kv_heads_matches_reference(tmp_path, device, monkeypatch):
     """Workgroups of a long step take several query heads of one KV head (forced here: the
     tiny model's steps are too short to share them by themselves)."""
-    monkeypatch.setattr(device_runner, "SHARED_HEADS_PER_SM", 0)
+    monkeypatch.setattr(kernel_choice, "SHARED_HEADS_PER_SM", 0)
     model = poot.load(tiny_model(tmp_path, dtype="F16"))
     cfg = model.config
     if ops.attention_heads(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
@@ -413,7 +413,7 @@ def test_prefill_with_shared_kv_heads_matches_reference(tmp_path, device, monkey
     batch = prefill_of(40)
     want = model.runner(None, num_blocks=16).logits(batch)
     runner = model.runner(device, num_blocks=16, max_tokens=128)
-    assert runner._attention_heads(40, cfg.n_heads, cfg.n_kv_heads) > 1
+    assert runner.choice.attention_heads(40, cfg.n_heads, cfg.n_kv_heads) > 1
     got = runner.logits(batch)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
@@ -547,7 +547,7 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
     log = LaunchLog(multiprocessors=multiprocessors)
     runner = DeviceRunner(model, log, num_blocks=16, max_tokens=200, max_seqs=16)
     least = MMA_MIN_TOKENS if dtype == "F32" else 17
-    assert runner.mma_min_tokens == least
+    assert runner.choice.mma_min_tokens == least
     runner.programs = {k.name: k for k in runner._kernels()}
     runner.buffers = {a.name: a for a in runner.allocations()}
     partials = runner.buffers.get("mma_partials")
@@ -633,7 +633,7 @@ def test_long_steps_decode_block_quants_first_on_wgmma(tmp_path):
     runner.programs = {k.name: k for k in runner._kernels()}
     runner.buffers = {a.name: a for a in runner.allocations()}
     decoded = runner.buffers["dequant_f16"]
-    largest = max(math.prod(runner._tiled_weight(op).shape) for op in runner._tiled_ops())
+    largest = max(math.prod(runner.choice.tiled_weight(op).shape) for op in runner.choice.tiled_ops())
     assert decoded.nbytes == largest * 2
     for T, long in ((200, False), (256, False), (257, True), (300, True)):
         log.launched.clear()

@@ -254,10 +254,10 @@ def test_tensor_ranks_on_one_device_split_the_output_head(tmp_path, one_device, 
 def test_tensor_ranks_share_kv_heads_in_long_steps(tmp_path, one_device, monkeypatch):
     """A long step's attention workgroups take several query heads of one KV head on each rank
     (forced: the tiny model's steps are too short to by themselves), as on one device."""
-    from poot.engine import device_runner
+    from poot.engine import kernel_choice
     from poot.kernels import ops
     from tests.test_device_runner import prefill_of
-    monkeypatch.setattr(device_runner, "SHARED_HEADS_PER_SM", 0)
+    monkeypatch.setattr(kernel_choice, "SHARED_HEADS_PER_SM", 0)
     model = load(tmp_path, CASES[0])
     cfg = model.config
     if ops.attention_heads(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
@@ -268,7 +268,7 @@ def test_tensor_ranks_share_kv_heads_in_long_steps(tmp_path, one_device, monkeyp
     two = GroupRunner(model, one_device, "tensor", 16, max_tokens=64)
     two.allocate()
     two.upload()
-    assert all(r._attention_heads(40, cfg.n_heads // 2, cfg.n_kv_heads // 2) > 1
+    assert all(r.choice.attention_heads(40, cfg.n_heads // 2, cfg.n_kv_heads // 2) > 1
                for r in two.runners)
     got = two.logits(batch)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3

@@ -8,13 +8,13 @@ import pytest
 
 from poot.codegen.ptx import PTX_CAPS, ptx_caps, render_ptx
 from poot.codegen.spirv import render_spirv
-from poot.engine.device_runner import TOKEN_GROUPS, matvec_rows, mma_choice
+from poot.engine.kernel_choice import TOKEN_GROUPS, matvec_rows, mma_choice
 from poot.kernels import matmul, mma_vec, ops
 from poot.kernels.lang import WGMMA
 from poot.kernels.quant import DEVICE_DTYPES
 
 
-# the matvec's fused variants the runner lowers to (engine/device_runner.py: Matvec)
+# the matvec's fused variants the runner lowers to (engine/lowering.py: Matvec)
 MATVEC_VARIANTS = ({}, {"residual": True}, {"norm": True}, {"norm": True, "outputs": 3},
                    {"norm": True, "outputs": 2}, {"outputs": 3}, {"norm": True, "swiglu": True},
                    {"swiglu": True})

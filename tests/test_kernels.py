@@ -377,7 +377,7 @@ def test_mma_tiled_stacked_outputs(cuda_device, dtype, n_tokens, split):
     first), each part's rows into its own output: stored by mma_tiled's epilogue (outputs=3)
     or, split, by split_sum's; with the runner's pipeline for the format (device_runner's
     mma_choice, the device's: wgmma on the H200), x read as x16 beforehand where it is."""
-    from poot.engine.device_runner import mma_choice
+    from poot.engine.kernel_choice import mma_choice
     parts, cols = (512, 128, 128), 1024
     rows = sum(parts)
     w_planes, dense = weight(dtype, rows, cols)
@@ -410,7 +410,7 @@ def test_split_sum_swiglu_of_stacked_gate_up(cuda_device, dtype, n_tokens, split
     """gate and up stacked row-wise, one mma_tiled launch (split or not) into the partials,
     then split_sum's SwiGLU of each pair of sums: against numpy's silu(x gate^T) * (x up^T),
     within the product's bound carried through silu (|silu'| < 1.1) and the multiplication."""
-    from poot.engine.device_runner import mma_choice
+    from poot.engine.kernel_choice import mma_choice
     half, cols = 200, 512
     w_planes, dense = weight(dtype, 2 * half, cols)
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 0.5
@@ -449,7 +449,7 @@ def test_tiled_norm_x16_feeds_mma_tiled(cuda_device, dtype):
     """The runner's folded norm on the tensor cores: tiled_norm_x16 (x normed, times the gain,
     rounded in column order), then the x16 mma_tiled: against numpy's product of the normed x,
     whose rounding is one of the operand roundings check_mma allows."""
-    from poot.engine.device_runner import mma_choice, tiled_norm_x16
+    from poot.engine.kernel_choice import mma_choice, tiled_norm_x16
     n_tokens, rows, cols = 37, 300, 1024
     launch = matmul.mma_launch(rows, cols, n_tokens, 1)
     keywords = dict(mma_choice(dtype, cuda_device.caps, launch.tokens)[0], x16=True)

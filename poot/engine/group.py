@@ -33,7 +33,8 @@ import math
 from ..errors import PlacementRefused
 from ..formats.quants import QUANTS
 from . import placement
-from .device_runner import DeviceRunner, StepRunner
+from .device_runner import DeviceRunner
+from .step_runner import StepRunner
 
 
 def parts(model, kind, world, num_blocks, block_size):

@@ -9,14 +9,14 @@ each weight block once into shared memory for all 64 tokens. It is checked on ev
 the runner does not route to it yet: its first version measured slower than the grouped matvec
 on the H200 (docs/benchmarks.md), and this one is not yet timed there. `mma_tiled` is the
 kernel of devices with matrix instructions (lang.py's fragment_load and mma) for every step of
-the runner's mma_min_tokens or more (device_runner.py; shorter ones run mma_vec.py's kernel
-where it decodes the model's weights, from mma_vec.least_tokens): 128 x 128 tiles on the
+the runner's mma_min_tokens or more (engine/kernel_choice.py; shorter ones run mma_vec.py's
+kernel where it decodes the model's weights, from mma_vec.least_tokens): 128 x 128 tiles on the
 tensor cores, operands rounded to f16 (bf16 for BF16 weights). Where its tiles would not fill
 the device (decode-sized steps, small matrices) it is split along the columns (mma_launch):
 each slice writes a partial tile and `split_sum` adds them, in a fixed order. Other pipelines
 of mma_tiled (MMA_VARIANTS: async copies a few steps ahead, x rounded once beforehand by
 `mma_x16`, deeper steps, Hopper's wgmma) are measured by scripts/bench-matmul; the runner
-picks one per weight format and device (device_runner.mma_choice). `dequant_f16` decodes a
+picks one per weight format and device (kernel_choice.mma_choice). `dequant_f16` decodes a
 weight to f16 once, for long steps that then run F16's tiles over it.
 """
 from dataclasses import dataclass
@@ -349,8 +349,9 @@ MIN_SPLIT_STEPS = 2
 # Shared memory of a workgroup that lets two run on a multiprocessor of sm_90 (228 KiB, 1 KiB of
 # it reserved a workgroup): a staged mma_tiled that fits asks for registers that let two in too.
 TWO_RESIDENT_SHARED = 113 * 1024
-# The pipelines under measurement (scripts/bench-matmul, mma_tiled's docstring says why), as
-# mma_tiled's keywords; the runner launches the default, {}, until one is measured faster.
+# The pipelines scripts/bench-matmul measures against each other, as mma_tiled's keywords
+# (mma_tiled's docstring says what each changes); kernel_choice.mma_choice names the one a
+# device runs.
 MMA_VARIANTS = {
     "regs": {},
     "x16": {"x16": True},

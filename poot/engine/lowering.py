@@ -1,0 +1,281 @@
+"""The step graph lowered to launch steps: which ops fuse into one kernel, which weights are
+stacked, and which arena slot each value lives in. Pure functions of the graph (and of whether
+the device runs the tensor-core matmul): no device, no kernel choice, no buffers; the runner
+(device_runner.py) issues what comes out, kernel_choice.py says which kernel runs each step.
+"""
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..ir.graph import Tensor
+
+SHARES_INPUT = ("reshape", "rope", "rope_store_kv")   # run in place
+
+
+@dataclass(frozen=True)
+class Step:
+    """One launch of the lowered graph: an op, or ops fused into one kernel, and its tensors."""
+    kind: str
+    inputs: tuple
+    output: object
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def outputs(self):
+        return (self.output,)
+
+
+@dataclass(frozen=True)
+class Matvec:
+    """One matmul launch (kernels/matmul.py) with the work fused into it: the RMSNorm of its
+    input (`norm`, the norm's weight), a residual add, several weights stacked row-wise into one
+    (`weight` then names a stacked weight, and each part has its own output), or gate and up
+    projections with the SwiGLU of the two (`weight` is gate's, `up` is up's)."""
+    x: object
+    weight: object
+    outputs: tuple
+    norm: object = None
+    eps: float = 0.0
+    residual: object = None
+    up: object = None
+    kind = "matmul"
+
+    @property
+    def inputs(self):
+        return tuple(t for t in (self.x, self.norm, self.residual, self.weight, self.up)
+                     if t is not None)
+
+    @property
+    def variant(self):
+        """The matvec kernel's keyword arguments."""
+        return dict(residual=self.residual is not None, norm=self.norm is not None,
+                    outputs=len(self.outputs), swiglu=self.up is not None)
+
+
+
+def shared_buffers(graph):
+    """What a tensor group reads from each other's memory lives in buffers of its own, not
+    in the arenas: the partial sums of the all_reduces in two buffers used in turn, each
+    all_gather's slice in one (group.py's barriers make both safe). {value's name: (buffer
+    name, value)}."""
+    out, seen = {}, Counter()
+    for op in graph.ops:
+        x = op.inputs[0]
+        if op.kind == "all_reduce":
+            out[x.name] = (f"reduce.{seen[op.kind] % 2}", x)
+        elif op.kind == "all_gather":
+            out[x.name] = (f"gather.{seen[op.kind]}", x)
+        seen[op.kind] += 1
+    return out
+
+
+def lower(graph, stack_swiglu=False):
+    """The graph's ops as launch steps, fusing ops into one kernel where what passes
+    between them is used only there:
+    - an rms_norm read only by matmuls is folded into each of them;
+    - a swiglu of two matmuls of one input becomes one matmul over both weights;
+    - an add whose input is a matmul used only there (a residual add) becomes the matmul's
+      epilogue;
+    - the other matmuls of one input whose weights share a dtype (q, k, v) become one
+      over their weights stacked row-wise (returned by name: (stacked weight, parts)),
+      each part's rows written to its own output, so q, k and v stay separate values;
+    - the ropes of q and k and the store_kv of k become one kernel, where q goes on only
+      to the attention that reads that cache;
+    - an add of an all_reduce's sum (a tensor group's) becomes the reduction's epilogue.
+    With stack_swiglu (a device that runs the tensor-core matmul) a SwiGLU's gate and up
+    weights are stacked too, so that mma_tiled reads them in one launch (twice the rows, a
+    wave of workgroups where each alone would split); the matvecs read each part.
+    A fused step takes the place of its first op. (A SwiGLU formed as the down projection
+    reads it was measured slower: every row recomputes it.)"""
+    ops_ = graph.ops
+    uses = Counter(t.name for op in ops_ for t in op.inputs)
+    uses.update(t.name for t in graph.outputs.values())
+    producer = {op.output.name: op for op in ops_}
+    order = {id(op): i for i, op in enumerate(ops_)}
+    users = {}
+    for op in ops_:
+        for t in op.inputs:
+            users.setdefault(t.name, []).append(op)
+
+    def made_once(t, kind):
+        """The op of `kind` that makes t, where t is used once, else None."""
+        op = producer.get(t.name)
+        return op if op is not None and op.kind == kind and uses[t.name] == 1 else None
+
+    place = {}      # id(op) -> the step lowered in its place, or None where it is fused away
+    pair = []       # (gate, up) weights of the SwiGLUs, where stacked
+    for op in ops_:
+        if op.kind == "add":
+            for mine, other in ((0, 1), (1, 0)):
+                reduce = made_once(op.inputs[mine], "all_reduce")
+                if reduce is not None and op.inputs[other].kind == "value":
+                    place[id(reduce)] = Step("all_reduce", (reduce.inputs[0], op.inputs[other]),
+                                             op.output, dict(reduce.attrs, residual=True))
+                    place[id(op)] = None
+                    break
+        elif op.kind == "all_reduce":
+            place.setdefault(id(op), Step("all_reduce", op.inputs, op.output,
+                                          dict(op.attrs, residual=False)))
+    norm_of = {}
+    for op in ops_:
+        readers = users.get(op.output.name, [])
+        if op.kind == "rms_norm" and readers and uses[op.output.name] == len(readers) and \
+                all(r.kind == "matmul" and r.inputs[0].name == op.output.name
+                    for r in readers):
+            norm_of[op.output.name] = op
+            place[id(op)] = None
+
+    def matvec(x, weight, outputs, **fused):
+        norm = norm_of.get(x.name)
+        if norm is not None:
+            fused.update(norm=norm.inputs[1], eps=norm.attrs["eps"])
+            x = norm.inputs[0]
+        return Matvec(x, weight, tuple(outputs), **fused)
+
+    for op in ops_:
+        if id(op) in place:
+            continue
+        if op.kind == "swiglu":
+            gate, up = (made_once(t, "matmul") for t in op.inputs)
+            if gate and up and gate.inputs[0].name == up.inputs[0].name and \
+                    gate.inputs[1].dtype == up.inputs[1].dtype and \
+                    gate.inputs[1].shape == up.inputs[1].shape:
+                first, second = sorted((gate, up), key=lambda m: order[id(m)])
+                place[id(first)] = matvec(gate.inputs[0], gate.inputs[1], [op.output],
+                                          up=up.inputs[1])
+                place[id(second)] = place[id(op)] = None
+                if stack_swiglu:
+                    pair.append((gate.inputs[1], up.inputs[1]))
+        elif op.kind == "add":
+            for mine, other in ((0, 1), (1, 0)):
+                maker = made_once(op.inputs[mine], "matmul")
+                if maker is not None and id(maker) not in place and \
+                        op.inputs[other].kind == "value":
+                    place[id(maker)] = matvec(maker.inputs[0], maker.inputs[1], [op.output],
+                                              residual=op.inputs[other])
+                    place[id(op)] = None
+                    break
+        elif op.kind == "store_kv":
+            _fuse_rope_store_kv(op, users, order, made_once, place)
+
+    groups = {}
+    for op in ops_:
+        if op.kind == "matmul" and id(op) not in place:
+            w = op.inputs[1]
+            alone = uses[w.name] > 1                # its planes serve another op too
+            key = (op.inputs[0].name, w.dtype, w.shape[1], id(op) if alone else None)
+            groups.setdefault(key, []).append(op)
+    stacked = {}
+
+    def stack(parts):
+        weight = Tensor("+".join(p.name for p in parts),
+                        (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                        parts[0].dtype, "weight")
+        stacked[weight.name] = (weight, parts)
+        return weight
+
+    for parts in pair:
+        stack(parts)
+    for members in groups.values():
+        parts = tuple(m.inputs[1] for m in members)
+        weight = stack(parts) if len(parts) > 1 else parts[0]
+        place[id(members[0])] = matvec(members[0].inputs[0], weight,
+                                       [m.output for m in members])
+        for m in members[1:]:
+            place[id(m)] = None
+
+    steps = []
+    for op in ops_:
+        if id(op) not in place:
+            steps.append(Step(op.kind, op.inputs, op.output, op.attrs))
+        elif place[id(op)] is not None:
+            steps.append(place[id(op)])
+    return steps, stacked
+
+
+def _fuse_rope_store_kv(store, users, order, made_once, place):
+    """rope(q), rope(k), store_kv(k, v) -> one rope_store_kv step in store_kv's place,
+    when the roped q is read only by the attention over the cache store_kv writes."""
+    k_rope = made_once(store.inputs[0], "rope")
+    attention = next((u for u in users.get(store.output.name, ())
+                      if u.kind == "attention" and order[id(u)] > order[id(store)]), None)
+    q_rope = made_once(attention.inputs[0], "rope") if attention is not None else None
+    if k_rope is None or q_rope is None or \
+            [t.name for t in k_rope.inputs[1:]] != [t.name for t in q_rope.inputs[1:]] or \
+            k_rope.attrs != q_rope.attrs or len(users.get(q_rope.inputs[0].name, ())) != 1:
+        return
+    q, k = q_rope.inputs[0], k_rope.inputs[0]
+    place[id(store)] = Step("rope_store_kv", (q, k, *store.inputs[1:], q_rope.inputs[2]),
+                            q_rope.output, q_rope.attrs)
+    place[id(k_rope)] = place[id(q_rope)] = None
+
+
+def assign_slots(steps, outputs, shared, elements):
+    """(uses, slot of each value, slot sizes) of a lowering: arena slots by liveness, a
+    value taking a free slot of its size at its op and freeing it after its last use; a
+    reshape, and rope and rope_store_kv (which rotate q in place), share their input's
+    slot."""
+    last_use, alias = {}, {}
+    for i, op in enumerate(steps):
+        for t in op.inputs:
+            last_use[t.name] = i
+        if op.kind in SHARES_INPUT:
+            alias[op.output.name] = alias.get(op.inputs[0].name, op.inputs[0].name)
+    for name, root in alias.items():        # a slot lives until its last alias is used
+        last_use[root] = max(last_use.get(root, 0), last_use.get(name, 0))
+    for t in outputs:
+        last_use[t.name] = len(steps)
+    free, slot_of, sizes = {}, {}, []
+    for i, op in enumerate(steps):
+        for out in op.outputs:
+            if op.kind == "all_gather" and out.name not in last_use:
+                continue        # read by no op here: the ranks that do not keep the logits
+            if out.kind == "value" and op.kind not in SHARES_INPUT and \
+                    out.name not in shared:
+                size = elements(out.shape) * 4
+                pool = free.setdefault(size, [])
+                slot = pool.pop() if pool else len(sizes)
+                if slot == len(sizes):
+                    sizes.append(size)
+                slot_of[out.name] = slot
+            elif op.kind in SHARES_INPUT:
+                slot_of[out.name] = slot_of[alias[out.name]]
+        for t in dict.fromkeys(op.inputs):     # once each, in order: the same slots every run
+            root = alias.get(t.name, t.name)
+            if t.kind == "value" and last_use.get(root) == i and root in slot_of:
+                free.setdefault(sizes[slot_of[root]], []).append(slot_of[root])
+    uses = {}
+    for op in steps:
+        for t in op.inputs:
+            uses[t.name] = uses.get(t.name, 0) + 1
+    return uses, slot_of, sizes
+
+
+def part_rows(stacked):
+    """{part's name: (stacked weight, its first row)} of the stacked weights of a lowering."""
+    out = {}
+    for whole, parts in stacked.values():
+        row = 0
+        for p in parts:
+            out[p.name] = (whole, row)
+            row += p.shape[0]
+    return out
+
+
+def next_matmul(steps, i):
+    """The step after steps[i] (past reshapes) if it is a matmul, else None."""
+    for op in steps[i + 1:]:
+        if op.kind != "reshape":
+            return op if op.kind == "matmul" else None
+    return None
+
+
+def normed_after(steps, i):
+    """The matmul after steps[i] (an all_reduce with a residual) if it reads the reduced
+    value through an RMSNorm on mma_vec, whose norm_x16 the reduction may make
+    (reduce_norm_x16); else None."""
+    op, after = steps[i], steps[i + 1] if i + 1 < len(steps) else None
+    if after is None or after.kind != "matmul" or after.norm is None or \
+            after.x.name != op.output.name or not op.attrs["residual"]:
+        return None
+    return after
+

@@ -1,0 +1,178 @@
+"""A step's run on a device and the choice of its tokens: what every device runner shares.
+
+`StepRunner` runs a step over the hooks its subclass gives (DeviceRunner for one device,
+GroupRunner in group.py for a device group): pure decode steps replay a recording of their
+bucket's launches, other steps issue them one by one; the step's tokens come from the device's
+greedy choice or its candidates (sampling.choose_among), and only rows those cannot decide are
+read back and sampled on the host (engine/sampling.py, the definition every runner matches).
+"""
+import numpy as np
+
+from .batch import StepBatch, StepOutput
+from .sampling import (choice_args, choose_among, choose_sorted, logprobs_among, sample,
+                       sample_row)
+
+
+class StepRunner:
+    """A step's run, logits and sampling over the hooks a runner gives: _upload, _issue,
+    _can_capture, _capture, _replay, _read and _synchronize (DeviceRunner for one device,
+    GroupRunner in engine/group.py for a device group)."""
+    kernel_times = None
+    faults = None               # engine/faults.py: steps made to fail, for tests
+
+    def run(self, batch, record=True):
+        """Runs a step on the device, leaving logits and greedy tokens there.
+
+        A pure decode step (every token sampled) runs as one replay of the launches recorded
+        for its bucket, the next power of two of its size; the batch is padded to the bucket by
+        repeating its last token, which rewrites the same cache slot with the same values.
+        `record=False` issues every launch one by one instead (per-kernel device timing).
+        A step whose longest sequence spans more than one attention split runs (and records)
+        attention split along the context; shorter ones keep the one-pass kernel.
+        """
+        T, R = len(batch.tokens), len(batch.sample_tokens)
+        long = self._set_long(int(batch.positions.max(initial=0)) + 1)
+        faults = self.faults
+        if faults is not None:
+            faults.begin_step()
+        if self.kernel_times is not None:
+            self._upload(batch)
+            self.device.start_timing()
+            self._issue(T, R)
+            if faults is not None:
+                faults.end_step()
+            for name, seconds in self.device.stop_timing():
+                total = self.kernel_times.setdefault(name, [0, 0.0])
+                total[0] += 1
+                total[1] += seconds
+            return R
+        bucket = 1 << max(T - 1, 0).bit_length()
+        if record and T == R and bucket <= self.max_seqs and self._can_capture():
+            pad = bucket - T
+            padded = batch if pad == 0 else StepBatch(
+                *(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (
+                    batch.tokens, batch.positions, batch.seq_rows)), batch.block_tables,
+                np.concatenate([batch.sample_tokens, T - 1 + np.zeros(pad, np.int32)]),
+                batch.sampling)
+            self._upload(padded)
+            graph = self.graphs.get((bucket, long))
+            if graph is None:
+                graph = self.graphs[bucket, long] = self._capture(
+                    lambda: self._issue(bucket, bucket))
+            if faults is not None:
+                faults.end_step()
+            self._replay(graph)
+        else:
+            self._upload(batch)
+            self._issue(T, R)
+            if faults is not None:
+                faults.end_step()
+        return R
+
+    def recover(self):
+        """After a step raised (a launch refused, a driver error, an injected fault): what it
+        issued is waited for and nothing of it is held, so the next step starts as any does
+        (a capture the error broke was ended where it broke). Raises when the device cannot
+        even do that: a sticky driver error (CUDA's illegal address, Vulkan's device lost)
+        fails every call after it, so the device is lost."""
+        self._launched = None
+        if self.faults is not None:
+            self.faults.recover()
+        self._synchronize()
+
+    def logits(self, batch):
+        """Runs a step; the logits of its sampled rows, float32 [R, vocab]."""
+        return self._logits_of(self.run(batch))
+
+    def _logits_of(self, R):
+        """The last step's R rows of logits, read back."""
+        raw = self._read(self._output_name(), R * self.vocab_size * 4)
+        return np.frombuffer(raw, np.float32).reshape(R, self.vocab_size)
+
+    def _logit_rows(self, rows):
+        """Rows `rows` of the last step's logits, each read back alone: the rows a step's
+        candidates left undecided are few, the rest need not cross to the host."""
+        size = self.vocab_size * 4
+        return {r: np.frombuffer(self._read(self._output_name(), size, r * size), np.float32)
+                for r in rows}
+
+    def step(self, batch):
+        """Runs a step and returns its tokens (launch, then collect)."""
+        self.launch(batch)
+        return self.collect()
+
+    def launch(self, batch):
+        """Issues a step without waiting for it; collect() returns its tokens. A pipeline's
+        lanes (engine/group.py) each have a step in flight this way."""
+        self._launched = (batch, self.run(batch))
+
+    def collect(self):
+        """The tokens of the step launch() issued, once the device has done it.
+
+        Steps without logprobs read back only the device's argmax (all rows greedy) or each
+        row's candidates (ops.top_candidates: each chunk's best logits and sum), from which
+        sampling.choose_among takes the definition's token; steps that report logprobs, the
+        candidates with sums at temperature 1 (_step_with_logprobs); a row they cannot decide
+        reads the logits and samples on the host (engine/sampling.py)."""
+        batch, R = self._launched
+        self._launched = None
+        rows = batch.sampling
+        if R == 0:
+            return _tokens_only(np.zeros(0, np.int32))
+        if not self._has_candidates() and (rows.logprobs or rows.n_logprobs
+                                           or np.any(rows.temperature > 0)):
+            return sample(self._logits_of(R), rows)
+        if rows.logprobs or rows.n_logprobs:
+            return self._step_with_logprobs(R, rows)
+        if not np.any(rows.temperature > 0):
+            tokens = np.frombuffer(self._read("argmax", R * 4), np.int32)
+            return _tokens_only(tokens.copy())
+        candidates = self._candidates(R, rows.temperature)
+        params = [choice_args(rows, r) for r in range(R)]
+        tokens = [choose_among(*(part[r] for part in candidates), self.vocab_size, *params[r])
+                  for r in range(R)]
+        undecided = [r for r, token in enumerate(tokens) if token is None]
+        for r, logits in self._logit_rows(undecided).items():   # the candidates could not tell
+            tokens[r] = choose_sorted(logits, *params[r])
+        return _tokens_only(np.array(tokens, np.int32))
+
+    def _step_with_logprobs(self, R, rows):
+        """The tokens and log probabilities (of the raw logits) of the last step's R rows, from
+        their candidates: a row that reports log probabilities from candidates with sums at
+        temperature 1 (sampling.logprobs_among), a row that does not (rows.reports) from
+        candidates at its own temperature (choose_among); only the rows those cannot decide
+        are taken from the logits read back (sampling.sample_row)."""
+        k = rows.n_logprobs
+        reports = np.ones(R, bool) if rows.reports is None else np.asarray(rows.reports, bool)
+        temperature = np.where(reports | (rows.temperature <= 0), 1.0, rows.temperature)
+        candidates = self._candidates(R, temperature.astype(np.float32))
+        tokens, chosen = np.zeros(R, np.int32), np.zeros(R, np.float32)
+        top, top_lp = np.zeros((R, k), np.int32), np.zeros((R, k), np.float32)
+        undecided = []
+        for r in range(R):
+            part = [c[r] for c in candidates]
+            if reports[r]:
+                got = logprobs_among(*part, self.vocab_size, *choice_args(rows, r), k)
+                if got is not None:
+                    tokens[r], chosen[r], top[r], top_lp[r] = got
+            else:
+                got = choose_among(*part, self.vocab_size, *choice_args(rows, r))
+                if got is not None:
+                    tokens[r] = got
+            if got is None:
+                undecided.append(r)
+        for r, logits in self._logit_rows(undecided).items():   # the candidates could not tell
+            tokens[r], chosen[r], top[r], top_lp[r] = sample_row(logits, rows, r, k)
+        return StepOutput(tokens=tokens, logprobs=chosen, top_ids=top, top_logprobs=top_lp)
+
+    def _has_candidates(self):
+        """Whether the runner leaves its rows' top_candidates on the device (_candidates)."""
+        return False
+
+
+def _tokens_only(tokens):
+    """A StepOutput of tokens without log probabilities."""
+    R = len(tokens)
+    return StepOutput(tokens=tokens, logprobs=np.zeros(R, np.float32),
+                      top_ids=np.zeros((R, 0), np.int32),
+                      top_logprobs=np.zeros((R, 0), np.float32))

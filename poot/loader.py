@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import ModelFileError
 from .formats import open_model
-from .models import llama
+from . import models
 from .text.chat import ChatTemplate
 from .text.tokenizer import Tokenizer
 
@@ -38,17 +38,19 @@ class LoadedModel:
         if self.file.kind == "gguf":
             meta = self.file.metadata
             self._file_names = {name: name for name in self.file.tensors}
-            self.config = llama.config_from_gguf(self.path, meta, self._file_names)
+            self.family = models.gguf_family(self.path, meta)
+            self.config = self.family.config_from_gguf(self.path, meta, self._file_names)
             self.tokenizer = Tokenizer.from_gguf(meta)
             template = meta.get("tokenizer.chat_template")
             self.name = self.path.name.removesuffix(".gguf")
         else:
+            self.family = models.hf_family(self.path, self.file.config)
             self._file_names = {}
             for file_name in self.file.tensors:
-                gguf_name = llama.gguf_name(file_name)
+                gguf_name = self.family.gguf_name(file_name)
                 if gguf_name:
                     self._file_names[gguf_name] = file_name
-            self.config = llama.config_from_hf(self.path, self.file.config)
+            self.config = self.family.config_from_hf(self.path, self.file.config)
             self.tokenizer = Tokenizer.from_hf(self.file.tokenizer_json or {},
                                                self.file.tokenizer_config,
                                                self.file.generation_config)
@@ -77,11 +79,11 @@ class LoadedModel:
     def step_graph(self, num_blocks, block_size, part=None):
         """The step graph; `part` (engine/placement.py) makes one device's part of a group."""
         try:
-            return llama.forward(self.config, self.weight_shapes(), num_blocks, block_size,
-                                 self.freq_factors, part)
-        except llama.MissingWeight as e:
+            return self.family.forward(self.config, self.weight_shapes(), num_blocks,
+                                       block_size, self.freq_factors, part)
+        except models.MissingWeight as e:
             raise ModelFileError(self.path, f"tensor {e.name} is missing", tensor=e.name) from None
-        except llama.WrongShape as e:
+        except models.WrongShape as e:
             raise ModelFileError(self.path, str(e), tensor=e.name) from None
 
     def runner(self, device=None, num_blocks=None, block_size=16, max_tokens=256, max_seqs=16):

@@ -37,7 +37,6 @@ def runner_matvecs(subgroup_size):
 
 def runner_kernels(subgroup_size):
     out = runner_matvecs(subgroup_size)
-    out += [matmul.tiled(d, residual=r) for d in DEVICE_DTYPES for r in (False, True)]
     out += [matmul.split_sum(r) for r in (False, True)]
     out += [matmul.split_sum(outputs=n) for n in (2, 3)] + [matmul.split_sum(swiglu=True)]
     out += [ops.embedding(d) for d in DEVICE_DTYPES]

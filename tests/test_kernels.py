@@ -153,19 +153,6 @@ def test_matvec_swiglu(device, dtype, n_tokens, norm, rows_per, split):
     assert rel_err(got, ref.swiglu(ref.matmul(h, gate), ref.matmul(h, up))) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("n_tokens", [5, 64, 130])
-def test_tiled_matmul(device, dtype, n_tokens):
-    rows, cols = 200, 512
-    w_planes, dense = weight(dtype, rows, cols)
-    x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
-    r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
-    k = matmul.tiled(dtype, residual=True)
-    got = run(device, k, (-(-rows // matmul.TILE), -(-n_tokens // matmul.TILE)), *w_planes, x,
-              np.zeros((n_tokens, rows), np.float32), r, rows, cols, n_tokens)["y"]
-    assert rel_err(got, ref.matmul(x, dense) + r) < 1e-5
-
-
 # -- mma_tiled: the tensor-core matmul (PTX devices only) -----------------------------------------
 def emulated_fragment_load(slots, index_of_lane):
     """lang.fragment_load as documented, on shared memory given as its 16-bit slots: word j of

@@ -2,13 +2,9 @@
 
 `matvec` is the decode kernel: a subgroup streams a weight row (or a few: `rows_per`; or a
 share of its columns: `split`) once for all of the step's few tokens (bandwidth-bound: each
-weight byte is read once per step). Tokens beyond its
-`tokens` constant run in further launches over the token axis (grid y). `tiled` is written for
-many tokens (prefill, large batches): a workgroup computes a 64-token x 64-row tile, decoding
-each weight block once into shared memory for all 64 tokens. It is checked on every target but
-the runner does not route to it yet: its first version measured slower than the grouped matvec
-on the H200 (docs/benchmarks.md), and this one is not yet timed there. `mma_tiled` is the
-kernel of devices with matrix instructions (lang.py's fragment_load and mma) for every step of
+weight byte is read once per step). Tokens beyond its `tokens` constant run in further
+launches over the token axis (grid y): devices without matrix instructions run every step so.
+`mma_tiled` is the kernel of devices with matrix instructions (lang.py's fragment_load and mma) for every step of
 the runner's mma_min_tokens or more (engine/kernel_choice.py; shorter ones run mma_vec.py's
 kernel where it decodes the model's weights, from mma_vec.least_tokens): 128 x 128 tiles on the
 tensor cores, operands rounded to f16 (bf16 for BF16 weights). Where its tiles would not fill
@@ -255,74 +251,6 @@ def matvec_split(dtype, rows, cols, subgroup_size, rows_per, multiprocessors, ma
            and lane_blocks // (split * 2) >= unroll):
         split *= 2
     return split
-
-
-TILE = 64            # tokens and rows of a tiled workgroup's output; 4 x 4 per thread
-
-
-def tile_depth(dtype):
-    """Columns of one step of the tiled kernel: whole decode units, at least 32."""
-    unit = reader(dtype).block_elems
-    return max(unit, 32)
-
-
-@cache
-def tiled(dtype, residual=False):
-    """y[t, m] for t < n_tokens by 64 x 64 tiles; grid (ceil(rows / 64), ceil(T / 64)).
-
-    Same buffers and scalars as matvec; cols must be a multiple of tile_depth(dtype). Each step
-    over the columns stages x [64 tokens x depth] and the dequantised W [64 rows x depth] in
-    shared memory; thread (tx, ty) accumulates rows tx + 16j and tokens ty + 16i. A W row's
-    columns are rotated by the row number, so the 16 consecutive rows a warp reads at one
-    column fall in 16 different banks (the x reads are broadcasts).
-    """
-    r = reader(dtype)
-    depth = tile_depth(dtype)
-    units = depth // r.block_elems
-    name = f"tiled_{dtype.lower()}" + "_residual" * residual
-    k = KernelBuilder(name, (WORKGROUP,))
-    buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
-    x = k.buffer("x", F32)
-    y = k.buffer("y", F32, "w")
-    res = k.buffer("residual", F32) if residual else None
-    rows, cols, n_tokens = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("n_tokens", I32)
-    xs = k.shared("xs", F32, TILE * depth)
-    ws = k.shared("ws", F32, TILE * depth)
-    rotate = depth - 1                              # depth is a power of two
-    tid = k.thread_id()
-    tx, ty = tid % 16, tid / 16
-    m0, t0 = k.block_id(0) * TILE, k.block_id(1) * TILE
-    acc = [[k.var(F32, 0.0) for _ in range(4)] for _ in range(4)]
-    with k.for_(0, cols, depth) as c0:
-        # stage x: TILE * depth floats, 4 at a time
-        with k.for_(tid * 4, TILE * depth, WORKGROUP * 4) as i:
-            t, c = i / depth, i % depth
-            inside = t0 + t < n_tokens
-            values = x.load(k.select(inside, (t0 + t) * cols + c0 + c, 0), 4)
-            for e, v in enumerate(values):
-                xs[t * depth + c + e] = k.select(inside, v, 0.0)
-        # stage W: TILE rows x `units` decode units, one unit per thread at a time
-        with k.for_(tid, TILE * units, WORKGROUP) as j:
-            row, u = j / units, j % units
-            m = k.min(m0 + row, rows - 1)           # rows past the end decode a real row
-            for e, v in enumerate(r.decode(k, buf, m, c0 / r.block_elems + u, cols)):
-                ws[row * depth + ((u * r.block_elems + e + row) & rotate)] = v
-        k.barrier()
-        with k.for_(0, depth) as c:
-            a = [xs[(ty + 16 * i) * depth + c] for i in range(4)]
-            b = [ws[(tx + 16 * j) * depth + ((c + tx + 16 * j) & rotate)] for j in range(4)]
-            for i in range(4):
-                for j in range(4):
-                    acc[i][j].set(k.fma(a[i], b[j], acc[i][j].get()))
-        k.barrier()
-    for i in range(4):
-        t = t0 + ty + 16 * i
-        for j in range(4):
-            m = m0 + tx + 16 * j
-            with k.if_((t < n_tokens) & (m < rows)):
-                at = t * rows + m
-                y[at] = acc[i][j].get() + res[at] if residual else acc[i][j].get()
-    return k.build()
 
 
 # mma_tiled: a workgroup of 8 subgroups computes `tokens` (MMA_TOKENS, or 32 or 64 for short

@@ -1,0 +1,39 @@
+"""The model families poot runs, found by the names files give them.
+
+A family is one module here: its config readers (`config_from_gguf(path, metadata,
+tensor_names)`, `config_from_hf(path, config)`), the GGUF name of each Hugging Face tensor it
+uses (`gguf_name`), the names it answers to (`GGUF_ARCHS`: general.architecture values;
+`HF_ARCHS`: {config.json architecture: arch}), and its forward pass in the graph IR
+(`forward(config, weights, num_blocks, block_size, freq_factors, part)`). The loader asks this
+registry for a file's family and knows nothing of any one of them.
+"""
+from ..errors import ModelFileError
+from . import llama
+from .family import MissingWeight, WrongShape
+
+__all__ = ["FAMILIES", "gguf_family", "hf_family", "MissingWeight", "WrongShape"]
+
+FAMILIES = (llama,)
+
+
+def gguf_family(path, metadata):
+    """The family of a GGUF file, by its general.architecture."""
+    arch = metadata.get("general.architecture")
+    for family in FAMILIES:
+        if arch in family.GGUF_ARCHS:
+            return family
+    names = [a for family in FAMILIES for a in family.GGUF_ARCHS]
+    raise ModelFileError(path, f"architecture {arch!r} is not supported "
+                               f"(supported: {', '.join(names)})")
+
+
+def hf_family(path, config):
+    """The family of a Hugging Face folder, by config.json's architectures."""
+    archs = config.get("architectures") or []
+    for family in FAMILIES:
+        if any(a in family.HF_ARCHS for a in archs):
+            return family
+    names = [a for family in FAMILIES for a in family.HF_ARCHS]
+    raise ModelFileError(path, f"architectures {archs} are not supported "
+                               f"(supported: {', '.join(names)})")
+

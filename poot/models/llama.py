@@ -12,6 +12,7 @@ import numpy as np
 from ..errors import ModelFileError
 from ..engine.placement import Part
 from ..ir.graph import Graph
+from .family import MissingWeight, WrongShape
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
@@ -63,10 +64,7 @@ def llama3_scaled(inv, factor, low_factor, high_factor, original_context):
 
 
 def config_from_gguf(path, metadata, tensor_names):
-    arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ModelFileError(path, f"architecture {arch!r} is not supported "
-                                   f"(supported: {', '.join(GGUF_ARCHS)})")
+    arch = metadata["general.architecture"]         # one of GGUF_ARCHS (models.gguf_family)
 
     def key(name, default=None):
         value = metadata.get(f"{arch}.{name}", default)
@@ -102,11 +100,7 @@ def config_from_gguf(path, metadata, tensor_names):
 
 
 def config_from_hf(path, config):
-    archs = config.get("architectures") or []
-    arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
-    if arch is None:
-        raise ModelFileError(path, f"architectures {archs} are not supported "
-                                   f"(supported: {', '.join(HF_ARCHS)})")
+    arch = next(HF_ARCHS[a] for a in config["architectures"] if a in HF_ARCHS)
     try:
         d_model, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or d_model // n_heads)
@@ -260,14 +254,3 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
         g.output("logits", logits)
     return g
 
-
-class MissingWeight(KeyError):
-    def __init__(self, name, shape):
-        super().__init__(name)
-        self.name, self.shape = name, shape
-
-
-class WrongShape(ValueError):
-    def __init__(self, name, expected, found):
-        super().__init__(f"tensor {name} has shape {found}, the config implies {expected}")
-        self.name, self.expected, self.found = name, expected, found

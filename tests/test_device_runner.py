@@ -690,7 +690,7 @@ def test_mixed_dtypes_fuse_what_shares_a_dtype(tmp_path, device):
     model = poot.load(tiny_model(tmp_path, dtype="Q4_K", mixed=mixed))
     runner = model.runner(device, num_blocks=32)
     layer = ["matmul", "matmul", "rope_store_kv", "attention", "matmul", "matmul", "matmul",
-             "swiglu", "matmul"]
+             "glu", "matmul"]
     assert [s.kind for s in runner.steps if s.kind != "reshape"] == \
         ["embedding", *layer * model.config.n_layers, "gather", "matmul"]
     assert [len(s.outputs) for s in runner.steps if s.kind == "matmul"][:2] == [2, 1]

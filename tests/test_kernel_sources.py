@@ -9,6 +9,7 @@ import pytest
 from poot.codegen.ptx import PTX_CAPS, ptx_caps, render_ptx
 from poot.codegen.spirv import render_spirv
 from poot.engine.kernel_choice import TOKEN_GROUPS, matvec_rows, mma_choice
+from poot.ir.graph import ACTIVATIONS
 from poot.kernels import matmul, mma_vec, ops
 from poot.kernels.lang import WGMMA
 from poot.kernels.quant import DEVICE_DTYPES
@@ -16,8 +17,8 @@ from poot.kernels.quant import DEVICE_DTYPES
 
 # the matvec's fused variants the runner lowers to (engine/lowering.py: Matvec)
 MATVEC_VARIANTS = ({}, {"residual": True}, {"norm": True}, {"norm": True, "outputs": 3},
-                   {"norm": True, "outputs": 2}, {"outputs": 3}, {"norm": True, "swiglu": True},
-                   {"swiglu": True})
+                   {"norm": True, "outputs": 2}, {"outputs": 3}, {"norm": True, "glu": "silu"},
+                   {"glu": "silu"}, {"norm": True, "glu": "gelu_tanh"})
 
 
 def runner_matvecs(subgroup_size):
@@ -26,7 +27,7 @@ def runner_matvecs(subgroup_size):
     out = []
     for d in DEVICE_DTYPES:
         for v in MATVEC_VARIANTS:
-            matrices = 2 if v.get("swiglu") else 1
+            matrices = 2 if v.get("glu") else 1
             out += [matmul.matvec(d, subgroup_size, n, rows_per=rows_per, **v)
                     for n in TOKEN_GROUPS for rows_per in {1, matvec_rows(d, n, matrices)}]
             out += [matmul.matvec(d, subgroup_size, 1, rows_per=matvec_rows(d, 1, matrices),
@@ -38,9 +39,9 @@ def runner_matvecs(subgroup_size):
 def runner_kernels(subgroup_size):
     out = runner_matvecs(subgroup_size)
     out += [matmul.split_sum(r) for r in (False, True)]
-    out += [matmul.split_sum(outputs=n) for n in (2, 3)] + [matmul.split_sum(swiglu=True)]
+    out += [matmul.split_sum(outputs=n) for n in (2, 3)] + [matmul.split_sum(glu=a) for a in ACTIVATIONS]
     out += [ops.embedding(d) for d in DEVICE_DTYPES]
-    out += [ops.rms_norm(subgroup_size), ops.elementwise("add"), ops.elementwise("swiglu"),
+    out += [ops.rms_norm(subgroup_size), ops.elementwise("add"), *(ops.elementwise("glu", a) for a in ACTIVATIONS),
             ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
             ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
             ops.attention(subgroup_size, 64), ops.attention(subgroup_size, 128),
@@ -57,7 +58,7 @@ def runner_kernels(subgroup_size):
 def mma_vec_shapes(variant):
     """[rows, cols] of the Llama-8B and 1B matmuls of a matvec variant: gate and up (swiglu),
     q/k/v and the output head (norm), the output and down projections (the others)."""
-    if variant.get("swiglu"):
+    if variant.get("glu"):
         return (14336, 4096), (8192, 2048)
     if variant.get("norm"):
         return (6144, 4096), (3072, 2048), (128256, 4096), (128256, 2048)
@@ -93,7 +94,7 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     prep = list({k.name: k for d in mma_vec.DTYPES if d in dtypes
                  for k in (mma_vec.norm_x16(d), mma_vec.reduce_norm_x16(d, 2),
                            mma_vec.reduce_norm_x16(d, 5), mma_vec.reduce_norm_x16(d, 8),
-                           matmul.split_sum(swiglu=True, x16=d))}.values())
+                           matmul.split_sum(glu="silu", x16=d))}.values())
     attention = [ops.attention_tiles(d, h) for d, h in ((64, 3), (64, 4), (128, 4), (128, 1))]
     decode = [matmul.dequant_f16(d) for d in dtypes if d not in ("F16", "BF16")]
     return tiled + vec + prep + attention + decode

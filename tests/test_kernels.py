@@ -135,10 +135,11 @@ def test_matvec_with_rms_norm_and_split_outputs(device, dtype, n_tokens, norm, o
 
 
 @pytest.mark.parametrize("dtype", DEVICE_DTYPES)
-@pytest.mark.parametrize("norm,n_tokens,rows_per,split", [(True, 1, 1, 1), (False, 11, 1, 1),
-                                                        (True, 1, 2, 2)])
-def test_matvec_swiglu(device, dtype, n_tokens, norm, rows_per, split):
-    """silu(gate . x) * (up . x) in one pass over x: the feed-forward's first half."""
+@pytest.mark.parametrize("norm,n_tokens,rows_per,split,activation", [
+    (True, 1, 1, 1, "silu"), (False, 11, 1, 1, "silu"), (True, 1, 2, 2, "silu"),
+    (True, 3, 1, 1, "gelu_tanh")])
+def test_matvec_glu(device, dtype, n_tokens, norm, rows_per, split, activation):
+    """activation(gate . x) * (up . x) in one pass over x: the feed-forward's first half."""
     rows, cols, eps = 200, 512, 1e-6
     gate_planes, gate = weight(dtype, rows, cols)
     up_planes, up = weight(dtype, rows, cols)
@@ -148,9 +149,9 @@ def test_matvec_swiglu(device, dtype, n_tokens, norm, rows_per, split):
                      (*gate_planes, *up_planes, x, *([g] if norm else []),
                       np.zeros((n_tokens, rows), np.float32), rows, cols, n_tokens,
                       *([eps] if norm else [])),
-                     norm=norm, swiglu=True, rows_per=rows_per, split=split)["y"]
+                     norm=norm, glu=activation, rows_per=rows_per, split=split)["y"]
     h = ref.rms_norm(x, g, eps) if norm else x
-    assert rel_err(got, ref.swiglu(ref.matmul(h, gate), ref.matmul(h, up))) < 1e-5
+    assert rel_err(got, ref.glu(ref.matmul(h, gate), ref.matmul(h, up), activation)) < 1e-5
 
 
 # -- mma_tiled: the tensor-core matmul (PTX devices only) -----------------------------------------
@@ -409,7 +410,7 @@ def test_split_sum_swiglu_of_stacked_gate_up(cuda_device, dtype, n_tokens, split
                    mma_x(cuda_device, dtype, keywords, x),
                    np.zeros((splits, n_tokens, 2 * half), np.float32), 2 * half, cols,
                    n_tokens, launch.split_cols)["partials"]
-    got = run(cuda_device, matmul.split_sum(swiglu=True),
+    got = run(cuda_device, matmul.split_sum(glu="silu"),
               (-(-n_tokens * half // matmul.WORKGROUP),), partials,
               np.zeros((n_tokens, half), np.float32), n_tokens * half, splits, half)["y"]
     product = x.astype(np.float64) @ dense.astype(np.float64).T
@@ -425,7 +426,7 @@ def test_split_sum_swiglu_of_stacked_gate_up(cuda_device, dtype, n_tokens, split
     worst = np.unravel_index(np.argmax(err / allowed), err.shape)
     assert np.all(err <= allowed), f"worst at {worst}: {err[worst]} > {allowed[worst]}"
     # the x16 variant (what the down projection's mma_tiled reads): the same values rounded
-    words = run(cuda_device, matmul.split_sum(swiglu=True, x16=dtype),
+    words = run(cuda_device, matmul.split_sum(glu="silu", x16=dtype),
                 (-(-n_tokens * half // (2 * matmul.WORKGROUP)),), partials,
                 np.zeros(n_tokens * half // 2, np.uint32), n_tokens * half, splits, half)["x16"]
     assert np.array_equal(words.view(np.float16).reshape(got.shape), got.astype(np.float16))
@@ -463,18 +464,18 @@ MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 409
                                                  1000, 1024),
                  ({"x16": True, "outputs": 3}, 1, 216, 576),
                  ({"x16": True, "outputs": 3, "split": 8}, 8, 216, 4096),
-                 ({"swiglu": True}, 2, 200, 512),
-                 ({"x16": True, "swiglu": True, "tiles": 2, "split": 2}, 9, 200, 576),
+                 ({"glu": "silu"}, 2, 200, 512),
+                 ({"x16": True, "glu": "silu", "tiles": 2, "split": 2}, 9, 200, 576),
                  ({"pipeline": True, "unroll": 2, "split": 2}, 8, 200, 4096),
                  ({"pipeline": True, "split": 8, "x16": True}, 3, 200, 576),
                  ({"pipeline": True, "tiles": 2, "residual": True}, 1, 1000, 1024),
                  ({"chains": 2, "x16": True, "outputs": 3, "split": 2}, 5, 216, 576),
-                 ({"chains": 2, "x16": True, "swiglu": True, "pipeline": True, "unroll": 2}, 8,
+                 ({"chains": 2, "x16": True, "glu": "silu", "pipeline": True, "unroll": 2}, 8,
                   200, 4096),
                  ({"x16": True, "pipeline": True, "unroll": 2, "split": 2}, 8, 200, 4096),
                  # token tiles: 16 or 32 tokens a launch, a part tile, more launches along y
                  ({"token_tiles": 2, "x16": True, "split": 8}, 13, 216, 576),
-                 ({"token_tiles": 4, "x16": True, "swiglu": True, "pipeline": True,
+                 ({"token_tiles": 4, "x16": True, "glu": "silu", "pipeline": True,
                    "unroll": 2}, 32, 200, 4096),
                  ({"token_tiles": 4, "tiles": 2, "residual": True}, 45, 216, 1024),
                  ({"token_tiles": 2, "chains": 2, "x16": True, "split": 2}, 7, 200, 576)]
@@ -490,7 +491,7 @@ def test_mma_vec(cuda_device, dtype, variant, n_tokens, rows, cols):
     if cols % QUANTS[dtype].block_elems:
         pytest.skip(f"{dtype} rows are whole blocks of {QUANTS[dtype].block_elems}")
     eps, x16 = 1e-5, variant.get("x16", False)
-    matrices = 2 if variant.get("swiglu") else 1
+    matrices = 2 if variant.get("glu") else 1
     weights = [weight(dtype, rows, cols) for _ in range(matrices)]
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 3
     g = rng.standard_normal(cols).astype(np.float32)
@@ -512,7 +513,7 @@ def test_mma_vec(cuda_device, dtype, variant, n_tokens, rows, cols):
     where = f"{k.name} T={n_tokens} {rows}x{cols}"
     if matrices == 2:
         gate, up = (ref.matmul(h, dense) for _, dense in weights)
-        assert rel_err(got["y"], ref.swiglu(gate, up)) < (2e-2 if dtype == "BF16" else 3e-3), where
+        assert rel_err(got["y"], ref.glu(gate, up, "silu")) < (2e-2 if dtype == "BF16" else 3e-3), where
         return
     names = ["y"] if outputs == 1 else [f"y{i}" for i in range(outputs)]
     want_r = r if variant.get("residual") else None
@@ -658,11 +659,12 @@ def test_add_and_bias(device):
         assert np.array_equal(got, a + b)
 
 
-def test_swiglu(device):
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glu(device, activation):
     g, u = (rng.standard_normal((5, 700)).astype(np.float32) * 4 for _ in range(2))
-    got = run(device, ops.elementwise("swiglu"), (-(-g.size // ops.WG),), g, u,
+    got = run(device, ops.elementwise("glu", activation), (-(-g.size // ops.WG),), g, u,
               np.zeros_like(g), g.size, g.size)["out"]
-    assert rel_err(got, ref.swiglu(g, u)) < 1e-5
+    assert rel_err(got, ref.glu(g, u, activation)) < 1e-5
 
 
 def test_gather_rows(device):

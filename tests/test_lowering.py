@@ -35,7 +35,7 @@ def test_a_llama_layer_lowers_to_six_steps(graph):
 
 
 def test_stacking_the_swiglu_makes_gate_and_up_one_weight(graph):
-    steps, stacked = lower(graph, stack_swiglu=True)
+    steps, stacked = lower(graph, stack_glu=True)
     whole, parts = stacked["blk.0.ffn_gate.weight+blk.0.ffn_up.weight"]
     assert [p.name for p in parts] == ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"]
     assert whole.shape == (2 * parts[0].shape[0], parts[0].shape[1])

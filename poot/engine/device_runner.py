@@ -67,10 +67,10 @@ class DeviceRunner(StepRunner):
         self._step_rows = None      # the uploaded step's sequence rows (host), for attention
         self._step_tiles = None     # ... and which of its tokens attention_tiles takes
         self._shared = shared_buffers(self.graph)
-        # a device that runs every weight on the tensor cores stacks a SwiGLU's gate and up,
-        # so that one mma_tiled reads both
+        # a device that runs every weight on the tensor cores stacks a gated unit's gate and
+        # up, so that one mma_tiled reads both
         self.mma = runs_mma(self.graph, device.caps)
-        self.steps, self.stacked = lower(self.graph, stack_swiglu=self.mma)
+        self.steps, self.stacked = lower(self.graph, stack_glu=self.mma)
         self.choice = KernelChoice(device, model, self.steps, self.stacked, max_tokens,
                                    max_seqs, self.mma)
         self._uses, self._slot_of, self._slot_sizes = assign_slots(
@@ -421,12 +421,12 @@ class DeviceRunner(StepRunner):
             (*map(B, op.outputs), *residual, rows, cols, n, *splits), norm, self._x16["norm"])
 
     def _elementwise(self, op, T, R, i, long):
-        """add (its second input broadcast over the first) and swiglu."""
+        """add (its second input broadcast over the first) and glu."""
         B = self._buffer
         n = int(np.prod(self._shape(op.output, T, R)))
         nb = int(np.prod(self._shape(op.inputs[1], T, R)))
-        self._launch(ops.elementwise(op.kind), (-(-n // ops.WG),), B(op.inputs[0]),
-                     B(op.inputs[1]), B(op.output), n, nb)
+        self._launch(ops.elementwise(op.kind, op.attrs.get("activation")), (-(-n // ops.WG),),
+                     B(op.inputs[0]), B(op.inputs[1]), B(op.output), n, nb)
 
     def _rope(self, op, T, R, i, long):
         B = self._buffer
@@ -778,7 +778,8 @@ STEPS = {
     "matmul": StepKind(lambda r, steps, i, long: r.choice.matmul_kernels(
         steps[i], long, next_matmul(steps, i)), DeviceRunner._matmul),
     "add": StepKind(_one(lambda r, op: ops.elementwise("add")), DeviceRunner._elementwise),
-    "swiglu": StepKind(_one(lambda r, op: ops.elementwise("swiglu")), DeviceRunner._elementwise),
+    "glu": StepKind(_one(lambda r, op: ops.elementwise("glu", op.attrs["activation"])),
+                    DeviceRunner._elementwise),
     "rope": StepKind(_one(lambda r, op: ops.rope(op.attrs["style"])), DeviceRunner._rope),
     "store_kv": StepKind(_one(lambda r, op: ops.store_kv()), DeviceRunner._store_kv),
     "rope_store_kv": StepKind(_one(lambda r, op: ops.rope_store_kv(op.attrs["style"])),

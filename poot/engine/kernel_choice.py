@@ -140,7 +140,7 @@ class KernelChoice:
             return kernel, lambda n: mma_vec.grid(rows, n, shape["tiles"], shape["split"],
                                                   tt), prep
         sg = self.device.subgroup_size
-        matrices = 2 if variant.get("swiglu") else 1
+        matrices = 2 if variant.get("glu") else 1
         rows_per = matvec_rows(w.dtype, group, matrices)
         split = matmul.matvec_split(w.dtype, *w.shape, sg, rows_per, self.multiprocessors,
                                     matrices)
@@ -228,8 +228,7 @@ class KernelChoice:
                                      **variant)]
         made = self.makes_x16(op, after, launch)
         return [matmul.mma_tiled(dtype, tokens=launch.tokens, split=True, **variant),
-                made if made is not None else matmul.split_sum(residual, outputs,
-                                                               op.up is not None)]
+                made if made is not None else matmul.split_sum(residual, outputs, op.glu)]
 
     def makes_x16(self, op, after, launch):
         """The kernel by which a split (or SwiGLU) tensor-core matmul step `op` makes the x16
@@ -245,7 +244,7 @@ class KernelChoice:
         dtype = self.tiled_weight(after).dtype
         if op.up is not None and after.norm is None and self.uses[out.name] == 1 and \
                 self.tiled_variant(after).get("x16"):
-            return matmul.split_sum(swiglu=True, x16=dtype)
+            return matmul.split_sum(glu=op.glu, x16=dtype)
         if op.residual is not None and after.norm is not None and len(op.outputs) == 1:
             return mma_vec.reduce_norm_x16(tiled_x16_format(dtype), launch.splits)
         return None

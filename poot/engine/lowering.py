@@ -29,7 +29,8 @@ class Matvec:
     """One matmul launch (kernels/matmul.py) with the work fused into it: the RMSNorm of its
     input (`norm`, the norm's weight), a residual add, several weights stacked row-wise into one
     (`weight` then names a stacked weight, and each part has its own output), or gate and up
-    projections with the SwiGLU of the two (`weight` is gate's, `up` is up's)."""
+    projections with the gated unit of the two (`weight` is gate's, `up` is up's, `glu` the
+    unit's activation)."""
     x: object
     weight: object
     outputs: tuple
@@ -37,6 +38,7 @@ class Matvec:
     eps: float = 0.0
     residual: object = None
     up: object = None
+    glu: str = None
     kind = "matmul"
 
     @property
@@ -48,7 +50,7 @@ class Matvec:
     def variant(self):
         """The matvec kernel's keyword arguments."""
         return dict(residual=self.residual is not None, norm=self.norm is not None,
-                    outputs=len(self.outputs), swiglu=self.up is not None)
+                    outputs=len(self.outputs), glu=self.glu)
 
 
 
@@ -68,11 +70,11 @@ def shared_buffers(graph):
     return out
 
 
-def lower(graph, stack_swiglu=False):
+def lower(graph, stack_glu=False):
     """The graph's ops as launch steps, fusing ops into one kernel where what passes
     between them is used only there:
     - an rms_norm read only by matmuls is folded into each of them;
-    - a swiglu of two matmuls of one input becomes one matmul over both weights;
+    - a glu (gated unit) of two matmuls of one input becomes one matmul over both weights;
     - an add whose input is a matmul used only there (a residual add) becomes the matmul's
       epilogue;
     - the other matmuls of one input whose weights share a dtype (q, k, v) become one
@@ -81,10 +83,10 @@ def lower(graph, stack_swiglu=False):
     - the ropes of q and k and the store_kv of k become one kernel, where q goes on only
       to the attention that reads that cache;
     - an add of an all_reduce's sum (a tensor group's) becomes the reduction's epilogue.
-    With stack_swiglu (a device that runs the tensor-core matmul) a SwiGLU's gate and up
+    With stack_glu (a device that runs the tensor-core matmul) a gated unit's gate and up
     weights are stacked too, so that mma_tiled reads them in one launch (twice the rows, a
     wave of workgroups where each alone would split); the matvecs read each part.
-    A fused step takes the place of its first op. (A SwiGLU formed as the down projection
+    A fused step takes the place of its first op. (A unit formed as the down projection
     reads it was measured slower: every row recomputes it.)"""
     ops_ = graph.ops
     uses = Counter(t.name for op in ops_ for t in op.inputs)
@@ -134,16 +136,16 @@ def lower(graph, stack_swiglu=False):
     for op in ops_:
         if id(op) in place:
             continue
-        if op.kind == "swiglu":
+        if op.kind == "glu":
             gate, up = (made_once(t, "matmul") for t in op.inputs)
             if gate and up and gate.inputs[0].name == up.inputs[0].name and \
                     gate.inputs[1].dtype == up.inputs[1].dtype and \
                     gate.inputs[1].shape == up.inputs[1].shape:
                 first, second = sorted((gate, up), key=lambda m: order[id(m)])
                 place[id(first)] = matvec(gate.inputs[0], gate.inputs[1], [op.output],
-                                          up=up.inputs[1])
+                                          up=up.inputs[1], glu=op.attrs["activation"])
                 place[id(second)] = place[id(op)] = None
-                if stack_swiglu:
+                if stack_glu:
                     pair.append((gate.inputs[1], up.inputs[1]))
         elif op.kind == "add":
             for mine, other in ((0, 1), (1, 0)):

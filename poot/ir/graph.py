@@ -22,12 +22,13 @@ OPS = {
     "rope":       "rotate pairs of x[t, h, :] by positions[t] * inv_freq (normal or neox pairing)",
     "store_kv":   "write k, v of each token into its paged cache slot",
     "attention":  "causal attention of q over the paged cache of its sequence, grouped KV heads",
-    "swiglu":     "out = silu(gate) * up",
+    "glu":        "out = activation(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU)",
     "gather":     "out[r] = x[index[r]]",
     "all_reduce": "out = the sum of x over the devices of a group (each holds a partial sum)",
     "all_gather": "out = the concatenation along the last axis of x over the devices of a group, "
                   "in the group's order (each holds a slice, the slices' lengths may differ)",
 }
+ACTIVATIONS = ("silu", "gelu_tanh")      # of glu: ir/reference.py and kernels/activations.py
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,11 @@ class Graph:
         return self._op("attention", (q, k_cache, v_cache, positions, seq_rows, block_tables),
                         q.shape, {"scale": float(scale)})
 
-    def swiglu(self, gate, up):
-        return self._op("swiglu", (gate, up), gate.shape)
+    def glu(self, gate, up, activation):
+        """A gated linear unit: activation(gate) * up, of an activation in ACTIVATIONS."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"glu: activation {activation!r} (one of {', '.join(ACTIVATIONS)})")
+        return self._op("glu", (gate, up), gate.shape, {"activation": activation})
 
     def gather(self, x, index):
         return self._op("gather", (x, index), (index.shape[0],) + x.shape[1:])

@@ -172,9 +172,15 @@ def attention(q, k_cache, v_cache, positions, seq_rows, block_tables, scale):
     return out
 
 
-def swiglu(gate, up):
-    sigmoid = 0.5 * (1.0 + np.tanh(0.5 * gate))     # = 1 / (1 + exp(-gate)), without overflow
-    return gate * sigmoid * up
+ACTIVATIONS = {
+    "silu": lambda x: x * (0.5 * (1.0 + np.tanh(0.5 * x))),  # x / (1 + exp(-x)), no overflow
+    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi)
+                                                    * (x + 0.044715 * x ** 3))),
+}
+
+
+def glu(gate, up, activation):
+    return ACTIVATIONS[activation](gate) * up
 
 
 def gather(x, index):
@@ -184,5 +190,5 @@ def gather(x, index):
 KERNELS = {
     "embedding": embedding, "rms_norm": rms_norm, "matmul": matmul, "add": add,
     "reshape": reshape, "rope": rope, "store_kv": store_kv, "attention": attention,
-    "swiglu": swiglu, "gather": gather,
+    "glu": glu, "gather": gather,
 }

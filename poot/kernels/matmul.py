@@ -18,6 +18,7 @@ weight to f16 once, for long steps that then run F16's tiles over it.
 from dataclasses import dataclass
 from functools import cache
 
+from . import activations
 from .lang import BF16, F16, F32, I32, U16, U32, U64, KernelBuilder
 from .quant import reader
 
@@ -32,7 +33,7 @@ def matvec_unroll(dtype, streams):
 
 @cache
 def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=False, outputs=1,
-           swiglu=False, rows_per=1, split=1):
+           glu=None, rows_per=1, split=1):
     """y[t, m] for t < n_tokens; grid matvec_grid(rows, n_tokens, subgroup_size, tokens,
     rows_per, split).
 
@@ -54,17 +55,17 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
     - `outputs` > 1: W is several matrices stacked row-wise (q, k and v) and y is split the
       same way: rows [split_i, split_i+1) go to buffer y_i as [T, split_i+1 - split_i]; scalars
       split_1 .. split_{outputs-1} follow n_tokens.
-    - `swiglu`: two matrices of the same shape, planes gate_* then up_*; a subgroup takes rows
-      m.. of both and y[t, m] = silu(gate . x) * (up . x).
+    - `glu` (an activation of kernels/activations.py): two matrices of the same shape, planes
+      gate_* then up_*; a subgroup takes rows m.. of both and y[t, m] = glu(gate . x, up . x).
     """
     r = reader(dtype)
-    matrices = ("gate", "up") if swiglu else ("w",)
+    matrices = ("gate", "up") if glu else ("w",)
     unroll = unroll or matvec_unroll(dtype, len(matrices) * rows_per)
     name = f"matvec_{dtype.lower()}_t{tokens}_u{unroll}_s{subgroup_size}"
     name += f"_r{rows_per}" * (rows_per > 1) + f"_k{split}" * (split > 1)
-    k = KernelBuilder(name + variant_name(residual, norm, outputs, swiglu), (WORKGROUP,))
+    k = KernelBuilder(name + variant_name(residual, norm, outputs, glu), (WORKGROUP,))
     bufs, x, gain, ys, res, rows, cols, n_tokens, splits, eps = matvec_params(
-        k, dtype, residual, norm, outputs, swiglu)
+        k, dtype, residual, norm, outputs, glu)
     n_sub = WORKGROUP // subgroup_size
     if n_sub % split:
         raise ValueError(f"matvec: split {split} does not divide {n_sub} subgroups")
@@ -172,18 +173,15 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
             row_sums = [v * scale for v in sums[t][q]] if norm else sums[t][q]
             ours = lane.eq(0) if split == 1 else lane.eq(0) & part.eq(0)
             with k.if_(ours & (t0 + t < n_tokens) & (row < rows)):
-                store_row(k, ys, res, splits, rows, t0 + t, row, row_sums, swiglu)
+                store_row(k, ys, res, splits, rows, t0 + t, row, row_sums, glu)
     return k.build()
 
 
-def store_row(k, ys, res, splits, rows, token, row, sums, swiglu):
-    """Stores a matvec variant's value (mma_vec's too) of one row and token: silu(gate) * up of
-    the row's two sums with swiglu, else its sum; plus the residual (res, read at y's index),
-    or into the stacked output its row falls in (splits)."""
-    if swiglu:
-        value = silu_times(k, *sums)
-    else:
-        value = sums[0]
+def store_row(k, ys, res, splits, rows, token, row, sums, glu):
+    """Stores a matvec variant's value (mma_vec's too) of one row and token: the gated unit of
+    the row's two sums with `glu`, else its sum; plus the residual (res, read at y's index), or
+    into the stacked output its row falls in (splits)."""
+    value = activations.glu(k, glu, *sums) if glu else sums[0]
     bounds = [None, *splits, rows]
     for i, y in enumerate(ys):
         if len(ys) == 1:
@@ -196,26 +194,21 @@ def store_row(k, ys, res, splits, rows, token, row, sums, swiglu):
             y[token * (end - start) + row - start] = value
 
 
-def silu_times(k, gate, up):
-    """SwiGLU's value of a gate and an up sum: silu(gate) * up."""
-    return gate / (1.0 + k.exp(-gate)) * up
-
-
-def variant_name(residual, norm, outputs, swiglu):
+def variant_name(residual, norm, outputs, glu):
     """The name suffix of a matvec variant (mma_vec's too), once checked."""
-    if residual and (outputs > 1 or swiglu):
+    if residual and (outputs > 1 or glu):
         raise ValueError("matvec: a residual is added to one plain output only")
-    if swiglu and outputs > 1:
-        raise ValueError("matvec: swiglu writes one output")
-    return "_norm" * norm + f"_split{outputs}" * (outputs > 1) + "_swiglu" * swiglu + \
-        "_residual" * residual
+    if glu and outputs > 1:
+        raise ValueError("matvec: a gated unit writes one output")
+    return "_norm" * norm + f"_split{outputs}" * (outputs > 1) + \
+        (f"_{activations.UNITS[glu]}" if glu else "") + "_residual" * residual
 
 
-def matvec_params(k, dtype, residual, norm, outputs, swiglu, x16=False):
+def matvec_params(k, dtype, residual, norm, outputs, glu, x16=False):
     """A matvec variant's parameters, declared on k in their order (mma_vec takes the same):
     (W's planes by matrix, x, norm gain, outputs, residual, rows, cols, n_tokens, splits, eps),
     None where the variant has none; with x16 (mma_vec's) x is u32 words of rounded pairs."""
-    matrices = ("gate", "up") if swiglu else ("w",)
+    matrices = ("gate", "up") if glu else ("w",)
     bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in reader(dtype).plane_names} for m in matrices]
     x = k.buffer("x16", U32) if x16 else k.buffer("x", F32)
     gain = k.buffer("norm", F32) if norm else None
@@ -694,24 +687,24 @@ def split_columns(piece, split_cols, cols, minimum=min):
 
 
 @cache
-def split_sum(residual=False, outputs=1, swiglu=False, x16=None):
+def split_sum(residual=False, outputs=1, glu=None, x16=None):
     """y[i] = partials[0, i] + ... + partials[splits - 1, i] (+ residual[i]) for i < n: a split
     mma_tiled's slices added in slice order, so a step gives the same bits every run.
     grid (ceil(n / WORKGROUP)).
 
     `outputs` > 1: the partials' rows are stacked weights' (scalars rows, split_1.. after
-    splits), each sum stored to its part's output (store_row). `swiglu`: they are gate's rows
-    then up's, `half` (a scalar after splits) each, and y [n_tokens, half] (n its size) takes
-    silu(gate) * up of each pair of sums: the SwiGLU of a stacked gate/up launch, which needs
-    this pass even unsplit (a workgroup's tile holds gate's rows or up's, not both).
+    splits), each sum stored to its part's output (store_row). `glu` (an activation): they are
+    gate's rows then up's, `half` (a scalar after splits) each, and y [n_tokens, half] (n its
+    size) takes the gated unit of each pair of sums: the unit of a stacked gate/up launch, which
+    needs this pass even unsplit (a workgroup's tile holds gate's rows or up's, not both).
 
-    `x16` (with swiglu: the weight format of the x16 mma_tiled that reads the SwiGLU next):
+    `x16` (with glu: the weight format of the x16 mma_tiled that reads the unit next):
     the buffer is `x16`, u32 [n / 2], the values rounded to that matmul's operand two a word
     (mma_x16's words, so that launch is not needed); a thread makes one word, grid
     (ceil(n / 2 / WORKGROUP)), half even."""
-    if x16 is not None and not swiglu:
-        raise ValueError("split_sum: x16 words are a SwiGLU's")
-    name = variant_name(residual, False, outputs, swiglu)
+    if x16 is not None and not glu:
+        raise ValueError("split_sum: x16 words are a gated unit's")
+    name = variant_name(residual, False, outputs, glu)
     name += "" if x16 is None else f"_x16_{mma_operand(x16).name}"
     k = KernelBuilder("split_sum" + name, (WORKGROUP,))
     partials = k.buffer("partials", F32)
@@ -723,7 +716,7 @@ def split_sum(residual=False, outputs=1, swiglu=False, x16=None):
     n, splits = k.scalar("n", I32), k.scalar("splits", I32)
     rows = k.scalar("rows", I32) if outputs > 1 else None
     parts_at = [k.scalar(f"split_{i}", I32) for i in range(1, outputs)]
-    half = k.scalar("half", I32) if swiglu else None
+    half = k.scalar("half", I32) if glu else None
     i = k.block_id() * WORKGROUP + k.thread_id()
 
     def summed(at, stride):
@@ -738,17 +731,17 @@ def split_sum(residual=False, outputs=1, swiglu=False, x16=None):
             gate_at = first + (first / half) * half
             pair = []
             for j in range(2):
-                pair.append(silu_times(k, summed(gate_at + j, 2 * n),
-                                       summed(gate_at + half + j, 2 * n)))
+                pair.append(activations.glu(k, glu, summed(gate_at + j, 2 * n),
+                                            summed(gate_at + half + j, 2 * n)))
             words[i] = _pack(k, mma_operand(x16), *pair)
         return k.build()
     with k.if_(i < n):
-        if swiglu:                      # i = t * half + c: gate at t * 2 half + c, up half on
+        if glu:                         # i = t * half + c: gate at t * 2 half + c, up half on
             gate_at = i + (i / half) * half
             store_row(k, ys, None, [], half, i / half, i % half,
-                      [summed(gate_at, 2 * n), summed(gate_at + half, 2 * n)], True)
+                      [summed(gate_at, 2 * n), summed(gate_at + half, 2 * n)], glu)
         elif outputs > 1:
-            store_row(k, ys, None, parts_at, rows, i / rows, i % rows, [summed(i, n)], False)
+            store_row(k, ys, None, parts_at, rows, i / rows, i % rows, [summed(i, n)], None)
         else:
             total = summed(i, n)
             ys[0][i] = total + res[i] if residual else total

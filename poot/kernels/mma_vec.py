@@ -1,7 +1,7 @@
 """mma_vec: the decode matmul on the tensor cores, y[t, m] = x[t, :] . W[m, :] for steps of up
 to 8 tokens a token tile, 1, 2 or 4 token tiles a launch (further launches along grid y for
 more), with matmul.matvec's buffers, scalars and
-fused variants (stacked outputs, swiglu, residual; a norm is norm_x16's, launched before), for
+fused variants (stacked outputs, a gated unit, residual; a norm is norm_x16's, launched before), for
 devices with mma and f16x2 arithmetic (ptx).
 
 Why: matvec's lanes each take whole weight units (a 32-value quant block), so the x values of
@@ -240,7 +240,7 @@ def _load(buffer, index, n):
 
 
 @cache
-def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1, split=1,
+def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, split=1,
             unroll=1, pipeline=False, chains=1, x16=False, token_tiles=1):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split, token_tiles). Buffers and
     scalars as matmul.matvec's of the same variant but norm: a norm comes before, from
@@ -260,15 +260,15 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
         raise ValueError("mma_vec: the norm is norm_x16's, launched before (x16)")
     operand = mma_operand(dtype)
     quant = dtype not in ("F16", "BF16")
-    matrices = ("gate", "up") if swiglu else ("w",)
+    matrices = ("gate", "up") if glu else ("w",)
     name = f"mma_vec_{dtype.lower()}_u{unroll}" + f"_r{tiles}" * (tiles > 1) + "_p" * pipeline
     name += f"_k{split}" * (split > 1) + f"_c{chains}" * (chains > 1) + "_x16" * x16
     name += f"_n{token_tiles}" * (token_tiles > 1)
-    name += variant_name(residual, False, outputs, swiglu)
+    name += variant_name(residual, False, outputs, glu)
     k = KernelBuilder(name, (WORKGROUP,))
     planes = reader(dtype).plane_names
     bufs, x, _, ys, res, rows, cols, n_tokens, splits, _ = matvec_params(
-        k, dtype, residual, False, outputs, swiglu, x16)
+        k, dtype, residual, False, outputs, glu, x16)
 
     sub, lane = k.subgroup_id(), k.lane_id()
     g, q = lane >> 2, lane & 3
@@ -532,5 +532,5 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, swiglu=False, tiles=1,
                 got = [sums[m][r][tt][j] for m in range(len(matrices))]
                 inside = (row < rows) & (token < n_tokens)
                 with k.if_(inside & ours if split > 1 else inside):
-                    store_row(k, ys, res, splits, rows, token, row, got, swiglu)
+                    store_row(k, ys, res, splits, rows, token, row, got, glu)
     return k.build()

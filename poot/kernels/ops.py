@@ -10,6 +10,7 @@ Activations are f32 [tokens, features]; the KV cache holds f16 pairs in u32 word
 import math
 from functools import cache
 
+from . import activations
 from .lang import F16, F32, I32, U32, KernelBuilder
 from .quant import reader
 
@@ -60,9 +61,10 @@ def rms_norm(subgroup_size):
 
 
 @cache
-def elementwise(op):
-    """out[i] = a[i] + b[i % len(b)] ("add"), or silu(a[i]) * b[i] ("swiglu"). grid (ceil(n/WG))."""
-    k = KernelBuilder(f"{op}", (WG,))
+def elementwise(op, activation=None):
+    """out[i] = a[i] + b[i % len(b)] ("add"), or the gated unit of a[i] and b[i] ("glu", of
+    `activation`: kernels/activations.py). grid (ceil(n/WG))."""
+    k = KernelBuilder(op if op == "add" else activations.UNITS[activation], (WG,))
     a, b, out = k.buffer("a", F32), k.buffer("b", F32), k.buffer("out", F32, "w")
     n, nb = k.scalar("n", I32), k.scalar("n_b", I32)
     i = k.block_id() * WG + k.thread_id()
@@ -71,7 +73,7 @@ def elementwise(op):
         if op == "add":
             out[i] = x + b[i % nb]
         else:
-            out[i] = x / (1.0 + k.exp(-x)) * b[i]
+            out[i] = activations.glu(k, activation, x, b[i])
     return k.build()
 
 

@@ -239,7 +239,7 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
         ff = None if whole else (f0, f1)
         gate = g.matmul(h, w(p + "ffn_gate.weight", F, E, rows=ff))
         up = g.matmul(h, w(p + "ffn_up.weight", F, E, rows=ff))
-        x = g.add(x, reduced(g.matmul(g.swiglu(gate, up),
+        x = g.add(x, reduced(g.matmul(g.glu(gate, up, "silu"),
                                       w(p + "ffn_down.weight", E, F, cols=ff))))
     if not part.last:
         g.output("hidden", x)

@@ -5,13 +5,9 @@ import math
 import re
 
 from .runtime import (JinjaRuntimeError, Markup, Undefined, check_size, escape, get_attribute,
-                      get_item, undefined_attribute)
+                      get_item, to_str, undefined_attribute)
 
 # ------------------------------------------------------------------------------------ filters
-
-def _soft_str(value):
-    return value if isinstance(value, str) else str(value)
-
 
 def _attribute_getter(attribute, default=None):
     parts = [int(p) if p.isdigit() else p for p in attribute.split(".")] \
@@ -84,7 +80,7 @@ _WORD_BEGINNING = re.compile(r"([-\s({\[<]+)")
 
 
 def f_title(s):
-    return "".join(p[0].upper() + p[1:].lower() for p in _WORD_BEGINNING.split(_soft_str(s)) if p)
+    return "".join(p[0].upper() + p[1:].lower() for p in _WORD_BEGINNING.split(to_str(s)) if p)
 
 
 def f_tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -165,7 +161,7 @@ def f_indent(s, width=4, first=False, blank=False):
 
 def f_center(value, width=80):
     check_size(width)
-    return _soft_str(value).center(width)
+    return to_str(value).center(width)
 
 
 def f_round(value, precision=0, method="common"):
@@ -193,7 +189,7 @@ def f_batch(value, linecount, fill_with=None):
 def f_format(value, *args, **kwargs):
     if args and kwargs:
         raise ValueError("can't handle positional and keyword arguments at the same time")
-    return _soft_str(value) % (kwargs or args)
+    return to_str(value) % (kwargs or args)
 
 
 def f_attr(obj, name):
@@ -245,7 +241,7 @@ FILTERS = {
     "abs": abs,
     "attr": f_attr,
     "batch": f_batch,
-    "capitalize": lambda s: _soft_str(s).capitalize(),
+    "capitalize": lambda s: to_str(s).capitalize(),
     "center": f_center,
     "count": len,
     "d": f_default,
@@ -264,7 +260,7 @@ FILTERS = {
     "last": f_last,
     "length": len,
     "list": list,
-    "lower": lambda s: _soft_str(s).lower(),
+    "lower": lambda s: to_str(s).lower(),
     "map": f_map,
     "max": f_min_max(max),
     "min": f_min_max(min),
@@ -277,14 +273,14 @@ FILTERS = {
     "select": _select(True, False),
     "selectattr": _select(True, True),
     "sort": f_sort,
-    "string": _soft_str,
+    "string": to_str,
     "sum": f_sum,
     "title": f_title,
     "tojson": f_tojson,
-    "trim": lambda value, chars=None: _soft_str(value).strip(chars),
+    "trim": lambda value, chars=None: to_str(value).strip(chars),
     "unique": f_unique,
-    "upper": lambda s: _soft_str(s).upper(),
-    "wordcount": lambda s: len(re.findall(r"\w+", _soft_str(s))),
+    "upper": lambda s: to_str(s).upper(),
+    "wordcount": lambda s: len(re.findall(r"\w+", to_str(s))),
 }
 
 
@@ -311,36 +307,27 @@ def _is_sequence(value):
     return True
 
 
+# The comparison tests, under every name Jinja gives each.
+_COMPARISONS = {"eq equalto ==": lambda a, b: a == b, "ne !=": lambda a, b: a != b,
+                "lt lessthan <": lambda a, b: a < b, "le <=": lambda a, b: a <= b,
+                "gt greaterthan >": lambda a, b: a > b, "ge >=": lambda a, b: a >= b}
+
 TESTS = {
+    **{name: test for names, test in _COMPARISONS.items() for name in names.split()},
     "boolean": lambda v: v is True or v is False,
     "callable": callable,
     "defined": lambda v: not isinstance(v, Undefined),
     "divisibleby": lambda v, num: v % num == 0,
-    "eq": lambda a, b: a == b,
-    "equalto": lambda a, b: a == b,
-    "==": lambda a, b: a == b,
     "escaped": lambda v: isinstance(v, Markup),
     "even": lambda v: v % 2 == 0,
     "false": lambda v: v is False,
     "filter": lambda v: v in FILTERS,
     "float": lambda v: isinstance(v, float),
-    "ge": lambda a, b: a >= b,
-    ">=": lambda a, b: a >= b,
-    "gt": lambda a, b: a > b,
-    "greaterthan": lambda a, b: a > b,
-    ">": lambda a, b: a > b,
     "in": lambda v, seq: v in seq,
     "integer": lambda v: isinstance(v, int) and v is not True and v is not False,
     "iterable": _is_iterable,
-    "le": lambda a, b: a <= b,
-    "<=": lambda a, b: a <= b,
     "lower": lambda v: str(v).islower(),
-    "lt": lambda a, b: a < b,
-    "lessthan": lambda a, b: a < b,
-    "<": lambda a, b: a < b,
     "mapping": lambda v: isinstance(v, dict),
-    "ne": lambda a, b: a != b,
-    "!=": lambda a, b: a != b,
     "none": lambda v: v is None,
     "number": _is_number,
     "odd": lambda v: v % 2 == 1,

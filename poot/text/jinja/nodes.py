@@ -9,15 +9,23 @@ from .runtime import (BreakLoop, ContinueLoop, JinjaRuntimeError, Loop, Macro, N
 
 # ----------------------------------------------------------------------------- expression AST
 
-class Expr:
-    __slots__ = ("line",)
+class Node:
+    """A node of the tree, made from its fields in the order its class's `__slots__` names them
+    (a class that adds no slots takes its parent's)."""
+    __slots__ = ()
+
+    def __init__(self, *values):
+        fields = next(c.__slots__ for c in type(self).__mro__ if c.__dict__.get("__slots__"))
+        for field, value in zip(fields, values, strict=True):
+            setattr(self, field, value)
+
+
+class Expr(Node):
+    __slots__ = ("line",)     # set by the parser
 
 
 class Const(Expr):
     __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
 
     def eval(self, scope):
         return self.value
@@ -26,18 +34,12 @@ class Const(Expr):
 class Name(Expr):
     __slots__ = ("name",)
 
-    def __init__(self, name):
-        self.name = name
-
     def eval(self, scope):
         return lookup(scope, self.name)
 
 
 class ListExpr(Expr):
     __slots__ = ("items",)
-
-    def __init__(self, items):
-        self.items = items
 
     def eval(self, scope):
         return [item.eval(scope) for item in self.items]
@@ -53,18 +55,12 @@ class TupleExpr(ListExpr):
 class DictExpr(Expr):
     __slots__ = ("pairs",)
 
-    def __init__(self, pairs):
-        self.pairs = pairs
-
     def eval(self, scope):
         return {k.eval(scope): v.eval(scope) for k, v in self.pairs}
 
 
 class Getattr(Expr):
     __slots__ = ("obj", "name")
-
-    def __init__(self, obj, name):
-        self.obj, self.name = obj, name
 
     def eval(self, scope):
         obj = self.obj.eval(scope)
@@ -76,18 +72,12 @@ class Getattr(Expr):
 class Getitem(Expr):
     __slots__ = ("obj", "key")
 
-    def __init__(self, obj, key):
-        self.obj, self.key = obj, key
-
     def eval(self, scope):
         return get_item(self.obj.eval(scope), self.key.eval(scope))
 
 
 class SliceExpr(Expr):
     __slots__ = ("start", "stop", "step")
-
-    def __init__(self, start, stop, step):
-        self.start, self.stop, self.step = start, stop, step
 
     def eval(self, scope):
         return slice(*(None if e is None else e.eval(scope) for e in (self.start, self.stop, self.step)))
@@ -96,9 +86,6 @@ class SliceExpr(Expr):
 class Sliced(Expr):
     """`obj[a:b:c]`: Python slicing, on sequences only (in Jinja slices bypass item lookup)."""
     __slots__ = ("obj", "slice")
-
-    def __init__(self, obj, slice_expr):
-        self.obj, self.slice = obj, slice_expr
 
     def eval(self, scope):
         obj = self.obj.eval(scope)
@@ -109,12 +96,9 @@ class Sliced(Expr):
         return obj[self.slice.eval(scope)]
 
 
-class Arguments:
+class Arguments(Node):
     """Call arguments: positional, keyword, `*args`, `**kwargs`."""
     __slots__ = ("args", "kwargs", "star", "starstar")
-
-    def __init__(self, args, kwargs, star, starstar):
-        self.args, self.kwargs, self.star, self.starstar = args, kwargs, star, starstar
 
     def eval(self, scope):
         args = [a.eval(scope) for a in self.args]
@@ -129,9 +113,6 @@ class Arguments:
 class Call(Expr):
     __slots__ = ("fn", "arguments")
 
-    def __init__(self, fn, arguments):
-        self.fn, self.arguments = fn, arguments
-
     def eval(self, scope, **extra):
         fn = self.fn.eval(scope)
         args, kwargs = self.arguments.eval(scope)
@@ -141,9 +122,6 @@ class Call(Expr):
 
 class FilterExpr(Expr):
     __slots__ = ("node", "fn", "arguments")
-
-    def __init__(self, node, fn, arguments):
-        self.node, self.fn, self.arguments = node, fn, arguments
 
     def eval(self, scope):
         return self.apply(self.node.eval(scope), scope)
@@ -156,9 +134,6 @@ class FilterExpr(Expr):
 class TestExpr(Expr):
     __slots__ = ("node", "fn", "arguments")
 
-    def __init__(self, node, fn, arguments):
-        self.node, self.fn, self.arguments = node, fn, arguments
-
     def eval(self, scope):
         args, kwargs = self.arguments.eval(scope)
         return bool(self.fn(self.node.eval(scope), *args, **kwargs))
@@ -166,9 +141,6 @@ class TestExpr(Expr):
 
 class Unary(Expr):
     __slots__ = ("op", "node")
-
-    def __init__(self, op, node):
-        self.op, self.node = op, node
 
     def eval(self, scope):
         value = self.node.eval(scope)
@@ -200,9 +172,6 @@ class Binary(Expr):
 
 class Concat(Expr):
     __slots__ = ("nodes",)
-
-    def __init__(self, nodes):
-        self.nodes = nodes
 
     def eval(self, scope):
         return "".join([to_str(n.eval(scope)) for n in self.nodes])
@@ -245,9 +214,6 @@ class Compare(Expr):
 class And(Expr):
     __slots__ = ("left", "right")
 
-    def __init__(self, left, right):
-        self.left, self.right = left, right
-
     def eval(self, scope):
         return self.left.eval(scope) and self.right.eval(scope)
 
@@ -262,9 +228,6 @@ class Or(And):
 class CondExpr(Expr):
     __slots__ = ("test", "then", "otherwise")
 
-    def __init__(self, test, then, otherwise):
-        self.test, self.then, self.otherwise = test, then, otherwise
-
     def eval(self, scope):
         if self.test.eval(scope):
             return self.then.eval(scope)
@@ -275,12 +238,9 @@ class CondExpr(Expr):
 
 # ------------------------------------------------------------------------------ statement AST
 
-class NSRef:
+class NSRef(Node):
     """The target `ns.attr` of a set: assignable on namespace objects only."""
     __slots__ = ("name", "attr", "line")
-
-    def __init__(self, name, attr, line):
-        self.name, self.attr, self.line = name, attr, line
 
     def assign(self, value, scope):
         ns = lookup(scope, self.name)
@@ -289,32 +249,23 @@ class NSRef:
         ns.attrs[self.attr] = value
 
 
-class Data:
+class Data(Node):
     __slots__ = ("text",)
-
-    def __init__(self, text):
-        self.text = text
 
     def render(self, scope, out):
         out.append(self.text)
 
 
-class Output:
+class Output(Node):
     __slots__ = ("expr",)
-
-    def __init__(self, expr):
-        self.expr = expr
 
     def render(self, scope, out):
         value = evaluate(self.expr, scope)
         out.append(value if type(value) is str else to_str(value))
 
 
-class If:
+class If(Node):
     __slots__ = ("branches", "otherwise")
-
-    def __init__(self, branches, otherwise):
-        self.branches, self.otherwise = branches, otherwise
 
     def render(self, scope, out):
         for test, body in self.branches:
@@ -323,12 +274,8 @@ class If:
         render_body(self.otherwise, scope, out)
 
 
-class For:
+class For(Node):
     __slots__ = ("target", "iterable", "condition", "body", "otherwise", "line")
-
-    def __init__(self, target, iterable, condition, body, otherwise, line):
-        self.target, self.iterable, self.condition = target, iterable, condition
-        self.body, self.otherwise, self.line = body, otherwise, line
 
     def render(self, scope, out):
         iterable = evaluate(self.iterable, scope)
@@ -359,21 +306,15 @@ class For:
                 break
 
 
-class LoopControl:
+class LoopControl(Node):
     __slots__ = ("signal",)
-
-    def __init__(self, signal):
-        self.signal = signal
 
     def render(self, scope, out):
         raise self.signal()
 
 
-class Assign:
+class Assign(Node):
     __slots__ = ("target", "expr")
-
-    def __init__(self, target, expr):
-        self.target, self.expr = target, expr
 
     def render(self, scope, out):
         value = evaluate(self.expr, scope)
@@ -383,56 +324,44 @@ class Assign:
             bind(self.target, value, scope, self.expr.line)
 
 
-class AssignBlock:
+def _filtered(body, filters, scope):
+    """A block's body rendered in a scope of its own, then through `filters` in order."""
+    parts = []
+    render_body(body, Scope({}, scope), parts)
+    value = "".join(parts)
+    for f in filters:
+        try:
+            value = f.apply(value, scope)
+        except JinjaRuntimeError as e:
+            raise e.at_line(f.line) from None
+        except TemplateError:
+            raise
+        except Exception as e:
+            raise JinjaRuntimeError(f"{type(e).__name__}: {e}", f.line) from None
+    return value
+
+
+class AssignBlock(Node):
     """`{% set x %}...{% endset %}`, the rendered body through optional filters."""
     __slots__ = ("target", "filters", "body")
 
-    def __init__(self, target, filters, body):
-        self.target, self.filters, self.body = target, filters, body
-
     def render(self, scope, out):
-        parts = []
-        render_body(self.body, Scope({}, scope), parts)
-        value = "".join(parts)
-        for f in self.filters:
-            value = _run_filter(f, value, scope)
+        value = _filtered(self.body, self.filters, scope)
         if isinstance(self.target, NSRef):
             self.target.assign(value, scope)
         else:
             bind(self.target, value, scope)
 
 
-def _run_filter(f, value, scope):
-    try:
-        return f.apply(value, scope)
-    except JinjaRuntimeError as e:
-        raise e.at_line(f.line) from None
-    except TemplateError:
-        raise
-    except Exception as e:
-        raise JinjaRuntimeError(f"{type(e).__name__}: {e}", f.line) from None
-
-
-class FilterBlock:
+class FilterBlock(Node):
     __slots__ = ("filters", "body")
 
-    def __init__(self, filters, body):
-        self.filters, self.body = filters, body
-
     def render(self, scope, out):
-        parts = []
-        render_body(self.body, Scope({}, scope), parts)
-        value = "".join(parts)
-        for f in self.filters:
-            value = _run_filter(f, value, scope)
-        out.append(to_str(value))
+        out.append(to_str(_filtered(self.body, self.filters, scope)))
 
 
-class With:
+class With(Node):
     __slots__ = ("targets", "values", "body")
-
-    def __init__(self, targets, values, body):
-        self.targets, self.values, self.body = targets, values, body
 
     def render(self, scope, out):
         child = Scope({}, scope)
@@ -441,42 +370,25 @@ class With:
         render_body(self.body, child, out)
 
 
-class ScopeBlock:
+class ScopeBlock(Node):
     """A body rendered in its own scope (Hugging Face's `{% generation %}`)."""
     __slots__ = ("body",)
-
-    def __init__(self, body):
-        self.body = body
 
     def render(self, scope, out):
         render_body(self.body, Scope({}, scope), out)
 
 
-class MacroDef:
+class MacroDef(Node):
     __slots__ = ("name", "params", "defaults", "body")
-
-    def __init__(self, name, params, defaults, body):
-        self.name, self.params, self.defaults, self.body = name, params, defaults, body
 
     def render(self, scope, out):
         scope.vars[self.name] = Macro(self.name, self.params, self.defaults, self.body, scope)
 
 
-class CallBlock:
+class CallBlock(Node):
     """`{% call(args) macro(...) %}body{% endcall %}`: the body becomes the macro's `caller`."""
     __slots__ = ("call", "params", "defaults", "body")
 
-    def __init__(self, call, params, defaults, body):
-        self.call, self.params, self.defaults, self.body = call, params, defaults, body
-
     def render(self, scope, out):
         caller = Macro("caller", self.params, self.defaults, self.body, scope)
-        try:
-            value = self.call.eval(scope, caller=caller)
-        except JinjaRuntimeError as e:
-            raise e.at_line(self.call.line) from None
-        except TemplateError:
-            raise
-        except Exception as e:
-            raise JinjaRuntimeError(f"{type(e).__name__}: {e}", self.call.line) from None
-        out.append(to_str(value))
+        out.append(to_str(evaluate(self.call, scope, caller=caller)))

@@ -1,9 +1,6 @@
-"""What a template's values are and what it may do with them: the errors, `Undefined`, the
-sandbox's attribute, item and call rules, the size bounds, scopes and macros.
-
-It is the part of the interpreter that runs; it knows nothing of the template's text or syntax
-(lexer.py, parser.py) and nothing of the individual filters (filters.py).
-"""
+"""The interpreter's run time: the errors, the values (`Undefined`, markup, namespaces, loops,
+macros), the sandbox's attribute, item and call rules and size bounds, and scopes. It knows
+nothing of a template's text or syntax (lexer.py, parser.py) nor of single filters (filters.py)."""
 import math
 
 from poot.errors import TemplateError
@@ -172,32 +169,16 @@ class Loop:
 
     def attribute(self, name):
         i, n = self.index0, len(self.items)
-        if name == "index":
-            return i + 1
-        if name == "index0":
-            return i
-        if name == "revindex":
-            return n - i
-        if name == "revindex0":
-            return n - i - 1
-        if name == "first":
-            return i == 0
-        if name == "last":
-            return i == n - 1
-        if name == "length":
-            return n
-        if name == "depth":
-            return 1
-        if name == "depth0":
-            return 0
+        counts = {"index": i + 1, "index0": i, "revindex": n - i, "revindex0": n - i - 1,
+                  "first": i == 0, "last": i == n - 1, "length": n, "depth": 1, "depth0": 0}
+        if name in counts:
+            return counts[name]
         if name == "previtem":
             return self.items[i - 1] if i > 0 else Undefined("there is no previous item")
         if name == "nextitem":
             return self.items[i + 1] if i + 1 < n else Undefined("there is no next item")
-        if name == "cycle":
-            return Function("loop.cycle", self.cycle)
-        if name == "changed":
-            return Function("loop.changed", self.changed)
+        if name in ("cycle", "changed"):
+            return Function(f"loop.{name}", getattr(self, name))
         return undefined_attribute(self, name)
 
     def cycle(self, *args):
@@ -280,9 +261,7 @@ def get_item(obj, key):
 
 
 def to_str(value):
-    if isinstance(value, str):
-        return value
-    return str(value)
+    return value if isinstance(value, str) else str(value)
 
 
 def check_size(n):
@@ -336,10 +315,11 @@ class ContinueLoop(Exception):
     pass
 
 
-def evaluate(expr, scope):
-    """Evaluate an expression of a statement, turning Python errors into a runtime error at its line."""
+def evaluate(expr, scope, **extra):
+    """Evaluate an expression of a statement (`extra`: a call's further keywords), turning Python
+    errors into a runtime error at its line."""
     try:
-        return expr.eval(scope)
+        return expr.eval(scope, **extra)
     except JinjaRuntimeError as e:
         raise e.at_line(expr.line) from None
     except TemplateError:

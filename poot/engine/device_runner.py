@@ -531,10 +531,7 @@ class DeviceRunner(StepRunner):
                                    f"{t.dtype}; the device kernels read "
                                    f"{', '.join(DEVICE_DTYPES)}")
         for kernel in self._kernels():
-            missing = kernel.caps - self.device.caps
-            if missing:
-                raise ModelRefused(f"{self.backend}: {self.device.name}: kernel {kernel.name} "
-                                   f"needs {', '.join(sorted(missing))}, which the device lacks")
+            kernel.require(self.device.caps, "the device", f"{self.backend}: {self.device.name}: ")
 
     def _kernels(self):
         sg, cfg = self.device.subgroup_size, self.model.config

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import poot
+from poot.backends import DeviceGroup
 from poot.backends.ptx import PtxGroup
 from poot.backends.select import open_device
 from poot.engine.batch import SamplingRows, StepBatch
@@ -161,7 +162,7 @@ def test_poot_serve_gives_the_same_tokens_under_every_placement(tmp_path, group)
                                                                                [160, 320]]
 
 
-class OneDeviceGroup:
+class OneDeviceGroup(DeviceGroup):
     """Two ranks (or more) on one device, in place of two GPUs (see the module's docstring). A
     device's launches run in issue order, so barriers and events have nothing to order."""
 

@@ -14,10 +14,10 @@ import pytest
 import poot
 from poot.backends import DeviceGroup
 from poot.backends.ptx import PtxGroup
-from poot.backends.select import open_device
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.engine.group import GroupRunner
 from poot.errors import BackendUnavailable, NoSuchDevice, PlacementRefused
+from tests.conftest import open_or_skip
 from tests.models import default_model, tiny_model
 from tests.test_device_runner import greedy
 
@@ -185,10 +185,7 @@ class OneDeviceGroup(DeviceGroup):
 
 @pytest.fixture(scope="module")
 def one_device():
-    try:
-        return OneDeviceGroup(open_device("vulkan"))
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
+    return OneDeviceGroup(open_or_skip("vulkan"))
 
 
 ONE_DEVICE_CASES = CASES[:4] + CASES[-1:]

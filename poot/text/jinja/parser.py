@@ -292,17 +292,17 @@ class Parser:
         return expr
 
     def parse_or(self):
-        tok = self.current
-        left = self.parse_and()
-        while self.skip_name("or"):
-            left = self.node(Or(left, self.parse_and()), tok)
-        return left
+        return self.parse_chain("or", Or, self.parse_and)
 
     def parse_and(self):
+        return self.parse_chain("and", And, self.parse_not)
+
+    def parse_chain(self, word, node, operand):
+        """`a word b word c ...`, left to right."""
         tok = self.current
-        left = self.parse_not()
-        while self.skip_name("and"):
-            left = self.node(And(left, self.parse_not()), tok)
+        left = operand()
+        while self.skip_name(word):
+            left = self.node(node(left, operand()), tok)
         return left
 
     def parse_not(self):
@@ -393,28 +393,27 @@ class Parser:
             self.expect_op(")")
             return node
         if self.skip_op("["):
-            items = []
-            while not self.is_op("]"):
-                if items:
-                    self.expect_op(",")
-                if self.is_op("]"):
-                    break
-                items.append(self.parse_expression())
-            self.expect_op("]")
-            return self.node(ListExpr(items), tok)
+            return self.node(ListExpr(self.parse_items("]", self.parse_expression)), tok)
         if self.skip_op("{"):
-            pairs = []
-            while not self.is_op("}"):
-                if pairs:
-                    self.expect_op(",")
-                if self.is_op("}"):
-                    break
-                key = self.parse_expression()
-                self.expect_op(":")
-                pairs.append((key, self.parse_expression()))
-            self.expect_op("}")
-            return self.node(DictExpr(pairs), tok)
+            return self.node(DictExpr(self.parse_items("}", self.parse_pair)), tok)
         self.fail(f"unexpected {tok.describe()}")
+
+    def parse_items(self, close, item):
+        """`item, item, ...` up to the `close` operator (a trailing comma allowed)."""
+        items = []
+        while not self.is_op(close):
+            if items:
+                self.expect_op(",")
+            if self.is_op(close):
+                break
+            items.append(item())
+        self.expect_op(close)
+        return items
+
+    def parse_pair(self):
+        key = self.parse_expression()
+        self.expect_op(":")
+        return key, self.parse_expression()
 
     def parse_postfix(self, node):
         while True:

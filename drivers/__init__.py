@@ -1,13 +1,15 @@
 """Thin cffi (ABI mode) bindings to the vendors' driver libraries, one module per library.
 
 This package holds what every binding shares: `DriverError`, the one exception a failed driver
-call becomes, and `load_library`, which finds a library and lets an environment variable name
-another copy (the seam tests use to make a library absent). It holds no policy: which device,
-which memory, whether to retry, all belong to `poot/backends/`.
+call becomes, `load_library`, which finds a library and lets an environment variable name
+another copy (the seam tests use to make a library absent), and `Structs`, which fills a
+binding's structs from keyword fields. It holds no policy: which device, which memory, whether
+to retry, all belong to `poot/backends/`.
 """
 
 import os
 import sys
+import weakref
 
 
 class DriverError(Exception):
@@ -55,3 +57,50 @@ def load_library(ffi, library, candidates, env_var):
             reason = str(error).split("  Additionally, ctypes.util")[0].strip()
             tried.append((f"{path} (from {env_var})" if override else path, reason))
     raise LibraryNotFound(library, tried)
+
+
+# What a struct made by a binding's helpers points to (strings, arrays, other structs), kept
+# alive with it: cffi frees an owned cdata with its last Python reference.
+_KEEP_ALIVE = weakref.WeakKeyDictionary()
+
+
+def keep_alive(owner, *owned):
+    """Holds the cdata `owned` for as long as the cdata `owner` lives."""
+    _KEEP_ALIVE.setdefault(owner, []).extend(owned)
+
+
+class Structs:
+    """Zeroed structs of one binding, filled from keyword fields: a dict fills a nested struct in
+    place, and every cdata given is kept alive as long as the struct. The binding says how its
+    structs name their own type (`tag(item, struct)`) and which Python values stand for another
+    field value (`convert(field type, value, owner)`, keeping what it makes alive with `owner`).
+    Fields read back are views into the struct: keep the struct while reading them."""
+
+    def __init__(self, ffi, tag, convert):
+        self.ffi, self.tag, self.convert = ffi, tag, convert
+
+    def new(self, struct, **fields):
+        """`ffi.new` one zeroed struct, tagged, with `fields` set."""
+        value = self.ffi.new(f"{struct} *")
+        self._fill(value[0], struct, fields, value)
+        return value
+
+    def new_array(self, struct, items):
+        """An array of structs, one per dict of fields in `items`, each filled as by `new`."""
+        value = self.ffi.new(f"{struct}[]", len(items))
+        for item, fields in zip(value, items):
+            self._fill(item, struct, fields, value)
+        return value
+
+    def _fill(self, item, struct, fields, owner):
+        self.tag(item, struct)
+        types = dict(self.ffi.typeof(struct).fields)
+        for name, field in fields.items():
+            kind = types[name].type
+            if isinstance(field, dict) and kind.kind == "struct":  # a nested struct, filled in place
+                self._fill(getattr(item, name), kind.cname, field, owner)
+                continue
+            field = self.convert(kind, field, owner)
+            if isinstance(field, self.ffi.CData):
+                keep_alive(owner, field)
+            setattr(item, name, field)

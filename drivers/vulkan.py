@@ -13,11 +13,9 @@ VK_EXT_debug_utils, as PFN types) come from `instance_function`. Non-dispatchabl
 declared as pointers, which is their definition on 64-bit hosts (the only hosts poot runs on).
 """
 
-import weakref
-
 from cffi import FFI
 
-from drivers import DriverError, load_library
+from drivers import DriverError, Structs, keep_alive, load_library
 
 ENV_VAR = "POOT_VULKAN_LIB"
 CANDIDATES = ("libvulkan.so.1", "libvulkan.so", "libvulkan.1.dylib", "vulkan-1.dll")
@@ -1028,57 +1026,27 @@ _STYPE_VALUES = ffi.typeof("VkStructureType").relements
 _INCOMPLETE = ffi.typeof("VkResult").relements["VK_INCOMPLETE"]
 
 
-# What a struct made by `new`/`new_array`/`strings`/`chain` points to, kept alive with it.
-_KEEP_ALIVE = weakref.WeakKeyDictionary()
-
-
-def _fill(item, struct, fields, keep):
+def _tag(item, struct):
     stype = _STRUCTURE_TYPES.get(struct)
     if stype is not None:
         item.sType = _STYPE_VALUES["VK_STRUCTURE_TYPE_" + stype]
-    types = dict(ffi.typeof(struct).fields)
-    for name, field in fields.items():
-        kind = types[name].type
-        if isinstance(field, dict) and kind.kind == "struct":  # a nested struct, filled in place
-            _fill(getattr(item, name), kind.cname, field, keep)
-            continue
-        if isinstance(field, bytes):
-            field = ffi.new("char[]", field)
-        if isinstance(field, ffi.CData):
-            keep.append(field)
-        setattr(item, name, field)
 
 
-def new(struct, **fields):
-    """`ffi.new` one zeroed Vulkan struct with `sType` filled in and `fields` set.
-
-    A field given as bytes becomes a NUL-terminated string, one given as a dict fills a nested
-    struct (its own `sType` included); every cdata given (strings, arrays, other structs) is kept
-    alive as long as the returned struct is. Fields read back are views into the struct: keep the
-    struct while reading them.
-    """
-    value = ffi.new(f"{struct} *")
-    keep = []
-    _fill(value[0], struct, fields, keep)
-    _KEEP_ALIVE[value] = keep
-    return value
+def _string(kind, field, owner):
+    return ffi.new("char[]", field) if isinstance(field, bytes) else field
 
 
-def new_array(struct, items):
-    """An array of Vulkan structs, one per dict of fields in `items`, each filled as by `new`."""
-    value = ffi.new(f"{struct}[]", len(items))
-    keep = []
-    for item, fields in zip(value, items):
-        _fill(item, struct, fields, keep)
-    _KEEP_ALIVE[value] = keep
-    return value
+# `new("VkStruct", field=...)`: a Vulkan struct with its `sType` (and its nested structs') filled
+# in; a field given as bytes becomes a NUL-terminated string.
+_structs = Structs(ffi, _tag, _string)
+new, new_array = _structs.new, _structs.new_array
 
 
 def strings(names):
     """A `const char *const *` array of the given str (layer or extension names), kept alive."""
     owned = [ffi.new("char[]", name.encode()) for name in names]
     value = ffi.new("const char *[]", owned)
-    _KEEP_ALIVE[value] = owned
+    keep_alive(value, *owned)
     return value
 
 
@@ -1089,7 +1057,7 @@ def chain(*structs):
     """
     for this, following in zip(structs, structs[1:]):
         this.pNext = following
-        _KEEP_ALIVE.setdefault(this, []).append(following)
+        keep_alive(this, following)
     return structs[0]
 
 

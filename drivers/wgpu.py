@@ -25,12 +25,11 @@ module using them fails validation).
 import contextlib
 import importlib.util
 import site
-import weakref
 from pathlib import Path
 
 from cffi import FFI
 
-from drivers import DriverError, load_library
+from drivers import DriverError, Structs, keep_alive, load_library
 
 ENV_VAR = "POOT_WGPU_LIB"
 HEADER_MAJOR = 29  # the wgpu-native version whose webgpu.h / wgpu.h the declarations follow
@@ -744,8 +743,6 @@ def enum_name(enum, value):
     return f"{enum}({value:#x})"
 
 
-# What a struct made by `new`/`new_array`/`chain` points to, kept alive with it.
-_KEEP_ALIVE = weakref.WeakKeyDictionary()
 _STRUCTURE_TYPES = {
     "WGPUShaderSourceSPIRV": "WGPUSType_ShaderSourceSPIRV",
     "WGPUShaderSourceWGSL": "WGPUSType_ShaderSourceWGSL",
@@ -757,48 +754,26 @@ _STRING_VIEW = ffi.typeof("WGPUStringView")
 _STRLEN = int(ffi.cast("size_t", -1))  # WGPU_STRLEN
 
 
-def _fill(item, struct, fields, keep):
+def _tag(item, struct):
     if struct in _STRUCTURE_TYPES:
         stype = _STRUCTURE_TYPES[struct]
         item.chain.sType = (ffi.typeof("WGPUSType").relements.get(stype)
                             or ffi.typeof("WGPUNativeSType").relements[stype])
-    types = dict(ffi.typeof(struct).fields)
-    for name, field in fields.items():
-        kind = types[name].type
-        if isinstance(field, dict) and kind.kind == "struct":  # a nested struct, filled in place
-            _fill(getattr(item, name), kind.cname, field, keep)
-            continue
-        if isinstance(field, str) and kind == _STRING_VIEW:
-            chars = ffi.new("char[]", field.encode())
-            keep.append(chars)
-            field = {"data": chars, "length": len(chars) - 1}
-        elif isinstance(field, ffi.CData):
-            keep.append(field)
-        setattr(item, name, field)
 
 
-def new(struct, **fields):
-    """`ffi.new` one zeroed wgpu struct with `fields` set.
-
-    A str given for a WGPUStringView field becomes a string view; an extension struct's
-    `chain.sType` is filled in; every cdata given is kept alive as long as the returned struct.
-    Unset string views are {NULL, 0}: the empty string (a label wgpu does not need).
-    """
-    value = ffi.new(f"{struct} *")
-    keep = []
-    _fill(value[0], struct, fields, keep)
-    _KEEP_ALIVE[value] = keep
-    return value
+def _string_view(kind, field, owner):
+    if isinstance(field, str) and kind == _STRING_VIEW:
+        chars = ffi.new("char[]", field.encode())
+        keep_alive(owner, chars)
+        return {"data": chars, "length": len(chars) - 1}
+    return field
 
 
-def new_array(struct, items):
-    """An array of wgpu structs, one per dict of fields in `items`, each filled as by `new`."""
-    value = ffi.new(f"{struct}[]", len(items))
-    keep = []
-    for item, fields in zip(value, items):
-        _fill(item, struct, fields, keep)
-    _KEEP_ALIVE[value] = keep
-    return value
+# `new("WGPUStruct", field=...)`: a wgpu struct with an extension struct's `chain.sType` filled
+# in; a str given for a WGPUStringView field becomes a string view. Unset string views are
+# {NULL, 0}: the empty string (a label wgpu does not need).
+_structs = Structs(ffi, _tag, _string_view)
+new, new_array = _structs.new, _structs.new_array
 
 
 def chain(descriptor, *extensions):
@@ -807,7 +782,7 @@ def chain(descriptor, *extensions):
     for this, following in zip(links, links[1:]):
         this.next = following
     descriptor.nextInChain = links[0] if links else ffi.NULL
-    _KEEP_ALIVE.setdefault(descriptor, []).extend(extensions)
+    keep_alive(descriptor, *extensions)
     return descriptor
 
 

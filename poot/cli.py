@@ -3,19 +3,12 @@
 Every error a person can act on is a PootError; `main` turns it into one line on standard error
 and its exit status (poot/errors.py). `poot serve` is the same program as `poot-serve`.
 """
-import argparse
 import json
 import sys
 import time
 
 from .errors import PootError, UsageError
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError (exit status 2, one line) instead of exiting itself."""
-
-    def error(self, message):
-        raise UsageError(f"{self.prog}: {message}")
+from .options import Parser
 
 
 def build_parser():
@@ -134,26 +127,26 @@ def cmd_chat_template(args):
 def cmd_plan(args):
     """The plan poot-serve would make with these flags, every candidate printed; exit 6 when
     none fits or the free memory is unknown (the table still shows what each would need)."""
+    from .backends import DeviceGroup
+    from .backends.select import open_placed, parse_placement
     from .engine import plan
     from .errors import CapacityError
     from .loader import load
-    from .serve.cli import (check_context, check_flags, device_memory, open_placed,
-                            parse_placement)
+    from .options import check_context, check_flags, device_memory
     if args.model_path and args.model and args.model_path != args.model:
         raise UsageError(f"plan: two models given ({args.model_path} and --model {args.model})")
     args.model = args.model or args.model_path
-    ordinals, memory_limit = check_flags(args)
-    device = open_placed(args, ordinals)
+    memory_limit = check_flags(args)
+    device = open_placed(args.backend, args.placement)
     if device is None:
         print("backend reference: the numpy interpreter plans nothing against host memory; it "
               "serves --max-seqs x --ctx (default 8 x the model's context, at most 4096)")
         return 0
     unknown = None
-    members = getattr(device, "devices", None)      # a ptx group
     model = load(args.model)
     check_context(args, model)
-    if members:
-        memory = [device_memory(d, memory_limit) for d in members]
+    if isinstance(device, DeviceGroup):
+        memory = [device_memory(d, memory_limit) for d in device.devices]
         kind, _ = parse_placement(args.placement)
         result = plan.plan_group(model, device, kind, [m[0] for m in memory], memory[0][2],
                                  args.max_seqs, args.ctx, args.prefill_chunk)

@@ -14,12 +14,12 @@ import poot
 from drivers import DriverError
 from drivers import vulkan as vk
 from poot.backends import vulkan as vulkan_backend
-from poot.backends.vulkan import VALIDATION_ENV, VulkanDevice
-from poot.backends.wgpu import WgpuDevice
+from poot.backends.vulkan import VALIDATION_ENV
 from poot.engine.batch import SamplingRows, StepBatch
-from poot.errors import BackendUnavailable, CapacityError, ModelRefused
+from poot.errors import CapacityError, ModelRefused
 from poot.kernels import ops
 from poot.kernels.lang import BF16, F32, I8, I32, KernelBuilder
+from tests.conftest import open_or_skip
 from tests.models import tiny_model
 
 LAVAPIPE_CAPS = {"storage16", "storage8", "float16", "int16", "int64", "subgroup",
@@ -33,17 +33,7 @@ def open_vulkan():
     """A Vulkan device with the validation layer on (where it is installed)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(VALIDATION_ENV, "1")
-        try:
-            return VulkanDevice(0)
-        except BackendUnavailable as e:
-            pytest.skip(str(e))
-
-
-def open_wgpu():
-    try:
-        return WgpuDevice(0)
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
+        return open_or_skip("vulkan")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +45,7 @@ def vulkan():
 
 @pytest.fixture(scope="module")
 def wgpu_device():
-    device = open_wgpu()
+    device = open_or_skip("wgpu")
     yield device
     device.synchronize()        # raises what wgpu reported outside any scope
 

@@ -4,23 +4,17 @@ conversations (with and without system, multi-turn, assistant last, tools, tool 
 odd text) must give byte-identical prompts, and where a template refuses a conversation with
 raise_exception both must refuse it with the template's message."""
 
-import datetime
-import functools
 import itertools
-import json
 import pathlib
 import time
 
 import pytest
 
 from poot.errors import TemplateError
-from poot.text import jinja
 from poot.text.chat import ChatTemplate
 
 jinja2 = pytest.importorskip("jinja2")
-from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
-
-NOW = datetime.datetime(2024, 7, 26, 13, 45)
+pytestmark = pytest.mark.usefixtures("fixed_clock")
 TEMPLATES = pathlib.Path(__file__).parent / "data/chat_templates"
 
 # bos and eos as each model's tokenizer has them
@@ -128,31 +122,10 @@ EXTRAS = [{}, {"enable_thinking": False}, {"enable_thinking": True},
           {"builtin_tools": ["brave_search", "wolfram_alpha", "code_interpreter"]}]
 
 
-def hf_environment():
-    """Jinja2 exactly as transformers' chat-template renderer builds it, the clock fixed at NOW."""
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: NOW.strftime(fmt)
-    return env
-
-
-ORACLE = hf_environment()
-hf_compile = functools.lru_cache(maxsize=None)(ORACLE.from_string)
-
-
-def hf_render(source, messages, add_generation_prompt, tools, bos, eos, extra):
+def hf_render(compiled, messages, add_generation_prompt, tools, bos, eos, extra):
     """transformers' apply_chat_template(tokenize=False) on Jinja2 (the oracle): the text, or the exception."""
     try:
-        return hf_compile(source).render(
+        return compiled.render(
             messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
             bos_token=bos, eos_token=eos, **extra)
     except Exception as e:  # noqa: BLE001 (any failure of the oracle is a result to compare)
@@ -163,26 +136,22 @@ def template_names():
     return sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
 
 
-@pytest.fixture(autouse=True)
-def fixed_clock(monkeypatch):
-    monkeypatch.setattr(jinja, "clock", lambda: NOW)
-
-
 def test_fixtures_are_the_templates_listed():
     assert template_names() == sorted(SPECIAL)
     assert len(SPECIAL) >= 10
 
 
 @pytest.mark.parametrize("name", template_names())
-def test_real_template_renders_byte_identical(name):
+def test_real_template_renders_byte_identical(hf_jinja, name):
     source = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    compiled = hf_jinja.from_string(source)
     bos, eos = SPECIAL[name]
     template = ChatTemplate(source, bos_token=bos, eos_token=eos)
     compared = refused = 0
     for (title, messages), agp, tools, extra in itertools.product(
             CONVERSATIONS.items(), (True, False), (None, [WEATHER, TIME]), EXTRAS):
         extra = {**NEEDS.get(name, {}), **extra}
-        expected = hf_render(source, messages, agp, tools, bos, eos, extra)
+        expected = hf_render(compiled, messages, agp, tools, bos, eos, extra)
         case = f"{name}: {title}, add_generation_prompt={agp}, tools={bool(tools)}, {extra}"
         if type(expected) is jinja2.TemplateError:
             with pytest.raises(TemplateError) as info:  # raise_exception: the template's own message

@@ -181,7 +181,7 @@ def test_capabilities_and_refusals():
     for name, capability in (("mma_f16", "mma_f16"), ("mma_bf16", "mma_bf16")):
         kernel = MMA_CASES[name](np.random.default_rng(0)).kernel
         with pytest.raises(ModelRefused, match=rf"kernel {name} needs fragment_load, {capability}, "
-                                               r"which the AMDGPU target does not offer"):
+                                               r"which the AMDGPU target lacks"):
             render_opencl(kernel, 32)
         with pytest.raises(ModelRefused, match=capability):
             build_code_object(kernel, "gfx90a", 64)

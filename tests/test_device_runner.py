@@ -20,14 +20,6 @@ from poot.kernels.quant import DEVICE_DTYPES
 from tests.models import default_model, tiny_model
 
 
-@pytest.fixture(scope="module", params=["ptx", "rocm", "vulkan", "wgpu"])
-def device(request):
-    try:
-        return open_device(request.param)
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
-
-
 def step(tokens, start, row_tables):
     """One sequence's tokens from position `start`, every token's logits sampled."""
     n = len(tokens)

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import poot
+from poot.backends import DeviceGroup
 from poot.backends.ptx import PtxGroup
-from poot.backends.select import open_device
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.engine.group import GroupRunner
 from poot.errors import BackendUnavailable, NoSuchDevice, PlacementRefused
+from tests.conftest import open_or_skip
 from tests.models import default_model, tiny_model
 from tests.test_device_runner import greedy
 
@@ -161,7 +162,7 @@ def test_poot_serve_gives_the_same_tokens_under_every_placement(tmp_path, group)
                                                                                [160, 320]]
 
 
-class OneDeviceGroup:
+class OneDeviceGroup(DeviceGroup):
     """Two ranks (or more) on one device, in place of two GPUs (see the module's docstring). A
     device's launches run in issue order, so barriers and events have nothing to order."""
 
@@ -184,10 +185,7 @@ class OneDeviceGroup:
 
 @pytest.fixture(scope="module")
 def one_device():
-    try:
-        return OneDeviceGroup(open_device("vulkan"))
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
+    return OneDeviceGroup(open_or_skip("vulkan"))
 
 
 ONE_DEVICE_CASES = CASES[:4] + CASES[-1:]

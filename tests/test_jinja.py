@@ -2,58 +2,27 @@
 every standard feature is rendered by both and must give the same text (or both must fail). The
 sandbox, the deliberate refusals and the error messages are poot's own and are checked directly."""
 
-import datetime
-import json
-
 import pytest
 
 from poot.errors import TemplateError
-from poot.text import jinja
 from poot.text.jinja import (JinjaRuntimeError, JinjaSecurityError, JinjaSyntaxError, RaisedByTemplate,
                              Template)
 
 jinja2 = pytest.importorskip("jinja2")
-from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
-
-NOW = datetime.datetime(2024, 7, 26, 13, 45)
+pytestmark = pytest.mark.usefixtures("fixed_clock")
 
 
-def hf_environment():
-    """Jinja2 exactly as transformers' chat-template renderer builds it, the clock fixed at NOW."""
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: NOW.strftime(fmt)
-    return env
-
-
-ORACLE = hf_environment()
-
-
-@pytest.fixture(autouse=True)
-def fixed_clock(monkeypatch):
-    monkeypatch.setattr(jinja, "clock", lambda: NOW)
-
-
-def oracle(source, **context):
+def oracle(hf_jinja, source, **context):
     """Jinja2's output, or the exception it raised."""
     try:
-        return ORACLE.from_string(source).render(**context)
+        return hf_jinja.from_string(source).render(**context)
     except Exception as e:  # noqa: BLE001 (any failure of the oracle is a result to compare)
         return e
 
 
-def same(source, **context):
+def same(hf_jinja, source, **context):
     """Render with both; the texts must be equal, or both must fail."""
-    expected = oracle(source, **context)
+    expected = oracle(hf_jinja, source, **context)
     if isinstance(expected, Exception):
         with pytest.raises(TemplateError):
             Template(source).render(**context)
@@ -104,8 +73,8 @@ WHITESPACE = [
 
 
 @pytest.mark.parametrize("source", WHITESPACE)
-def test_whitespace_control_and_trim_lstrip_blocks(source):
-    same(source)
+def test_whitespace_control_and_trim_lstrip_blocks(hf_jinja, source):
+    same(hf_jinja, source)
 
 
 STATEMENTS = [
@@ -149,11 +118,11 @@ STATEMENTS = [
 
 
 @pytest.mark.parametrize("source", STATEMENTS)
-def test_statements(source):
+def test_statements(hf_jinja, source):
     if "generation" in source:  # Hugging Face's own tag: the body renders in its own scope
         assert Template(source).render() == "kept"
         return
-    same(source, **DATA)
+    same(hf_jinja, source, **DATA)
 
 
 EXPRESSIONS = [
@@ -191,8 +160,8 @@ EXPRESSIONS = [
 
 
 @pytest.mark.parametrize("source", EXPRESSIONS)
-def test_expressions(source):
-    same(source, **DATA)
+def test_expressions(hf_jinja, source):
+    same(hf_jinja, source, **DATA)
 
 
 FILTERS = [
@@ -228,8 +197,8 @@ FILTERS = [
 
 
 @pytest.mark.parametrize("source", FILTERS)
-def test_filters(source):
-    same(source, **DATA)
+def test_filters(hf_jinja, source):
+    same(hf_jinja, source, **DATA)
 
 
 FAILURES = [
@@ -262,8 +231,8 @@ FAILURES = [
 
 
 @pytest.mark.parametrize("source", FAILURES)
-def test_failures_match(source):
-    assert isinstance(same(source, **DATA), Exception)
+def test_failures_match(hf_jinja, source):
+    assert isinstance(same(hf_jinja, source, **DATA), Exception)
 
 
 def test_undefined_behaves_as_jinjas_default():
@@ -278,9 +247,9 @@ def test_undefined_behaves_as_jinjas_default():
         Template("{{ l[3].x }}").render(l=[1])
 
 
-def test_sandbox_refuses_private_attributes_and_mutation():
+def test_sandbox_refuses_private_attributes_and_mutation(hf_jinja):
     # As Jinja's sandbox: the refused attribute prints as nothing, using it raises.
-    same("{{ ''.__class__ }}|{{ l.append }}|{{ d.pop }}", **DATA)
+    same(hf_jinja, "{{ ''.__class__ }}|{{ l.append }}|{{ d.pop }}", **DATA)
     for source in ["{{ ''.__class__.__mro__ }}", "{{ l.append(1) }}", "{{ d.update(a=2) }}",
                    "{{ d.setdefault('z', 1) }}", "{{ msgs.sort() }}", "{{ s['__class__']() }}",
                    "{{ l.__len__() }}", "{{ d.__getitem__('a') }}"]:
@@ -316,12 +285,12 @@ def test_raise_exception_carries_the_templates_message():
     assert isinstance(info.value, TemplateError)
 
 
-def test_strftime_now_reads_the_clock():
+def test_strftime_now_reads_the_clock(hf_jinja):
     assert Template("{{ strftime_now('%d %b %Y') }}").render() == "26 Jul 2024"
-    same("{{ strftime_now('%Y-%m-%d %H:%M') }}")
+    same(hf_jinja, "{{ strftime_now('%Y-%m-%d %H:%M') }}")
 
 
-def test_syntax_errors_name_line_and_column():
+def test_syntax_errors_name_line_and_column(hf_jinja):
     cases = {
         "ok\n{% if x %}\n{{ 1 + }}": (3, 8),
         "{% for x in y %}\n{{ x }}": (2, 8),
@@ -341,7 +310,7 @@ def test_syntax_errors_name_line_and_column():
             Template(source)
         assert (info.value.lineno, info.value.column) == (line, column), source
         assert f"line {line}, column {column}" in str(info.value)
-        assert isinstance(oracle(source), Exception)
+        assert isinstance(oracle(hf_jinja, source), Exception)
 
 
 def test_unsupported_constructs_say_so():

@@ -7,37 +7,13 @@ skip with their reason; on a CUDA machine `python -m pytest tests/test_kernels.p
 import numpy as np
 import pytest
 
-from poot.errors import BackendUnavailable
 from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
 from poot.kernels import matmul, mma_vec, ops
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
+from tests.conftest import open_or_skip
 
 rng = np.random.default_rng()
-
-
-def open_device(backend):
-    try:
-        if backend == "ptx":
-            from poot.backends.ptx import PtxDevice
-            return PtxDevice(0)
-        if backend == "rocm":
-            from poot.backends.rocm import RocmDevice
-            return RocmDevice(0)
-        if backend == "vulkan":
-            from poot.backends.vulkan import VulkanDevice
-            return VulkanDevice(0)
-        if backend == "wgpu":
-            from poot.backends.wgpu import WgpuDevice
-            return WgpuDevice(0)
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
-    pytest.skip(f"{backend}: no device backend of that name is built")
-
-
-@pytest.fixture(scope="module", params=["ptx", "rocm", "vulkan", "wgpu"])
-def device(request):
-    return open_device(request.param)
 
 
 def run(device, kernel, grid, *args):
@@ -200,7 +176,7 @@ def test_mma_fragment_indices_give_the_documented_operands(depth):
 
 @pytest.fixture(scope="module")
 def cuda_device():
-    return open_device("ptx")
+    return open_or_skip("ptx")
 
 
 # (tokens, rows, cols): token and row counts that are not whole tiles; column counts that are

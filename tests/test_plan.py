@@ -7,29 +7,16 @@ agrees with the plan, and a buffer allocated or freed behind the plan's back mak
 """
 import pytest
 
-import poot
 from poot.backends.select import open_device
 from poot.cli import main
 from poot.engine import plan
 from poot.errors import BackendUnavailable, CapacityError, PlanMismatch
-from tests.models import tiny_model
-
-
-def opened(backend):
-    try:
-        return open_device(backend)
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return poot.load(tiny_model(tmp_path_factory.mktemp("tiny")))
+from tests.conftest import open_or_skip
 
 
 @pytest.fixture(scope="module", params=["vulkan", "wgpu"])
 def device(request):
-    return opened(request.param)
+    return open_or_skip(request.param)
 
 
 def test_candidates_are_ordered_and_bounded_by_the_model_and_the_pins():
@@ -188,7 +175,7 @@ def run_plan(capsys, *flags):
 
 
 def test_poot_plan_prints_every_candidate_and_marks_the_chosen_one(tiny, capsys):
-    opened("vulkan")
+    open_or_skip("vulkan")
     status, out, err = run_plan(capsys, "--model", str(tiny.path), "--backend", "vulkan",
                                 "--memory-limit", "40MiB")
     assert status == 0 and err == ""
@@ -202,7 +189,7 @@ def test_poot_plan_prints_every_candidate_and_marks_the_chosen_one(tiny, capsys)
 
 
 def test_poot_plan_pins_and_placement(tiny, capsys):
-    opened("vulkan")
+    open_or_skip("vulkan")
     status, out, _ = run_plan(capsys, "--model", str(tiny.path), "--backend", "vulkan",
                               "--memory-limit", "1GiB", "--max-seqs", "3", "--ctx", "100",
                               "--placement", "pipeline:0")
@@ -220,7 +207,7 @@ def test_poot_plan_pins_and_placement(tiny, capsys):
 
 
 def test_poot_plan_without_a_budget_prints_the_needs_then_exits_6(tiny, capsys):
-    device = opened("vulkan")
+    device = open_or_skip("vulkan")
     try:
         device.memory()
         pytest.skip(f"{device.name} reports a memory budget")
@@ -232,7 +219,7 @@ def test_poot_plan_without_a_budget_prints_the_needs_then_exits_6(tiny, capsys):
 
 
 def test_poot_plan_with_a_limit_below_the_weights_exits_6(tiny, capsys):
-    opened("vulkan")
+    open_or_skip("vulkan")
     status, out, err = run_plan(capsys, "--model", str(tiny.path), "--backend", "vulkan",
                                 "--memory-limit", "64KiB")
     assert status == 6 and "no serving shape fits: the smallest" in err

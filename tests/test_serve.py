@@ -83,11 +83,6 @@ def engine_alone(model, prompt_ids, **params):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return poot.load(tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
 def server(tiny):
     server = start_server(tiny)
     yield server

@@ -14,14 +14,8 @@ import pytest
 
 import poot
 from poot.formats.gguf import GGUFFile, write_gguf
-from tests.models import tiny_model
 from poot.engine.scheduler import Engine
 from tests.test_serve import call, start_server
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return poot.load(tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")

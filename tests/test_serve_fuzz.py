@@ -5,18 +5,11 @@ import threading
 
 import pytest
 
-import poot
 from poot.engine.faults import Faults
 from poot.serve import Server
 from tests import http_fuzz
-from tests.models import tiny_model
 from tests.test_serve import call, metric, wait_for_free_blocks
 from tests.test_serve_errors import still_serving
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return poot.load(tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
 def fuzz(server, model, seed, n, threads=8):

@@ -19,7 +19,7 @@ from drivers import DriverError, LibraryNotFound
 from drivers import cuda
 
 from ..codegen.ptx import dynamic_shared_bytes, ptx_caps, render_ptx
-from . import workgroups
+from . import Device, DeviceGroup, workgroups
 from ..errors import BackendUnavailable, NoSuchDevice, PlacementRefused
 
 SCALAR_CTYPES = {"i32": "int32_t", "u32": "uint32_t", "f32": "float"}
@@ -37,12 +37,17 @@ class DeviceBuffer:
     nbytes: int
 
 
-class PtxDevice:
+class PtxDevice(Device):
     backend = "ptx"
+    features = frozenset({"capture", "timing", "staging", "views", "lanes"})
     memory_source = "cuMemGetInfo"
     max_buffer = None           # one cuMemAlloc may take any amount the device has
+    # a device runner stages its steps' inputs and tokens in page-locked host_array memory,
+    # copied inside the step's graph
+    step_staging = True
 
     def __init__(self, ordinal=0):
+        super().__init__()
         try:
             self.cu = cuda.Driver()
             self.cu.init()
@@ -73,14 +78,11 @@ class PtxDevice:
         _thread.context = self.context
         self.ordinal = ordinal
         self.caps = ptx_caps(self.sm)
+        self.target = f"PTX for sm_{self.sm}"
         # sm_90 kernels wait for their predecessor in the kernel (render_ptx), so they may be
         # launched before it completes
         self.programmatic = self.sm >= 90
-        # a device runner stages its steps' inputs and tokens in page-locked host_array memory,
-        # copied inside the step's graph
-        self.step_staging = True
         self.allocated = 0
-        self._programs = {}
         self._pinned = []           # host_array memory
         self._timed = None
 
@@ -166,18 +168,15 @@ class PtxDevice:
         self._current()
         self.cu.memcpy_dtod_async(dst.pointer, src.pointer, nbytes, self.stream)
 
-    def program(self, kernel):
-        """The loaded function of a kernel (rendered, JIT-compiled by the driver, cached)."""
+    def build(self, kernel):
+        """The loaded function of a kernel (rendered, JIT-compiled by the driver)."""
         self._current()
-        function = self._programs.get(kernel.name)
-        if function is None:
-            module, _ = self.cu.module_load_data(render_ptx(kernel, self.sm))
-            function = self.cu.module_get_function(module, kernel.name)
-            if dynamic_shared_bytes(kernel):        # past 48 KiB a function opts in
-                self.cu.func_set_attribute(
-                    function, cuda.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    dynamic_shared_bytes(kernel))
-            self._programs[kernel.name] = function
+        module, _ = self.cu.module_load_data(render_ptx(kernel, self.sm))
+        function = self.cu.module_get_function(module, kernel.name)
+        if dynamic_shared_bytes(kernel):        # past 48 KiB a function opts in
+            self.cu.func_set_attribute(
+                function, cuda.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic_shared_bytes(kernel))
         return function
 
     def launch(self, function, kernel, grid, args):
@@ -254,11 +253,12 @@ def end_capture_after_error(device):
         pass
 
 
-class PtxGroup:
+class PtxGroup(DeviceGroup):
     """CUDA devices of one placement, opened in one process: a context and a stream each, peer
     access enabled between every pair (refused at startup, with the driver's words, where two
     cannot reach each other), an event per device for ordering across them."""
     backend = "ptx"
+    features = frozenset({"capture", "lanes"})
 
     def __init__(self, ordinals):
         self.devices = [PtxDevice(o) for o in ordinals]

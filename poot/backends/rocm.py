@@ -26,7 +26,7 @@ from drivers import DriverError, hsa
 from ..codegen.amdgpu import (AMDGPU_CAPS, WAVEFRONT, CodeObject, build_code_object,
                               compiler_isas, full_isa_name, isa_family)
 from ..errors import BackendUnavailable, NoSuchDevice
-from . import workgroups
+from . import Device, workgroups
 
 ffi = hsa.ffi
 QUEUE_PACKETS = 1024        # ring slots (64 KiB); longer submissions go in ring-sized pieces
@@ -117,11 +117,13 @@ def dispatch_packet(program, kernel, grid, kernargs, signal):
                          program.group_segment_size, program.kernel_object, kernargs, 0, signal)
 
 
-class RocmDevice:
+class RocmDevice(Device):
     backend = "rocm"
+    features = frozenset({"capture", "timing"})
     max_buffer = None           # one pool allocation may take any amount the pool has
 
     def __init__(self, ordinal=0):
+        super().__init__()
         try:
             self.rt = hsa.Runtime()
             self.rt.init()
@@ -141,7 +143,6 @@ class RocmDevice:
         self.ordinal = ordinal
         self.caps = AMDGPU_CAPS
         self.allocated = 0
-        self._programs = {}
         self._next_signal = 0
         self._tail = None           # ("queue" or "copy", signal) of the last operation issued
         self._kernargs_used = self._staging_used = 0
@@ -164,6 +165,7 @@ class RocmDevice:
         self.agent, self.cpu = gpus[ordinal], cpus[0]
         info = lambda attribute: rt.agent_get_info(self.agent, attribute)  # noqa: E731
         self.isa = rt.isa_name(rt.agent_isas(self.agent)[0])
+        self.target = f"AMD code object for {self.isa}"
         processor = full_isa_name(self.isa).split("--")[1].split(":")[0]
         family = isa_family(self.isa)
         self.name = f"{info(hsa.HSA_AMD_AGENT_INFO_PRODUCT_NAME)} (rocm:{ordinal}, {processor})"
@@ -349,11 +351,8 @@ class RocmDevice:
             self.rt.ring_doorbell(self.queue, index + count - 1)
 
     # -- programs and launches -------------------------------------------------------------------
-    def program(self, kernel):
-        """The loaded kernel (built by comgr for this agent's ISA, loaded once per name)."""
-        program = self._programs.get(kernel.name)
-        if program is not None:
-            return program
+    def build(self, kernel):
+        """The loaded kernel (built by comgr for this agent's ISA)."""
         rt = self.rt
         code = build_code_object(kernel, self.isa, self.subgroup_size)
         reader = rt.code_object_reader_create_from_memory(code.image)
@@ -369,7 +368,6 @@ class RocmDevice:
         if program.kernarg_size != code.kernarg_size:
             raise RuntimeError(f"{kernel.name}: the loader says {program.kernarg_size} bytes of "
                                f"kernel arguments, the metadata {code.kernarg_size}")
-        self._programs[kernel.name] = program
         return program
 
     def launch(self, program, kernel, grid, args):

@@ -12,7 +12,6 @@ import platform
 from drivers import DriverError
 from drivers import comgr, cuda, hsa, vulkan, wgpu
 
-from ..codegen.spirv import VERSION_1_3
 from ..errors import BackendUnavailable, CapacityError, NoSuchDevice
 from .select import AUTO_ORDER, open_device
 
@@ -114,14 +113,6 @@ def devices(backend):
             return out, str(e)
 
 
-def codegen_target(device):
-    if device.backend == "ptx":
-        return f"PTX for sm_{device.sm}"
-    if device.backend == "rocm":
-        return f"AMD code object for {device.isa}"
-    return "SPIR-V {}.{}".format(VERSION_1_3 >> 16, VERSION_1_3 >> 8 & 0xFF)
-
-
 def memory_line(device):
     try:
         free, total = device.memory()
@@ -150,7 +141,7 @@ def report(out):
             print(f"  {backend:<7} {device.name}", file=out)
             print(f"          {memory_line(device)}", file=out)
             print(f"          capabilities: {' '.join(sorted(device.caps))}; subgroup "
-                  f"{device.subgroup_size}; codegen: {codegen_target(device)}", file=out)
+                  f"{device.subgroup_size}; codegen: {device.target}", file=out)
         if found and reason:
             print(f"          (no more devices: {reason})", file=out)
     picked = next((b for b in AUTO_ORDER if opened[b]), None)

@@ -20,9 +20,9 @@ import numpy as np
 from drivers import DriverError, LibraryNotFound
 from drivers import vulkan as vk
 
-from ..codegen.spirv import binding_layout, render_spirv
+from ..codegen.spirv import TARGET, binding_layout, render_spirv
 from ..errors import BackendUnavailable, CapacityError, ModelRefused, NoSuchDevice
-from . import workgroups
+from . import Device, workgroups
 
 ffi = vk.ffi
 VALIDATION_ENV = "POOT_VULKAN_VALIDATION"
@@ -196,10 +196,13 @@ class PhysicalDeviceView:
         return heap_budget(self.lib, self.physical, self.extensions, name)
 
 
-class VulkanDevice:
+class VulkanDevice(Device):
     backend = "vulkan"
+    target = TARGET
+    features = frozenset({"capture", "timing", "staging"})
 
     def __init__(self, ordinal=0):
+        super().__init__()
         validate = os.environ.get(VALIDATION_ENV) == "1"
         try:
             self.lib, _ = vk.load()
@@ -222,7 +225,6 @@ class VulkanDevice:
         self._sizes = {}              # buffer bytes -> the allocation the driver requires
         self._serials = count()
         self._host_arrays = []        # (address, bytes, staging buffer) of host_array's
-        self._programs = {}
         self._sets_of = {}            # buffer serial -> programs holding a set that binds it
         self._pools = []
         self._free_commands, self._free_fences, self._in_flight = [], [], []
@@ -578,32 +580,16 @@ class VulkanDevice:
                                "write before replay, read after it")
 
     # -- programs and launches -----------------------------------------------------------------
-    def program(self, kernel):
-        """The compute pipeline of a kernel (rendered to SPIR-V, built once per kernel name);
-        a kernel needing what the device lacks is refused, naming the capability."""
-        program = self._programs.get(kernel.name)
-        if program is not None:
-            return program
-        missing = kernel.caps - self.caps
-        if missing:
-            raise ModelRefused(f"vulkan: {self.name}: kernel {kernel.name} needs "
-                               f"{', '.join(sorted(missing))}, which the device lacks")
+    def build(self, kernel):
+        """The compute pipeline of a kernel, rendered to SPIR-V; a kernel needing what the
+        device lacks is refused, naming the capability or the limit."""
         limits, layout = self.limits, binding_layout(kernel)
-        for need, have, what in (
-                (kernel.shared_bytes, limits.maxComputeSharedMemorySize, "bytes of shared memory"),
-                (layout.push_constant_size, limits.maxPushConstantsSize,
-                 "bytes of push constants"),
-                (len(layout.buffers), limits.maxPerStageDescriptorStorageBuffers,
-                 "storage buffers"),
-                (int(np.prod(kernel.workgroup)), limits.maxComputeWorkGroupInvocations,
-                 "invocations per workgroup")):
-            if need > have:
-                raise ModelRefused(f"vulkan: {self.name}: kernel {kernel.name} needs {need} "
-                                   f"{what}; the device offers {have}")
-        program = self._programs[kernel.name] = self._pipeline(kernel, layout)
-        return program
-
-    def _pipeline(self, kernel, layout):
+        self.require(kernel, [
+            (kernel.shared_bytes, limits.maxComputeSharedMemorySize, "bytes of shared memory"),
+            (layout.push_constant_size, limits.maxPushConstantsSize, "bytes of push constants"),
+            (len(layout.buffers), limits.maxPerStageDescriptorStorageBuffers, "storage buffers"),
+            (int(np.prod(kernel.workgroup)), limits.maxComputeWorkGroupInvocations,
+             "invocations per workgroup")])
         lib, dev = self.lib, self.device
         code = render_spirv(kernel, self.subgroup_size, vector_loads=True)
         module = ffi.new("VkShaderModule *")
@@ -696,10 +682,7 @@ class VulkanDevice:
         buffers, scalars = [], []
         for param, arg in zip(kernel.params, args, strict=True):
             (buffers if param.kind == "buffer" else scalars).append(arg)
-        groups = workgroups(kernel, grid)
-        if any(g > m for g, m in zip(groups, self.limits.maxComputeWorkGroupCount)):
-            raise ValueError(f"{kernel.name}: grid {groups} is over the device's "
-                             f"{tuple(self.limits.maxComputeWorkGroupCount)}")
+        groups = workgroups(kernel, grid, self.limits.maxComputeWorkGroupCount)
         sets = self._descriptor_set(program, buffers)
         lib, cb = self.lib, self._record()
         compute = lib.VK_PIPELINE_BIND_POINT_COMPUTE

@@ -23,9 +23,9 @@ import numpy as np
 from drivers import DriverError, LibraryNotFound
 from drivers import wgpu
 
-from ..codegen.spirv import binding_layout, render_spirv
+from ..codegen.spirv import TARGET, binding_layout, render_spirv
 from ..errors import BackendUnavailable, CapacityError, ModelRefused, NoSuchDevice
-from . import workgroups
+from . import Device, workgroups
 from .vulkan import BUDGET_EXTENSION, PhysicalDeviceView
 
 ffi = wgpu.ffi
@@ -67,10 +67,12 @@ def native_stderr(into):
             into.append(" ".join(sink.read().decode("utf-8", "replace").split()))
 
 
-class WgpuDevice:
+class WgpuDevice(Device):
     backend = "wgpu"
+    target = TARGET
 
     def __init__(self, ordinal=0):
+        super().__init__()
         try:
             self.lib, _ = wgpu.load()
         except LibraryNotFound as e:
@@ -115,7 +117,6 @@ class WgpuDevice:
                     lib.wgpuAdapterRelease(other)
         self.allocated = 0
         self._serials = count()
-        self._programs = {}
         self._groups_of = {}          # buffer serial -> programs holding a group that binds it
         self._encoder = self._pass = None
         self._readback = None
@@ -297,42 +298,28 @@ class WgpuDevice:
                                                       dst.handle, 0, nbytes)
 
     # -- programs and launches -----------------------------------------------------------------
-    def program(self, kernel):
-        """The compute pipeline of a kernel (its SPIR-V translated by naga, built once per
-        kernel name); a kernel needing what the device lacks, or that wgpu rejects, is
-        refused with the reason."""
-        program = self._programs.get(kernel.name)
-        if program is not None:
-            return program
-        missing = kernel.caps - self.caps
-        if missing:
-            raise ModelRefused(f"wgpu: {self.name}: kernel {kernel.name} needs "
-                               f"{', '.join(sorted(missing))}, which the device lacks")
+    def build(self, kernel):
+        """The compute pipeline of a kernel (its SPIR-V translated by naga); a kernel needing
+        what the device lacks, or that wgpu rejects, is refused with the reason."""
+        limits, layout = self.limits, binding_layout(kernel)
+        self.require(kernel, [
+            (kernel.shared_bytes, limits.maxComputeWorkgroupStorageSize, "bytes of shared memory"),
+            (layout.push_constant_size, limits.maxImmediateSize,
+             "bytes of push constants (immediates)"),
+            (len(layout.buffers), limits.maxStorageBuffersPerShaderStage, "storage buffers"),
+            (int(np.prod(kernel.workgroup)), limits.maxComputeInvocationsPerWorkgroup,
+             "invocations per workgroup")])
         narrow = [p.name for p in kernel.params
                   if p.kind == "buffer" and p.dtype.bits == 16 and p.dtype.kind != "f"]
         if narrow:      # bf16 is a 16-bit integer to SPIR-V, and naga has no 16-bit integers
             raise ModelRefused(f"wgpu: {self.name}: kernel {kernel.name} needs int16 (for its "
                                f"16-bit integer buffers {', '.join(narrow)}), which the device "
                                "lacks")
-        limits, layout = self.limits, binding_layout(kernel)
-        for need, have, what in (
-                (kernel.shared_bytes, limits.maxComputeWorkgroupStorageSize,
-                 "bytes of shared memory"),
-                (layout.push_constant_size, limits.maxImmediateSize,
-                 "bytes of push constants (immediates)"),
-                (len(layout.buffers), limits.maxStorageBuffersPerShaderStage, "storage buffers"),
-                (int(np.prod(kernel.workgroup)), limits.maxComputeInvocationsPerWorkgroup,
-                 "invocations per workgroup")):
-            if need > have:
-                raise ModelRefused(f"wgpu: {self.name}: kernel {kernel.name} needs {need} "
-                                   f"{what}; the adapter offers {have}")
         try:
-            program = self._pipeline(kernel, layout)
+            return self._pipeline(kernel, layout)
         except DriverError as e:
             raise ModelRefused(f"wgpu: {self.name}: wgpu rejects kernel {kernel.name}: "
                                f"{e}") from None
-        self._programs[kernel.name] = program
-        return program
 
     def _pipeline(self, kernel, layout):
         lib, dev = self.lib, self.device
@@ -395,10 +382,7 @@ class WgpuDevice:
         buffers, scalars = [], []
         for param, arg in zip(kernel.params, args, strict=True):
             (buffers if param.kind == "buffer" else scalars).append(arg)
-        groups = workgroups(kernel, grid)
-        if max(groups) > self.limits.maxComputeWorkgroupsPerDimension:
-            raise ValueError(f"{kernel.name}: grid {groups} is over the adapter's "
-                             f"{self.limits.maxComputeWorkgroupsPerDimension} per dimension")
+        groups = workgroups(kernel, grid, (self.limits.maxComputeWorkgroupsPerDimension,) * 3)
         group = self._bind_group(program, buffers)
         lib, compute = self.lib, self._compute_pass()
         lib.wgpuComputePassEncoderSetPipeline(compute, program.pipeline)

@@ -130,17 +130,10 @@ def check_target(kernel, isa_name, wavefront):
     if WAVEFRONT[family] != wavefront:
         raise ValueError(f"{isa_name}: kernels are built for wavefront {WAVEFRONT[family]}, "
                          f"not {wavefront}")
-    _check_caps(kernel)
+    kernel.require(AMDGPU_CAPS, "the AMDGPU target")
     if kernel.shared_bytes > LDS_BYTES[family]:
         raise ModelRefused(f"kernel {kernel.name} needs {kernel.shared_bytes} bytes of shared "
                            f"memory; a workgroup on {isa_name} has {LDS_BYTES[family]} of LDS")
-
-
-def _check_caps(kernel):
-    missing = kernel.caps - AMDGPU_CAPS
-    if missing:
-        raise ModelRefused(f"kernel {kernel.name} needs {', '.join(sorted(missing))}, "
-                           f"which the AMDGPU target does not offer")
 
 
 def render_opencl(kernel, wavefront):
@@ -291,7 +284,7 @@ class _Renderer:
     def __init__(self, kernel, wavefront):
         if wavefront not in (32, 64):
             raise ValueError(f"wavefront {wavefront}: 32 or 64")
-        _check_caps(kernel)
+        kernel.require(AMDGPU_CAPS, "the AMDGPU target")
         wx, wy, wz = kernel.workgroup
         if wx * wy * wz > MAX_WORKGROUP:
             raise ValueError(f"kernel {kernel.name}: workgroup {kernel.workgroup} exceeds "

@@ -179,10 +179,7 @@ class _Renderer:
         if sm not in PTX_VERSION:
             raise ValueError(f"sm_{sm}: the PTX renderer knows "
                              f"{', '.join(f'sm_{s}' for s in PTX_VERSION)}")
-        missing = kernel.caps - ptx_caps(sm)
-        if missing:
-            raise ModelRefused(f"kernel {kernel.name} needs {', '.join(sorted(missing))}, "
-                               f"which PTX for sm_{sm} does not offer")
+        kernel.require(ptx_caps(sm), f"PTX for sm_{sm}")
         if dynamic_shared_bytes(kernel) > SHARED_LIMIT[sm]:
             raise ModelRefused(f"kernel {kernel.name} needs {kernel.shared_bytes} bytes of shared "
                                f"memory; a workgroup of sm_{sm} has at most {SHARED_LIMIT[sm]}")

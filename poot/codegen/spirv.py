@@ -26,6 +26,7 @@ from poot.kernels.lang import (ASYNC_COPY, BOOL, F32, HALF2_ARITH, I32, MMA_CAPS
                                WGMMA, Assign, Barrier, For, If, Let, Return, Store, VarDecl)
 
 MAGIC, VERSION_1_3 = 0x07230203, 0x00010300
+TARGET = f"SPIR-V {VERSION_1_3 >> 16}.{VERSION_1_3 >> 8 & 0xFF}"
 
 # Opcodes (SPIR-V specification, section 3.52).
 OP = dict(

@@ -99,10 +99,7 @@ class DeviceRunner(StepRunner):
                                    f"{t.dtype}; the device kernels read "
                                    f"{', '.join(DEVICE_DTYPES)}")
         for kernel in self._kernels():
-            missing = kernel.caps - self.device.caps
-            if missing:
-                raise ModelRefused(f"{self.backend}: {self.device.name}: kernel {kernel.name} "
-                                   f"needs {', '.join(sorted(missing))}, which the device lacks")
+            kernel.require(self.device.caps, "the device", f"{self.backend}: {self.device.name}: ")
 
     def _kernels(self):
         """Every kernel the runner may launch (its programs, built once): each step's by its
@@ -261,7 +258,7 @@ class DeviceRunner(StepRunner):
     def _packed(self):
         """Staged, the inputs are one buffer (views of it, one copy a step) where the device
         has views of buffers (ptx); else a copy each."""
-        return self._staged() and hasattr(self.device, "view")
+        return self._staged() and "views" in self.device.features
 
     def upload(self):
         """Writes weights and constants into their buffers and builds every kernel's program
@@ -683,7 +680,7 @@ class DeviceRunner(StepRunner):
     def time_kernels(self):
         """Device timing from now on (--device-timing): every step launches kernel by kernel,
         each timed by the device, totals kept in kernel_times. Recordings are not used."""
-        if not hasattr(self.device, "start_timing"):
+        if "timing" not in self.device.features:
             raise ValueError(f"{self.backend}: the device has no per-kernel timing")
         self.kernel_times = {}
 
@@ -696,7 +693,7 @@ class DeviceRunner(StepRunner):
 
     # what StepRunner.run asks of the device
     def _can_capture(self):
-        return hasattr(self.device, "capture")
+        return "capture" in self.device.features
 
     def _capture(self, issue):
         return self.device.capture(issue)

@@ -115,7 +115,7 @@ class GroupRunner(StepRunner):
         """Allocates every lane's buffers: the first lane's all of them, each other lane's its
         arenas on a stream of its own (PtxGroup.lane: its steps run beside the others')."""
         for lane in self.lanes:
-            if lane is not self and hasattr(self.group, "lane"):
+            if lane is not self and "lanes" in self.group.features:
                 lane.group = self.group.lane()
                 for runner, device in zip(lane.runners, lane.group.devices):
                     runner.device = device
@@ -170,7 +170,7 @@ class GroupRunner(StepRunner):
         return all([runner._set_long(length) for runner in self.runners])
 
     def _can_capture(self):
-        return hasattr(self.group, "capture")
+        return "capture" in self.group.features
 
     def _capture(self, issue):
         return self.group.capture(issue)

@@ -12,6 +12,8 @@ knows no target.
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from poot.errors import ModelRefused
+
 
 @dataclass(frozen=True)
 class DType:
@@ -308,6 +310,14 @@ class Kernel:
     @property
     def shared_bytes(self):
         return sum(s.size * s.dtype.bytes for s in self.shared)
+
+    def require(self, offered, holder, where=""):
+        """The one capability check: ModelRefused naming this kernel and each capability it
+        needs beyond `offered`, what `holder` (a device, a renderer's target) has."""
+        missing = self.caps - offered
+        if missing:
+            raise ModelRefused(f"{where}kernel {self.name} needs {', '.join(sorted(missing))}, "
+                               f"which {holder} lacks")
 
     def param(self, name):
         return next(p for p in self.params if p.name == name)

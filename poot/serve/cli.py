@@ -11,18 +11,17 @@ import logging
 import math
 import os
 import platform
-import re
 import signal
 import sys
 import threading
 
-from poot.backends.select import BACKENDS, open_device
-from poot.cli import Parser
+from poot.backends import DeviceGroup
+from poot.backends.select import BACKENDS, open_placed, parse_placement
 from poot.engine import plan
 from poot.engine.faults import Faults
+from poot.errors import CapacityError, PootError, ServingFailed, UsageError
+from poot.options import Parser, check_context, check_flags, device_memory
 from poot.serve.profile import StackSampler
-from poot.errors import (BackendUnavailable, CapacityError, NoSuchDevice, PlacementRefused,
-                         PootError, ServingFailed, UsageError)
 
 # The reference backend plans nothing against host memory: it serves this shape unless pinned.
 REFERENCE_BLOCK_SIZE = 16
@@ -31,33 +30,8 @@ REFERENCE_MAX_SEQS = 8
 REFERENCE_CONTEXT = 4096
 SHUTDOWN_GRACE_S = 10.0
 FAULTS_ENV = "POOT_INJECT_FAULTS"
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
-               "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
 log = logging.getLogger("poot.serve")
-
-
-def parse_size(text):
-    """'8GiB', '512MB', '1.5GiB', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise UsageError(f"--memory-limit {text!r}: expected a size such as 8GiB or 512MB")
-    size = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
-    if size <= 0:
-        raise UsageError(f"--memory-limit {text!r}: the size must be positive")
-    return size
-
-
-def parse_placement(text):
-    """'pipeline:0,1' or 'tensor:0,1' -> (kind, [ordinals])."""
-    kind, _, ordinals = text.partition(":")
-    if kind not in ("pipeline", "tensor") or not re.fullmatch(r"\d+(,\d+)*", ordinals):
-        raise UsageError(f"--placement {text!r}: expected pipeline:ORD,ORD,... or "
-                         "tensor:ORD,ORD,...")
-    devices = [int(o) for o in ordinals.split(",")]
-    if len(set(devices)) != len(devices):
-        raise UsageError(f"--placement {text!r}: a device ordinal is listed twice")
-    return kind, devices
 
 
 def build_parser():
@@ -90,63 +64,6 @@ def build_parser():
     return p
 
 
-def check_flags(args):
-    """Flag rules that hold before anything opens: (device ordinals, memory limit or None);
-    one ordinal (0 without --placement) unless --placement names a group."""
-    memory_limit = parse_size(args.memory_limit) if args.memory_limit else None
-    if args.max_seqs is not None and args.max_seqs < 1:
-        raise UsageError(f"--max-seqs {args.max_seqs}: must be at least 1")
-    if args.ctx is not None and args.ctx < 1:
-        raise UsageError(f"--ctx {args.ctx}: must be at least 1")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise UsageError(f"--prefill-chunk {args.prefill_chunk}: must be at least 1")
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"--port {args.port}: not a port number")
-    ordinals = [0]
-    if args.placement:
-        kind, ordinals = parse_placement(args.placement)
-        if args.backend == "reference":
-            raise PlacementRefused(f"--placement {args.placement}: backend reference runs on "
-                                   "the host and places nothing on devices")
-        if len(ordinals) > 1:
-            if args.device_timing:
-                raise PlacementRefused("--device-timing is refused over a device group")
-            if args.backend not in ("ptx", "auto"):
-                raise PlacementRefused(f"--placement {args.placement}: backend {args.backend} "
-                                       "cannot copy between devices, so it runs no groups "
-                                       "(only ptx does)")
-    if args.device_timing and args.backend == "reference":
-        raise UsageError("--device-timing: backend reference has no device to time")
-    return ordinals, memory_limit
-
-
-def open_placed(args, ordinals):
-    """The device of --backend at the ordinal --placement names (0 without one), or the ptx
-    group of the ordinals it lists: an ordinal the driver does not list is a usage error once
-    the driver has said how many it lists."""
-    try:
-        if len(ordinals) == 1:
-            return open_device(args.backend, ordinals[0])   # decided once, before the port opens
-        from poot.backends.ptx import PtxGroup
-        try:
-            return PtxGroup(ordinals)
-        except BackendUnavailable as e:
-            if args.backend == "auto":      # auto would pick a backend that runs no groups
-                raise PlacementRefused(f"--placement {args.placement}: only ptx runs device "
-                                       f"groups, and it cannot open here: {e}") from None
-            raise
-    except NoSuchDevice as e:
-        if args.placement:
-            raise NoSuchDevice(f"--placement {args.placement}: {e}") from None
-        raise
-
-
-def check_context(args, model):
-    if args.ctx is not None and args.ctx > model.context_length:
-        raise UsageError(f"--ctx {args.ctx} exceeds the model's context length "
-                         f"{model.context_length}")
-
-
 def reference_blocks(model, context, max_seqs, memory_limit):
     """The reference backend's KV blocks: a full context for every sequence, or as many as
     `memory_limit` holds of its float32 cache (at least one full context, else a capacity
@@ -164,21 +81,6 @@ def reference_blocks(model, context, max_seqs, memory_limit):
     return blocks
 
 
-def device_memory(device, memory_limit):
-    """(free, total, source) of the memory startup plans within: the driver's own figures,
-    free capped by --memory-limit; a driver that reports none (a Vulkan driver without
-    VK_EXT_memory_budget) needs the limit, else its CapacityError stops startup."""
-    try:
-        free, total = device.memory()
-    except CapacityError:
-        if memory_limit is None:
-            raise
-        return memory_limit, memory_limit, "--memory-limit (the driver reports no budget)"
-    if memory_limit is not None and memory_limit < free:
-        return memory_limit, total, "--memory-limit"
-    return free, total, device.memory_source
-
-
 def describe(device, memory):
     if device is None:
         return {"name": f"host {platform.machine()} (numpy)", "backend": "reference"}
@@ -188,15 +90,15 @@ def describe(device, memory):
 
 
 def serve(args, stop_event):
-    ordinals, memory_limit = check_flags(args)
-    device = open_placed(args, ordinals)
-    if args.device_timing and not hasattr(device, "start_timing"):
+    memory_limit = check_flags(args)
+    device = open_placed(args.backend, args.placement)     # decided once, before the port opens
+    if args.device_timing and "timing" not in device.features:
         raise UsageError(f"--device-timing: backend {device.backend} ({device.name}) has no "
                          "per-kernel timing (ptx, rocm and vulkan have)")
-    members = getattr(device, "devices", None)      # a group's devices
-    if members:
-        memory = [device_memory(d, memory_limit) for d in members]
-        devices = [describe(d, m) for d, m in zip(members, memory)]
+    group = isinstance(device, DeviceGroup)
+    if group:
+        memory = [device_memory(d, memory_limit) for d in device.devices]
+        devices = [describe(d, m) for d, m in zip(device.devices, memory)]
     else:
         memory = device_memory(device, memory_limit) if device is not None else None
         devices = [describe(device, memory)]
@@ -210,7 +112,7 @@ def serve(args, stop_event):
         check_context(args, model)
         if device is None:
             runner, shape = reference_runner(model, args, memory_limit)
-        elif members:
+        elif group:
             runner, shape = group_runner(model, device, memory, args)
         else:
             runner, shape = device_runner(model, device, memory, args)

@@ -335,7 +335,8 @@ def silu_times(gate, up):
 
 
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "Q4_0", "Q6_K"])
-@pytest.mark.parametrize("n_tokens,split", [(5, False), (33, True), (64, True), (130, False)])
+@pytest.mark.parametrize("n_tokens,split", [(5, False), (33, True), (64, True), (130, False),
+                                            (300, False)])
 def test_mma_tiled_stacked_outputs(cuda_device, dtype, n_tokens, split):
     """q, k and v stacked row-wise (parts of 512, 128 and 128 rows: not whole tiles after the
     first), each part's rows into its own output: stored by mma_tiled's epilogue (outputs=3)
@@ -348,7 +349,8 @@ def test_mma_tiled_stacked_outputs(cuda_device, dtype, n_tokens, split):
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
     starts = list(np.cumsum(parts)[:-1])
     ys = [np.zeros((n_tokens, p), np.float32) for p in parts]
-    launch = matmul.mma_launch(rows, cols, n_tokens, 132 if split else 1, **mma_choice(dtype)[1])
+    launch = matmul.mma_launch(rows, cols, n_tokens, 132 if split else 1,
+                               **mma_choice(dtype, cuda_device.caps)[1])
     assert (launch.splits > 1) == split
     keywords = mma_choice(dtype, cuda_device.caps, launch.tokens)[0]
     x_in = mma_x(cuda_device, dtype, keywords, x)
@@ -593,6 +595,19 @@ def test_mma_launch_slices_tile_the_columns(rows, cols):
                     assert 2 * gx * gy * gz >= matmul.SPLIT_BLOCKS_PER_SM * sms
             assert launch.partial_floats(rows, n_tokens) == \
                 (launch.splits * n_tokens * rows if launch.splits > 1 else 0)
+
+
+def test_wide_tiles_take_long_steps_whose_tiles_fill_the_device():
+    """wgmma's 256-token tiles past 128 tokens, where they alone give every multiprocessor a
+    workgroup (never split); else the 128-token tile."""
+    for rows, n_tokens, sms, want in ((28672, 2048, 132, 256), (4096, 2048, 132, 256),
+                                      (4096, 512, 132, 128), (28672, 512, 132, 256),
+                                      (4096, 128, 132, 128), (28672, 129, 132, 256),
+                                      (4096, 4096, 132, 256), (128, 4096, 132, 128)):
+        launch = matmul.mma_launch(rows, 4096, n_tokens, sms, wide=True, one_wave=True)
+        assert launch.tokens == want, (rows, n_tokens)
+        assert launch.tokens == 128 or launch.splits == 1
+        assert matmul.mma_launch(rows, 4096, n_tokens, sms).tokens == min(want, 128)
 
 
 @pytest.mark.parametrize("rows,cols", [(256, 512), (2048, 8192), (4096, 14336), (512, 64)])

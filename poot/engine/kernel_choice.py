@@ -42,14 +42,15 @@ def mma_choice(dtype, caps=frozenset(), tokens=matmul.MMA_TOKENS):
     stream through a ring of asynchronous copies (three stages) with x rounded once beforehand
     (mma_x16), their splits kept to one wave of two workgroups a multiprocessor; where the
     device has wgmma (sm_90a) the products run on it, from four stages for the 32- and 64-token
-    tiles, whose steps are short, and three for 128. The formats decoded in the kernel keep the
-    register pipeline (their words are not operands as they are)."""
+    tiles, whose steps are short, and three for 128 and 256 (long steps take 256-token tiles
+    there: mma_launch's `wide`). The formats decoded in the kernel keep the register pipeline
+    (their words are not operands as they are)."""
     if dtype not in ("F16", "BF16"):
         return {}, {}
     policy = {"per_sm": 2, "one_wave": True}
     if WGMMA in caps:
         return {"stages": 4 if tokens < matmul.MMA_TOKENS else 3, "x16": True,
-                "wgmma": True}, policy
+                "wgmma": True}, dict(policy, wide=True)
     return {"stages": 3, "x16": True}, policy
 
 
@@ -185,7 +186,8 @@ class KernelChoice:
         or None: a short step, or a device without the matrix instructions."""
         if n < self.mma_min_tokens or not matmul.mma_tiled(w.dtype).caps <= self.device.caps:
             return None
-        return matmul.mma_launch(*w.shape, n, self.multiprocessors, **mma_choice(w.dtype)[1])
+        return matmul.mma_launch(*w.shape, n, self.multiprocessors,
+                                 **mma_choice(w.dtype, self.device.caps)[1])
 
     def mma_launches(self, op):
         """{n: MmaLaunch} standing for every length of a matmul step that runs on the tensor
@@ -195,7 +197,7 @@ class KernelChoice:
         return self._once(("mma_launches", w.dtype, w.shape, most), lambda: {} if self.mma_launch(
             w, most) is None else matmul.mma_launches(*w.shape, self.mma_min_tokens, most,
                                                       self.multiprocessors,
-                                                      **mma_choice(w.dtype)[1]))
+                                                      **mma_choice(w.dtype, self.device.caps)[1]))
 
     def tiled_variant(self, op, tokens=matmul.MMA_TOKENS):
         """mma_tiled's keywords for a matmul step in a token tile (mma_choice's pipeline),

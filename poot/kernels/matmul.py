@@ -254,6 +254,9 @@ def matvec_split(dtype, rows, cols, subgroup_size, rows_per, multiprocessors, ma
 # start depth/2 + 4 words apart: in 8 different groups of 4 banks.
 MMA_TOKENS, MMA_ROWS, MMA_DEPTH = 128, 128, 64
 MMA_TOKEN_TILES = (32, 64, MMA_TOKENS)
+# wgmma's widest n: a 128-row x 256-token tile reads a quarter fewer bytes of W and x a product
+# than two 128-token tiles (mma_launch's `wide`)
+WIDE_TOKENS = 256
 MMA_DEPTHS = (64, 128)
 # wgmma (sm_90a): each warpgroup's 64 rows of the 128-row tile, steps of 64 columns (a row's
 # 128 bytes: one swizzle span), tiles aligned to the 1024 bytes of a swizzle pattern.
@@ -387,8 +390,9 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     if outputs > 1 and (split or residual):
         raise ValueError("mma_tiled: stacked outputs are stored unsplit and with no residual "
                          "(split_sum routes a split launch's rows)")
-    if tokens not in MMA_TOKEN_TILES:
-        raise ValueError(f"mma_tiled: a token tile is one of {MMA_TOKEN_TILES}, not {tokens}")
+    if tokens not in MMA_TOKEN_TILES and not (wgmma and tokens == WIDE_TOKENS):
+        raise ValueError(f"mma_tiled: a token tile is one of {MMA_TOKEN_TILES} ({WIDE_TOKENS} "
+                         f"on wgmma), not {tokens}")
     if depth not in MMA_DEPTHS:
         raise ValueError(f"mma_tiled: a step is one of {MMA_DEPTHS} columns, not {depth}")
     raw = dtype in ("F16", "BF16")                 # words already hold operand pairs
@@ -766,7 +770,7 @@ class MmaLaunch:
 
 def mma_launch(rows, cols, n_tokens, multiprocessors, depth=MMA_DEPTH,
                per_sm=SPLIT_BLOCKS_PER_SM, min_steps=MIN_SPLIT_STEPS, one_wave=False,
-               least_tile=MMA_TOKEN_TILES[0]):
+               least_tile=MMA_TOKEN_TILES[0], wide=False):
     """The MmaLaunch of a [rows, cols] matmul over n_tokens on a device of `multiprocessors`:
     the smallest token tile of MMA_TOKEN_TILES, from least_tile, that holds the step (128 past
     64 tokens); split along the columns when the tiles alone give fewer
@@ -777,9 +781,13 @@ def mma_launch(rows, cols, n_tokens, multiprocessors, depth=MMA_DEPTH,
     can start a second wave of workgroups, run after the first (Llama-8B's down projection at
     64 tokens: 32 tiles x 9 slices = 288 workgroups, 24 more than 2 x 132 run at once);
     `one_wave` takes at most that many, so all run at once, with longer slices (fewer partials
-    to write and add too)."""
+    to write and add too). `wide` (wgmma): WIDE_TOKENS past MMA_TOKENS, where those tiles alone
+    give every multiprocessor a workgroup (a split wide tile writes twice the partials)."""
     tokens = next((t for t in MMA_TOKEN_TILES[:-1] if least_tile <= t and n_tokens <= t),
                   MMA_TOKENS)
+    if wide and n_tokens > MMA_TOKENS and \
+            -(-rows // MMA_ROWS) * -(-n_tokens // WIDE_TOKENS) >= multiprocessors:
+        tokens = WIDE_TOKENS
     blocks = -(-rows // MMA_ROWS) * -(-n_tokens // tokens)
     steps = -(-cols // depth)
     if blocks >= multiprocessors:

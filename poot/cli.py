@@ -91,7 +91,7 @@ def cmd_generate(args):
 
 def cmd_tokenize(args):
     from .loader import load
-    tokenizer = load(args.model).tokenizer
+    tokenizer = load(args.model, weights=False).tokenizer
 
     def ids(text):
         return tokenizer.encode(text, add_special=True, parse_special=not args.no_special)
@@ -113,7 +113,7 @@ def cmd_tokenize(args):
 def cmd_chat_template(args):
     from .errors import TemplateError
     from .loader import load
-    model = load(args.model)
+    model = load(args.model, weights=False)
     if model.chat_template is None:
         raise TemplateError(f"{model.name} has no chat template")
     try:

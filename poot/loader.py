@@ -30,19 +30,38 @@ def default_model_path():
 
 
 class LoadedModel:
-    """A model file, understood: config, tokenizer, chat template, and its weights by GGUF name."""
+    """A model file, understood: config, tokenizer, chat template, and its weights by GGUF name.
+    `weights=False`: its text side alone (tokenizer, chat template, name), which a file holding
+    only a vocabulary, or an architecture poot does not run, has too."""
 
-    def __init__(self, path):
+    def __init__(self, path, weights=True):
         self.path = Path(path)
         self.file = open_model(self.path)
         if self.file.kind == "gguf":
             meta = self.file.metadata
-            self._file_names = {name: name for name in self.file.tensors}
-            self.family = models.gguf_family(self.path, meta)
-            self.config = self.family.config_from_gguf(self.path, meta, self._file_names)
             self.tokenizer = Tokenizer.from_gguf(meta)
             template = meta.get("tokenizer.chat_template")
             self.name = self.path.name.removesuffix(".gguf")
+        else:
+            self.tokenizer = Tokenizer.from_hf(self.file.tokenizer_json or {},
+                                               self.file.tokenizer_config,
+                                               self.file.generation_config)
+            template = hf_chat_template(self.path, self.file.tokenizer_config)
+            self.name = self.path.name
+        self.chat_template = template and ChatTemplate(
+            template, bos_token=self._token_text(self.tokenizer.bos_id),
+            eos_token=self._token_text(min(self.tokenizer.eos_ids, default=None)))
+        if weights:
+            self._read_weights()
+
+    def _read_weights(self):
+        """The family, its config and the weights' GGUF names; then the step graph, so that
+        every weight is present with the shape the config implies."""
+        if self.file.kind == "gguf":
+            self._file_names = {name: name for name in self.file.tensors}
+            self.family = models.gguf_family(self.path, self.file.metadata)
+            self.config = self.family.config_from_gguf(self.path, self.file.metadata,
+                                                       self._file_names)
         else:
             self.family = models.hf_family(self.path, self.file.config)
             self._file_names = {}
@@ -51,18 +70,10 @@ class LoadedModel:
                 if gguf_name:
                     self._file_names[gguf_name] = file_name
             self.config = self.family.config_from_hf(self.path, self.file.config)
-            self.tokenizer = Tokenizer.from_hf(self.file.tokenizer_json or {},
-                                               self.file.tokenizer_config,
-                                               self.file.generation_config)
-            template = hf_chat_template(self.path, self.file.tokenizer_config)
-            self.name = self.path.name
         self.freq_factors = (self.file.array("rope_freqs.weight")
                              if "rope_freqs.weight" in self._file_names else None)
         self.context_length = self.config.context_length
-        self.chat_template = template and ChatTemplate(
-            template, bos_token=self._token_text(self.tokenizer.bos_id),
-            eos_token=self._token_text(min(self.tokenizer.eos_ids, default=None)))
-        self.step_graph(num_blocks=1, block_size=1)     # every weight present, every shape right
+        self.step_graph(num_blocks=1, block_size=1)
 
     def _token_text(self, token):
         return "" if token is None else self.tokenizer.token_bytes(token).decode("utf-8", "replace")
@@ -116,6 +127,7 @@ def hf_chat_template(path, tokenizer_config):
     return template if isinstance(template, str) else None
 
 
-def load(path=None):
-    """Opens a model file (GGUF) or Hugging Face folder; the default model when path is None."""
-    return LoadedModel(path or default_model_path())
+def load(path=None, weights=True):
+    """Opens a model file (GGUF) or Hugging Face folder; the default model when path is None.
+    weights=False reads its tokenizer and chat template alone (LoadedModel)."""
+    return LoadedModel(path or default_model_path(), weights)

@@ -83,6 +83,27 @@ def test_cli_tokenize_one_text_and_stdin_lines(tmp_path):
     assert 2 not in json.loads(many.stdout.splitlines()[1])      # <|im_end|> stayed text
 
 
+def test_tokenizing_needs_no_weights(tmp_path):
+    """A file holding a vocabulary alone (as llama.cpp's ggml-vocab-*.gguf do), of an
+    architecture poot does not run: `poot tokenize` and `chat-template` read it; loading it as
+    a model says what is missing."""
+    from poot.errors import ModelFileError
+    from poot.formats.gguf import GGUFFile, write_gguf
+    model = tiny_model(tmp_path)
+    meta = {k: v for k, v in GGUFFile(model).metadata.items()
+            if k.startswith("tokenizer.") or k == "general.alignment"}
+    vocab = tmp_path / "vocab-only.gguf"
+    write_gguf(vocab, {"general.architecture": "gemma4", **meta}, [])
+    one = poot_cli("tokenize", "--model", str(vocab), "Hi <|im_start|>")
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout) == poot.load(model).tokenizer.encode("Hi <|im_start|>")
+    chat = poot_cli("chat-template", "--model", str(vocab),
+                    stdin='[{"role": "user", "content": "Hi"}]')
+    assert chat.stdout == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ModelFileError, match="architecture 'gemma4' is not supported"):
+        poot.load(vocab)
+
+
 def test_cli_chat_template(tmp_path):
     model = tiny_model(tmp_path)
     result = poot_cli("chat-template", "--model", str(model),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .backends.select import open_device
 from .engine.request import SamplingParams
-from .engine.scheduler import Engine
+from .engine.engine import Engine
 from .errors import TemplateError
 from .loader import load
 

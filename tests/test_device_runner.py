@@ -262,7 +262,7 @@ def test_engine_serves_prompts_of_several_chunks(tmp_path, device):
     last chunk sample nothing): alone, beside sequences decoding and beside other long prompts,
     each request's greedy tokens are those of the reference engine's run of it alone."""
     from poot.engine.request import SamplingParams
-    from poot.engine.scheduler import Engine
+    from poot.engine.engine import Engine
     model = poot.load(tiny_model(tmp_path, dtype="F16"))
     rng = np.random.default_rng()
     lengths, new = (100, 7, 70, 5, 130), (6, 12, 5, 9, 4)
@@ -295,7 +295,7 @@ def test_steps_that_fail_on_the_device_fail_only_their_requests(tmp_path, device
     engine's tokens. A device that cannot recover is lost, and so is the engine."""
     from poot.engine.faults import Faults
     from poot.engine.request import EngineFailed, SamplingParams
-    from poot.engine.scheduler import Engine
+    from poot.engine.engine import Engine
     model = poot.load(tiny_model(tmp_path, dtype="F16"))
     rng = np.random.default_rng()
     lengths, new = (40, 6, 9, 3, 50, 7, 12), (8, 10, 6, 12, 5, 9, 7)
@@ -343,7 +343,7 @@ import poot
 from poot.backends.ptx import DeviceBuffer
 from poot.backends.select import open_device
 from poot.engine.request import EngineFailed, SamplingParams
-from poot.engine.scheduler import Engine
+from poot.engine.engine import Engine
 model = poot.load(sys.argv[1])
 runner = model.runner(open_device("ptx"), num_blocks=16, max_tokens=32, max_seqs=4)
 engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32)

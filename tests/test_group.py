@@ -276,7 +276,7 @@ def engine_tokens(runner, model, requests, **kw):
     """The greedy tokens of each (prompt, max_tokens) request, run together by an Engine over
     `runner`."""
     from poot.engine.request import SamplingParams
-    from poot.engine.scheduler import Engine
+    from poot.engine.engine import Engine
     engine = Engine(runner, model.tokenizer, **kw)
     handles = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
                for p, n in requests]
@@ -351,7 +351,7 @@ def test_a_request_cancelled_while_its_lane_runs_frees_its_blocks_after(tmp_path
     kernels still write the sequence's KV blocks), then frees the blocks; the other sequences
     go on with the tokens they would have had."""
     from poot.engine.request import SamplingParams
-    from poot.engine.scheduler import Engine
+    from poot.engine.engine import Engine
     model = load(tmp_path, CASES[0])
     requests = lane_requests(model, [9, 12, 7, 10], [20, 20, 20, 20])
     want, _ = engine_tokens(model.runner(one_device.devices[0], num_blocks=32), model, requests)
@@ -366,8 +366,8 @@ def test_a_request_cancelled_while_its_lane_runs_frees_its_blocks_after(tmp_path
     victim = next(seq for flight in engine._flight if flight for seq, _ in flight[0])
     assert victim.seq_id in engine._in_flight()
     handles[victim.seq_id].cancel()
-    assert victim.seq_id not in engine._in_flight() and victim not in engine._running
-    assert victim.blocks == [] or all(b not in victim.blocks for s in engine._running
+    assert victim.seq_id not in engine._in_flight() and victim not in engine.scheduler.running
+    assert victim.blocks == [] or all(b not in victim.blocks for s in engine.scheduler.running
                                       for b in s.blocks)
     engine.run_until_idle()
     assert engine.kv.num_used == 0

@@ -13,8 +13,10 @@ import pytest
 import poot
 from tests.models import tiny_model
 from poot.engine.faults import Faults
-from poot.engine.request import (EngineFailed, InvalidRequest, SamplingParams, StopText)
-from poot.engine.scheduler import Engine
+from poot.engine.engine import Engine
+from poot.engine.request import (EngineFailed, InvalidRequest, SamplingParams, Sequence,
+                                 StopText)
+from poot.engine.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -286,3 +288,49 @@ def test_a_request_whose_delivery_raises_fails_alone(model, monkeypatch):
     assert isinstance(first, EngineFailed) and "a decoder fault" in str(first)
     assert second == expected
     assert engine.error is None and engine.stats().kv_blocks_used == 0
+
+
+# ---- the policy alone: no runner, no thread -----------------------------------------------------
+
+def sequences(model, lengths, max_tokens=8):
+    out = [Sequence.create(i, [5] * n, greedy(max_tokens), max_tokens, model.tokenizer)
+           for i, n in enumerate(lengths)]
+    for seq in out:
+        seq.last_token_time = 0.0
+    return out
+
+
+def test_the_scheduler_decodes_first_then_chunks_prompts_within_the_budget(model):
+    s = Scheduler(num_blocks=64, block_size=4, max_seqs=4, step_tokens=16, table_width=16,
+                  vocab_size=model.tokenizer.vocab_size)
+    a, b, c = sequences(model, [10, 30, 3])
+    for seq in (a, b, c):
+        s.add(seq)
+    plan = s.schedule()
+    assert [(q.seq_id, n) for q, n in plan] == [(0, 10), (1, 6)]   # c waits for the budget
+    batch, sampled = s.build(plan)
+    assert len(batch.tokens) == 16 and sampled == [a]               # b's chunk samples nothing
+    s.computed(plan)
+    s.accept(a, 7, None, 0.0, 64)
+    plan = s.schedule()
+    assert [(q.seq_id, n) for q, n in plan] == [(0, 1), (1, 15)]    # a's token first
+    assert s.prompt_tokens_total == 43 and s.generation_tokens_total == 1
+
+
+def test_the_scheduler_preempts_the_latest_arrival_and_never_one_in_flight(model):
+    s = Scheduler(num_blocks=6, block_size=4, max_seqs=4, step_tokens=64, table_width=6,
+                  vocab_size=model.tokenizer.vocab_size)
+    a, b = sequences(model, [12, 8])            # 3 + 2 blocks of 6
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    s.computed(plan)
+    for seq in (a, b):
+        s.accept(seq, 7, None, 0.0, 64)
+    a.tokens += [7] * 4                         # a needs two more blocks; b's are the only ones
+    a.num_computed = len(a.tokens) - 1
+    assert s.schedule(in_flight={b.seq_id}) == [(b, 1)]     # a's growth cannot take b's
+    assert s.preemptions_total == 0
+    plan = s.schedule()
+    assert [q.seq_id for q, _ in plan] == [0] and s.waiting == [b] and b.num_computed == 0
+    assert s.preemptions_total == 1 and b.blocks == []

@@ -23,7 +23,7 @@ import poot
 from poot.models import random_weights
 from tests.models import default_model, tiny_model
 from poot.engine.request import SamplingParams
-from poot.engine.scheduler import Engine
+from poot.engine.engine import Engine
 from poot.backends.select import open_device
 from poot.errors import CapacityError
 from poot.serve import Server

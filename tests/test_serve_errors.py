@@ -14,7 +14,7 @@ import pytest
 
 import poot
 from poot.formats.gguf import GGUFFile, write_gguf
-from poot.engine.scheduler import Engine
+from poot.engine.engine import Engine
 from tests.test_serve import call, start_server
 
 

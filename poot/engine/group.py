@@ -22,7 +22,7 @@ runner's allocation list. A GroupRunner steps them together:
   the same weights and KV cache, with arenas, step inputs, a stream per device and recorded
   steps of their own (DeviceRunner.lane, PtxGroup.lane). The engine splits the sequences
   between the lanes and keeps a step of each in flight (StepRunner.launch / collect,
-  engine/scheduler.py): while stage 1 runs lane A's step, stage 0 runs lane B's.
+  engine/engine.py): while stage 1 runs lane A's step, stage 0 runs lane B's.
 
 A step over the group is one CUDA graph (PtxGroup.capture) replayed as one launch; the host
 never waits between layers or devices.

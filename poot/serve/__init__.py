@@ -8,7 +8,7 @@ program (cli.py) and the tests both use it. HTTP is http.py, the API's shapes op
 import threading
 import time
 
-from poot.engine.scheduler import Engine
+from poot.engine.engine import Engine
 from poot.serve.http import IDLE_TIMEOUT_S, MAX_BODY_BYTES, Serving, listen
 
 

@@ -268,3 +268,29 @@ def test_a_plan_refuses_kernels_the_device_lacks_and_checks_them_once(tiny, monk
     assert len(checks) == 1 and len(plan.candidates(tiny.context_length)) > 1
     plan.runner_for(tiny, device, chosen.candidate)
     assert len(checks) == 2
+
+
+def test_the_plan_leaves_the_driver_a_reserve_of_what_it_reports_free():
+    """The driver's free figure less DRIVER_RESERVE (the KV cache takes all the plan is given,
+    so the driver's own later objects need room kept); a user's smaller limit is taken as it
+    is, and a driver without a figure needs one."""
+    from poot.options import DRIVER_RESERVE, device_memory
+
+    class Reporting:            # a device as far as its memory figures go
+        memory_source = "the driver"
+
+        def __init__(self, free):
+            self.free = free
+
+        def memory(self):
+            if self.free is None:
+                raise CapacityError("no budget")
+            return self.free, 100 << 30
+
+    free, total, source = device_memory(Reporting(80 << 30), None)
+    assert (free, total) == ((80 << 30) - DRIVER_RESERVE, 100 << 30) and "driver" in source
+    assert device_memory(Reporting(80 << 30), 1 << 30)[:2] == (1 << 30, 100 << 30)
+    assert device_memory(Reporting(80 << 30), 90 << 30)[0] == (80 << 30) - DRIVER_RESERVE
+    assert device_memory(Reporting(None), 1 << 30)[0] == 1 << 30
+    with pytest.raises(CapacityError):
+        device_memory(Reporting(None), None)

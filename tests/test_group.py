@@ -364,9 +364,10 @@ def test_a_request_cancelled_while_its_lane_runs_frees_its_blocks_after(tmp_path
     for _ in range(6):
         engine.step()
     victim = next(seq for flight in engine._flight if flight for seq, _ in flight[0])
-    assert victim.seq_id in engine._in_flight()
+    assert victim.seq_id in engine.scheduler.in_flight
     handles[victim.seq_id].cancel()
-    assert victim.seq_id not in engine._in_flight() and victim not in engine.scheduler.running
+    assert victim.seq_id not in engine.scheduler.in_flight and \
+        victim not in engine.scheduler.running
     assert victim.blocks == [] or all(b not in victim.blocks for s in engine.scheduler.running
                                       for b in s.blocks)
     engine.run_until_idle()

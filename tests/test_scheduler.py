@@ -329,8 +329,11 @@ def test_the_scheduler_preempts_the_latest_arrival_and_never_one_in_flight(model
         s.accept(seq, 7, None, 0.0, 64)
     a.tokens += [7] * 4                         # a needs two more blocks; b's are the only ones
     a.num_computed = len(a.tokens) - 1
-    assert s.schedule(in_flight={b.seq_id}) == [(b, 1)]     # a's growth cannot take b's
-    assert s.preemptions_total == 0
+    s.launched([(b, 1)])                        # b's step is in flight: a cannot take its blocks
+    landed = []
+    assert s.schedule(make_room=lambda: landed.append(1) and False) == [(b, 1)]
+    assert landed == [1] and s.preemptions_total == 0
+    s.released([(b, 1)])
     plan = s.schedule()
     assert [q.seq_id for q, _ in plan] == [0] and s.waiting == [b] and b.num_computed == 0
     assert s.preemptions_total == 1 and b.blocks == []

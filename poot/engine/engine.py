@@ -275,8 +275,7 @@ class Engine:
             lane = self._turn
             self._turn = (lane + 1) % len(self.lanes)
             delivered = self._collect(lane)
-            plan = self.scheduler.schedule(lane, self._in_flight(),
-                                           make_room=lambda: self._drain(but=lane))
+            plan = self.scheduler.schedule(lane, make_room=lambda: self._drain(but=lane))
             if plan and self._launch(lane, plan) and len(self.lanes) == 1:
                 self._collect(lane)
             return self.error is None and bool(delivered or plan or any(self._flight))
@@ -295,6 +294,7 @@ class Engine:
             self._step_failed(lane, plan, exc)
             return False
         self._steps_total += 1
+        self.scheduler.launched(plan)
         self._flight[lane] = (plan, sampled, out)
         return True
 
@@ -309,6 +309,7 @@ class Engine:
             if out is None:
                 out = self.lanes[lane].collect()
         except Exception as exc:
+            self.scheduler.released(plan)
             self._step_failed(lane, plan, exc)
             return False
         self.scheduler.computed(plan)
@@ -360,10 +361,6 @@ class Engine:
                 if handle is not None:
                     handle._put(EngineFailed(message))
 
-    def _in_flight(self):
-        """The ids of the sequences whose steps are in flight (their blocks are in use)."""
-        return {seq.seq_id for flight in self._flight if flight for seq, _ in flight[0]}
-
     def _drain(self, but=None):
         """Collects every lane's step in flight (but lane `but`'s); True if there was one."""
         return any([self._collect(lane) for lane in range(len(self.lanes)) if lane != but])
@@ -385,7 +382,7 @@ class Engine:
                 self._abort(item[1])
 
     def _abort(self, seq_id):
-        if seq_id in self._in_flight():     # its step still writes into its blocks
+        if seq_id in self.scheduler.in_flight:      # its step still writes into its blocks
             self._drain()
         seq = self.scheduler.find(seq_id)
         if seq is not None:

@@ -7,7 +7,8 @@ blocks run out, the latest-arrived running sequence is preempted (its blocks fre
 resumed by recomputing its prompt and generated tokens. `computed` and `accept` take a step's
 results back: each sampled sequence accepts its token, and one that finishes leaves and frees
 its blocks. It holds no thread and runs nothing: the engine (engine.py) runs what it schedules,
-and tells it which sequences' steps are in flight, which it never preempts nor frees.
+and says which steps it has launched (`launched`) and which have landed (`computed`, or
+`released` for a step that failed): a sequence whose step is in flight is never preempted.
 
 With lanes (a pipeline's, engine/group.py) each running sequence belongs to one: newcomers join
 the lane whose turn it is, up to its share of the sequences there are.
@@ -26,6 +27,7 @@ class Scheduler:
         self.table_width, self.vocab_size, self.lanes = table_width, vocab_size, lanes
         self.waiting = []   # by arrival (seq_id), preempted sequences included
         self.running = []   # by arrival
+        self.in_flight = set()  # ids of the sequences whose steps are launched and not landed
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.preemptions_total = 0
@@ -51,14 +53,13 @@ class Scheduler:
         """Every sequence gone and every block free (the engine has failed)."""
         self.waiting.clear()
         self.running.clear()
+        self.in_flight.clear()
         self.kv = BlockAllocator(self.kv.num_blocks, self.kv.block_size)
 
-    def schedule(self, lane=0, in_flight=frozenset(), make_room=lambda: False):
+    def schedule(self, lane=0, make_room=lambda: False):
         """The lane's next step: (sequence, token count) pairs, empty when it has nothing to
-        run (`build` makes its batch). Sequences in `in_flight`
-        (ids of those whose steps are running) are never preempted; where only they hold the
-        blocks a sequence needs, `make_room()` is asked to finish their steps (True if it
-        finished any)."""
+        run (`build` makes its batch). Where only sequences in flight hold the blocks a
+        sequence needs, `make_room()` is asked to land their steps (True if it landed any)."""
         budget = self.step_tokens
         plan = []
         scheduled = set()
@@ -72,7 +73,7 @@ class Scheduler:
         def fit(seq, n):
             """Grow seq's blocks for n more tokens, preempting later arrivals; the n that fits."""
             while not self.kv.grow(seq.blocks, seq.num_computed + n):
-                if self._preempt_latest(after=seq.seq_id, keep=scheduled | in_flight):
+                if self._preempt_latest(after=seq.seq_id, keep=scheduled | self.in_flight):
                     continue
                 if make_room():
                     continue
@@ -112,10 +113,19 @@ class Scheduler:
             take(seq, want)
         return plan
 
+    def launched(self, plan):
+        """A step of `plan` is in flight: its sequences' blocks are being written."""
+        self.in_flight.update(seq.seq_id for seq, _ in plan)
+
     def computed(self, plan):
-        """A step of `plan` has run: its tokens are in the cache."""
+        """A step of `plan` has landed: its tokens are in the cache."""
         for seq, n in plan:
             seq.num_computed += n
+        self.released(plan)
+
+    def released(self, plan):
+        """A step of `plan` has ended, landed or failed: its sequences are in flight no more."""
+        self.in_flight.difference_update(seq.seq_id for seq, _ in plan)
 
     def accept(self, seq, token, logprob, now, context_limit):
         """A sampled sequence's new token; its Output. A sequence that finishes leaves and

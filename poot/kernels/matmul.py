@@ -247,7 +247,7 @@ def matvec_split(dtype, rows, cols, subgroup_size, rows_per, multiprocessors, ma
 
 
 # mma_tiled: a workgroup of 8 subgroups computes `tokens` (MMA_TOKENS, or 32 or 64 for short
-# steps: the 32-token tile measured even at 32 tokens on the H200, 3% ahead at 24) x
+# steps, whose workgroups would otherwise compute rows of tokens that are not there) x
 # MMA_ROWS of y, `depth` (MMA_DEPTH unless asked) columns a step; subgroup w owns tokens
 # tokens/2 (w % 2).. and rows 32 (w // 2)... Shared tiles hold a row (a token of x, a row of W) as
 # `depth` 16-bit values in u32 words, padded by 16 bytes so the 8 rows one fragment_load reads
@@ -351,7 +351,7 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     and v), each part's rows stored to its own output y0, y1, ... as matvec's stacked outputs
     are (store_row; scalars split_1.. after n_tokens: the first row of each part but the first).
 
-    Pipelines under measurement (MMA_VARIANTS; the default is the one above). Decode steps
+    Pipelines (MMA_VARIANTS; kernel_choice.mma_choice names a device's). Decode steps
     stream W once and are bound by how many of its bytes are in flight: by Little's law, 4.2 TB/s
     over ~0.8 us of loaded latency needs ~3.4 MB in flight, ~25 KB a multiprocessor. The
     default holds one step (16 KB of W) a workgroup in registers, and only from its loads, after

@@ -69,26 +69,18 @@ def grid(rows, n_tokens, tiles=1, split=1, token_tiles=1):
 
 
 def least_tokens(dtype):
-    """The shortest step a device that runs mma_vec should give it rather than matmul.matvec,
-    as measured on the H200 (docs/benchmarks.md): one token for Q4_0 and the K quants (at one
-    token, GB/s on the 28,672 x 4,096 gate/up: Q4_0 1,939 against matvec's 1,785, Q4_K 1,296
-    against 529, Q6_K 1,498 against 667; 8B Q4_0 decode 229.5 -> 279.3 tok/s, Q4_K 100.1 ->
-    226.9), two for F16, BF16 and Q4_1, whose one-token matvec is ahead (F16 4,221 against
-    2,833, Q4_1 1,961 against 1,541), and Q8_0, where mma_vec is at most 16% ahead (3,042
-    against 2,614; 2,192 against 2,260 on the down projection) and the default model's output
-    head (Q8_0) keeps the f32 x its greedy tokens were checked with on the H200."""
+    """The shortest step a device that runs mma_vec should give it rather than matmul.matvec:
+    one token for Q4_0 and the K quants, whose one-token matvec decodes too slowly; two for F16,
+    BF16 and Q4_1, whose one-token matvec is ahead, and Q8_0, where mma_vec gains little and the
+    default model's output head (Q8_0) keeps the f32 x its greedy tokens were checked with
+    (measurements: docs/benchmarks.md, "the kernel choices")."""
     return 1 if dtype in ("Q4_0", "Q4_K", "Q6_K") else 2
 
 
 def most_tokens(dtype):
-    """The longest step a device that runs mma_vec should give it rather than mma_tiled, as
-    measured on the H200 (docs/benchmarks.md): 32 tokens of Q4_0 (8B Q4_0 at 32: 3,211 tok/s
-    on four token tiles, 2,625 on mma_tiled; at 20 / 24, one-tile launches 2,211 / 2,643
-    against mma_tiled's 1,138 / 1,342), 8 of F16 and BF16 (since mma_tiled took the fused
-    lowering, 8B F16 at 9 / 12 / 16 tokens 1,550 / 2,063 / 2,751 on mma_tiled against
-    1,334 / 1,747 / 2,369 on two token tiles; at 8 tokens mma_vec's step, 5.68 ms (1,409
-    tok/s), is shorter than mma_tiled's at 9, 5.81; 8B BF16 at 12 / 16: 1,733 / 2,315 ->
-    2,063 / 2,740), 16 of the rest (unmeasured since then)."""
+    """The longest step a device that runs mma_vec should give it rather than mma_tiled: 32
+    tokens of Q4_0 (four token tiles beat mma_tiled there), 8 of F16 and BF16 (the fused
+    mma_tiled passes them from 9), 16 of the rest (docs/benchmarks.md, "the kernel choices")."""
     if dtype == "Q4_0":
         return 4 * TOKENS
     return TOKENS if dtype in ("F16", "BF16") else 2 * TOKENS
@@ -96,13 +88,8 @@ def most_tokens(dtype):
 
 def token_tiles(dtype, n_tokens):
     """The token tiles of an mma_vec launch for a step of n_tokens (further launches along
-    grid y where they hold fewer), as measured on the H200 (docs/benchmarks.md): Q4_0 one up
-    to 24 tokens (at 16,
-    two launches 3,134 against one of two token tiles 2,877; at 20 and 24, three launches
-    1,808 and 2,231 against one of four 1,691 and 1,914), four past them (at 32, 3,246 against
-    mma_tiled's 2,625); the others one (F16/BF16 took two past 8 tokens, 8B F16 at 16: 2,358
-    tok/s against 2,241, until the fused mma_tiled passed them and most_tokens stopped F16 and
-    BF16 at 8; the other block quants unmeasured with more)."""
+    grid y where they hold fewer): Q4_0 one up to 24 tokens and four past them, the others one
+    (docs/benchmarks.md, "the kernel choices")."""
     if n_tokens <= TOKENS:
         return 1
     return 4 if dtype == "Q4_0" and n_tokens > 3 * TOKENS else 1
@@ -110,19 +97,14 @@ def token_tiles(dtype, n_tokens):
 
 def shape(dtype, rows, cols, multiprocessors, token_tiles=1):
     """The tiles, split, unroll, pipeline, chains and token_tiles (mma_vec's keywords) of an
-    mma_vec over `rows` rows, as measured on the H200 on Llama shapes (docs/benchmarks.md):
-    F16/BF16 one tile a subgroup, the columns split over all 8 subgroups, two groups a round,
-    pipelined (28,672 x 4,096 at one token 2,782 -> 3,572 GB/s); block quants two tiles, split
-    while the launch has fewer than 1.5 workgroups a multiprocessor (more splits were slower on
-    the 28,672-row gate/up of Q4_0: 1,340 GB/s at 2, 1,090 at 4), pipelined where the launch
-    has fewer workgroups than multiprocessors (Q4_0 4,096 x 14,336 1,352 -> 1,604 GB/s; 6,144 x
-    4,096, 192 workgroups, 1,371 -> 1,224); Q4_1, Q4_K and Q6_K one tile. Pipelined only where a
-    subgroup has two rounds or more: with one (1B F16's 2,048 columns) the prefetch only loads
-    that round again (1B F16 batch 8 6,060 -> 5,521 tok/s). Two accumulator chains for Q4_0
-    at one token tile (8B decode at batch 1 345.8 -> 359.6 tok/s, batch 8 2,134 -> 2,230), one
-    for the rest (8B Q4_K 240.2 -> 227.4 with two; 1B F16 even) and where token tiles make
-    chains of their own. Four token tiles of a block quant take one row tile (with two,
-    Q4_0's gate/up spilled 160 bytes a thread, ptxas -v for sm_90)."""
+    mma_vec over `rows` rows: F16/BF16 one tile a subgroup, the columns split over all 8
+    subgroups, two groups a round, pipelined; block quants two tiles, split while the launch has
+    fewer than 1.5 workgroups a multiprocessor, pipelined where it has fewer workgroups than
+    multiprocessors; Q4_1, Q4_K and Q6_K one tile. Pipelined only where a subgroup has two
+    rounds or more (with one the prefetch only loads that round again). Two accumulator chains
+    for Q4_0 at one token tile, one for the rest and where token tiles make chains of their
+    own. Four token tiles of a block quant take one row tile (two spill registers on sm_90).
+    The measurements behind each: docs/benchmarks.md, "the kernel choices"."""
     rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
     if dtype in ("F16", "BF16"):
         return dict(tiles=1, split=8, unroll=2, pipeline=rounds(8) >= 2, chains=1,

@@ -45,6 +45,10 @@ class EngineStats:
     error: str | None
     step_failures_total: int = 0
     kernel_times: dict | None = None    # kernel -> (launches, device seconds), when timed
+    prefix_cache_hit_tokens_total: int = 0      # prompt tokens taken from the prefix cache
+    prefix_cache_query_tokens_total: int = 0    # prompt tokens looked up in it
+    prefix_cache_evictions_total: int = 0       # cached blocks taken back for new tokens
+    kv_blocks_cached: int = 0                   # blocks no sequence holds that keep a prefix
 
 
 def _snapshot(kernel_times):
@@ -105,7 +109,8 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, runner, tokenizer, *, max_seqs=16, step_tokens=256, max_context=None):
+    def __init__(self, runner, tokenizer, *, max_seqs=16, step_tokens=256, max_context=None,
+                 prefix_caching=True):
         self.runner = runner
         self.tokenizer = tokenizer
         capacity = runner.num_blocks * runner.block_size
@@ -125,7 +130,7 @@ class Engine:
         self.scheduler = Scheduler(runner.num_blocks, runner.block_size, self.max_seqs,
                                    self.step_tokens, blocks_for(self.context_limit,
                                                                 runner.block_size),
-                                   runner.vocab_size, len(self.lanes))
+                                   runner.vocab_size, len(self.lanes), prefix_caching)
         self.error = None           # why the engine serves no more (device lost, or a bug)
         self.device_lost = False
         self.on_failure = None      # called (on the engine's thread) once error is set
@@ -235,7 +240,10 @@ class Engine:
             generation_tokens_total=s.generation_tokens_total,
             preemptions_total=s.preemptions_total, steps_total=self._steps_total,
             error=self.error, step_failures_total=self._step_failures_total,
-            kernel_times=_snapshot(getattr(self.runner, "kernel_times", None)))
+            kernel_times=_snapshot(getattr(self.runner, "kernel_times", None)),
+            prefix_cache_hit_tokens_total=s.kv.hit_tokens,
+            prefix_cache_query_tokens_total=s.kv.query_tokens,
+            prefix_cache_evictions_total=s.kv.evictions, kv_blocks_cached=s.kv.num_cached)
 
     def _cancel(self, seq_id):
         with self._wake:

@@ -1,9 +1,22 @@
-"""The paged KV cache's bookkeeping: which fixed-size blocks are free and which a sequence holds.
+"""The paged KV cache's bookkeeping: which fixed-size blocks are free, which sequences hold
+which, and which keep a prompt prefix for later requests.
 
 The cache itself (the key/value arrays) lives in the runner; this module only hands out block
 ids. A sequence's block table is the list of block ids it holds, in position order: position p
 lives in block table[p // block_size] at offset p % block_size.
+
+Prefix caching: a full block whose keys and values are computed is keyed by a hash of its
+tokens and of the key of the block before it (so a key names the whole prefix up to the block's
+end). A later sequence whose tokens start the same way takes those blocks instead of computing
+them again (`match`); several sequences then hold one block, read-only, since only full blocks
+are shared and a sequence writes only past them. A keyed block no sequence holds stays cached
+until a block is needed and none is free: then the least recently used is taken back, so the
+cache never holds blocks the plan promised to the sequences.
 """
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
 
 
 def blocks_for(num_tokens, block_size):
@@ -11,26 +24,46 @@ def blocks_for(num_tokens, block_size):
     return -(-num_tokens // block_size)
 
 
-class BlockAllocator:
-    """A free list over block ids 0..num_blocks-1; every block is either free or held once."""
+def prefix_keys(tokens, block_size, n_blocks, known=()):
+    """The keys of the first n_blocks full blocks of `tokens`, continuing the `known` ones."""
+    keys = list(known[:n_blocks])
+    for i in range(len(keys), n_blocks):
+        block = np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64).tobytes()
+        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + block,
+                                    digest_size=16).digest())
+    return keys
 
-    def __init__(self, num_blocks, block_size):
+
+class BlockAllocator:
+    """Block ids 0..num_blocks-1, each free, held by one or more sequences, or cached (keyed,
+    held by none). `caching=False`: no block is ever keyed or matched."""
+
+    def __init__(self, num_blocks, block_size, caching=True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, "
                              f"got {num_blocks} blocks of {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.caching = caching
         # Popping from the end hands out low ids first, which keeps tests' block tables readable.
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._held = set()
+        self._refs = {}                 # held block -> how many sequences hold it
+        self._key_of, self._block_of = {}, {}       # keyed block <-> its prefix key
+        self._cached = OrderedDict()    # keyed blocks no sequence holds, least recent first
+        self.hit_tokens = self.query_tokens = self.evictions = 0
 
     @property
     def num_free(self):
-        return len(self._free)
+        """Blocks that can be handed out: free, or cached and taken back for it."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self):
-        return len(self._held)
+        return len(self._refs)
+
+    @property
+    def num_cached(self):
+        return len(self._cached)
 
     @property
     def capacity_tokens(self):
@@ -44,19 +77,61 @@ class BlockAllocator:
         need = blocks_for(num_tokens, self.block_size) - len(table)
         if need <= 0:
             return True
-        if need > len(self._free):
+        if need > self.num_free:
             return False
         for _ in range(need):
-            block = self._free.pop()
-            self._held.add(block)
+            block = self._free.pop() if self._free else self._evict()
+            self._refs[block] = 1
             table.append(block)
         return True
 
+    def _evict(self):
+        """The least recently used cached block, its key forgotten."""
+        block, _ = self._cached.popitem(last=False)
+        del self._block_of[self._key_of.pop(block)]
+        self.evictions += 1
+        return block
+
     def release(self, table):
-        """Give back every block of `table` and empty it."""
+        """Give back every block of `table` and empty it: a block no sequence holds any more is
+        cached if keyed, else free."""
         for block in table:
-            if block not in self._held:
+            if block not in self._refs:
                 raise ValueError(f"block {block} released but not held")
-            self._held.remove(block)
-            self._free.append(block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                del self._refs[block]
+                if block in self._key_of:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
         table.clear()
+
+    def match(self, tokens, keys=()):
+        """The blocks of the longest cached prefix of `tokens` (whole blocks, and never all of
+        its tokens: the last one must run to give the next token's logits), now held once more;
+        `keys`: prefix_keys already known. Returns (blocks, the keys computed)."""
+        n = (len(tokens) - 1) // self.block_size if self.caching else 0
+        keys = prefix_keys(tokens, self.block_size, n, keys)
+        blocks = []
+        for key in keys:
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            self._cached.pop(block, None)
+            self._refs[block] = self._refs.get(block, 0) + 1
+            blocks.append(block)
+        self.query_tokens += len(tokens)
+        self.hit_tokens += len(blocks) * self.block_size
+        return blocks, keys
+
+    def register(self, table, tokens, num_computed, keys=()):
+        """Keys the full blocks of `table` whose keys and values are computed (its first
+        num_computed positions), so later prompts may take them; returns the keys computed."""
+        if not self.caching:
+            return keys
+        keys = prefix_keys(tokens, self.block_size, num_computed // self.block_size, keys)
+        for block, key in zip(table, keys):
+            if block not in self._key_of and key not in self._block_of:
+                self._key_of[block], self._block_of[key] = key, block
+        return keys

@@ -89,6 +89,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0      # prompt tokens whose keys and values came from the prefix cache
 
     @property
     def total_tokens(self):
@@ -176,6 +177,9 @@ class Sequence:
     num_computed: int = 0
     blocks: list = field(default_factory=list)
     lane: int = 0           # the runner's lane whose steps run it (engine/scheduler.py)
+    keys: list = field(default_factory=list)    # prefix keys of its full blocks (kvcache.py)
+    cached_tokens: int = 0  # of its prompt, taken from the prefix cache when first admitted
+    admitted: bool = False
     last_token_time: float | None = None
     finish_reason: str | None = None
 
@@ -199,7 +203,7 @@ class Sequence:
         return len(self.tokens) - self.num_computed
 
     def usage(self):
-        return Usage(len(self.prompt), self.num_generated)
+        return Usage(len(self.prompt), self.num_generated, self.cached_tokens)
 
     def accept(self, token_id, logprob, now, context_limit):
         """Append a sampled token, check every stop condition, and return this step's Output."""

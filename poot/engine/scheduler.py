@@ -21,8 +21,8 @@ from poot.engine.kvcache import BlockAllocator
 
 class Scheduler:
     def __init__(self, num_blocks, block_size, max_seqs, step_tokens, table_width, vocab_size,
-                 lanes=1):
-        self.kv = BlockAllocator(num_blocks, block_size)
+                 lanes=1, prefix_caching=True):
+        self.kv = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.max_seqs, self.step_tokens = max_seqs, step_tokens
         self.table_width, self.vocab_size, self.lanes = table_width, vocab_size, lanes
         self.waiting = []   # by arrival (seq_id), preempted sequences included
@@ -54,7 +54,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.in_flight.clear()
-        self.kv = BlockAllocator(self.kv.num_blocks, self.kv.block_size)
+        self.kv = BlockAllocator(self.kv.num_blocks, self.kv.block_size, self.kv.caching)
 
     def schedule(self, lane=0, make_room=lambda: False):
         """The lane's next step: (sequence, token count) pairs, empty when it has nothing to
@@ -99,14 +99,21 @@ class Scheduler:
         # tokens: admitting into a full cache would only preempt someone at the next step.
         # With lanes, each takes its share of the sequences there are.
         share = -(-min(self.max_seqs, len(self.running) + len(self.waiting)) // self.lanes)
+        # It takes the blocks of its longest cached prefix first, and computes only the rest.
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs \
                 and sum(s.lane == lane for s in self.running) < share:
             seq = self.waiting[0]
+            seq.blocks, seq.keys = self.kv.match(seq.tokens, seq.keys)
+            seq.num_computed = len(seq.blocks) * self.kv.block_size
             spare = self.kv.num_free - len(self.running)
             want = min(seq.num_uncomputed, budget, spare * self.kv.block_size)
             if want < 1:
+                self.kv.release(seq.blocks)
+                seq.num_computed = 0
                 break
-            self.kv.grow(seq.blocks, want)
+            if not seq.admitted:
+                seq.admitted, seq.cached_tokens = True, seq.num_computed
+            self.kv.grow(seq.blocks, seq.num_computed + want)
             self.waiting.pop(0)
             seq.lane = lane
             self._insert(self.running, seq)
@@ -118,9 +125,11 @@ class Scheduler:
         self.in_flight.update(seq.seq_id for seq, _ in plan)
 
     def computed(self, plan):
-        """A step of `plan` has landed: its tokens are in the cache."""
+        """A step of `plan` has landed: its tokens are in the cache, and its full blocks may
+        serve later prompts."""
         for seq, n in plan:
             seq.num_computed += n
+            seq.keys = self.kv.register(seq.blocks, seq.tokens, seq.num_computed, seq.keys)
         self.released(plan)
 
     def released(self, plan):

@@ -103,8 +103,21 @@ class Metrics:
                      stats.running),
                     ("poot_kv_blocks_used", "gauge", "KV cache blocks held by sequences.",
                      stats.kv_blocks_used),
-                    ("poot_kv_blocks_free", "gauge", "KV cache blocks free.",
-                     stats.kv_blocks_free)):
+                    ("poot_kv_blocks_free", "gauge",
+                     "KV cache blocks free (cached prefixes included: they are taken back).",
+                     stats.kv_blocks_free),
+                    ("poot_kv_blocks_cached", "gauge",
+                     "KV cache blocks no sequence holds that keep a prompt prefix.",
+                     stats.kv_blocks_cached),
+                    ("poot_prefix_cache_hit_tokens_total", "counter",
+                     "Prompt tokens whose keys and values came from the prefix cache.",
+                     stats.prefix_cache_hit_tokens_total),
+                    ("poot_prefix_cache_query_tokens_total", "counter",
+                     "Prompt tokens looked up in the prefix cache.",
+                     stats.prefix_cache_query_tokens_total),
+                    ("poot_prefix_cache_evictions_total", "counter",
+                     "Cached prefix blocks taken back for new tokens.",
+                     stats.prefix_cache_evictions_total)):
                 family(name, kind, help_, [f"{name} {value}"])
             if stats.kernel_times is not None:
                 times = sorted(stats.kernel_times.items())

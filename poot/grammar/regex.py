@@ -10,11 +10,17 @@ top-level alternatives. Backreferences, lookaround, word boundaries and flags ar
 RegexUnsupported.
 
 A JSON Schema pattern is not anchored: where ^ or $ is missing, any text may come before or
-after (`search`). FORMATS are patterns for the `format` values poot constrains.
+after (`search`). Validators read patterns in other dialects than ECMA-262 (Python's `re` in
+jsonschema: its \\d, \\w and \\s take Unicode's digits, letters and spaces, its `.` takes \\r),
+so a class takes only the characters both dialects put in it, and a negated one only those
+both leave out: what the pattern writes, either reads. FORMATS are patterns for the `format`
+values poot constrains.
 """
+import functools
+import unicodedata
 from dataclasses import dataclass
 
-from .expr import MAX_CODE_POINT, Repeat, alt, complement, merge_ranges, seq
+from .expr import MAX_CODE_POINT, Repeat, alt, complement, merge_ranges, seq, subtract
 
 MAX_REPEAT = 1000
 
@@ -52,7 +58,34 @@ SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x
          (0xFEFF, 0xFEFF))
 LINE_TERMINATORS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
 ANY = ((0, MAX_CODE_POINT),)
-CLASS_ESCAPES = {"d": DIGITS, "w": WORD, "s": SPACE}
+
+
+@functools.lru_cache(maxsize=None)
+def _python_class(name):
+    """The code points Python's re puts in \\d, \\w or \\s (of a str pattern)."""
+    test = {"d": lambda c: unicodedata.category(c) == "Nd",
+            "w": lambda c: c.isalnum() or c == "_", "s": str.isspace}[name]
+    ranges, start = [], None
+    for cp in range(MAX_CODE_POINT + 2):
+        inside = cp <= MAX_CODE_POINT and test(chr(cp))
+        if inside and start is None:
+            start = cp
+        elif not inside and start is not None:
+            ranges.append((start, cp - 1))
+            start = None
+    return tuple(ranges)
+
+
+def _class_escape(c):
+    """(narrow, wide) of \\d \\w \\s \\D \\W \\S: the code points both dialects put in the class,
+    and those either does."""
+    ecma = {"d": DIGITS, "w": WORD, "s": SPACE}[c.lower()]
+    python = _python_class(c.lower())
+    narrow = tuple(subtract(ecma, complement(python)))
+    wide = tuple(merge_ranges(ecma + python))
+    if c.islower():
+        return narrow, wide
+    return tuple(complement(wide)), tuple(complement(narrow))
 CONTROL_ESCAPES = {"t": 0x09, "n": 0x0A, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
 SYNTAX = set("^$\\.*+?()[]{}|/-")
 
@@ -61,7 +94,8 @@ SYNTAX = set("^$\\.*+?()[]{}|/-")
 _DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
         r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
 _DATE = r"[1-9][0-9]{3}-" + _DAY
-_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_TIME = (r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?"
+         r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 FORMATS = {
@@ -168,7 +202,7 @@ class _Parser:
         if c == ".":
             return CharSet(tuple(complement(LINE_TERMINATORS)))
         if c == "\\":
-            return CharSet(self.escape(in_class=False))
+            return CharSet(self.escape(in_class=False)[0])
         if c in "*+?{":
             if c == "{" and not self._is_quantifier():
                 return CharSet(((ord(c), ord(c)),))
@@ -218,10 +252,12 @@ class _Parser:
             self.at -= 1
 
     def char_class(self):
+        """A class as (narrow) CharSet: a negated class leaves out what either dialect puts
+        in its members."""
         negate = self.peek() == "^"
         if negate:
             self.at += 1
-        ranges = []
+        narrow, wide = [], []
         first = True
         while True:
             c = self.take()
@@ -233,27 +269,32 @@ class _Parser:
             elif c == "[":
                 self.refuse("a nested class or set operation")
             else:
-                lo = ((ord(c), ord(c)),)
+                lo = (((ord(c), ord(c)),),) * 2
             if self.peek() == "-" and self.p[self.at + 1:self.at + 2] not in ("]", ""):
                 self.at += 1
                 c2 = self.take()
-                hi = self.escape(in_class=True) if c2 == "\\" else ((ord(c2), ord(c2)),)
-                if len(lo) != 1 or len(hi) != 1 or lo[0][0] != lo[0][1] or hi[0][0] != hi[0][1]:
+                hi = self.escape(in_class=True) if c2 == "\\" else (((ord(c2), ord(c2)),),) * 2
+                ends = [r[0] for r in lo[0] + hi[0]]
+                if len(lo[0]) != 1 or len(hi[0]) != 1 or any(a != b for a, b in
+                                                             lo[0] + hi[0]):
                     self.refuse("a range whose end is a class")
-                if hi[0][0] < lo[0][0]:
+                if ends[1] < ends[0]:
                     self.refuse("a range out of order")
-                ranges.append((lo[0][0], hi[0][0]))
+                narrow.append((ends[0], ends[1]))
+                wide.append((ends[0], ends[1]))
             else:
-                ranges.extend(lo)
-        ranges = merge_ranges(ranges)
-        return CharSet(tuple(complement(ranges) if negate else ranges))
+                narrow.extend(lo[0])
+                wide.extend(lo[1])
+        return CharSet(tuple(complement(wide) if negate else merge_ranges(narrow)))
 
     def escape(self, in_class):
+        """(narrow, wide) code point ranges of an escape (alike but for class escapes)."""
         c = self.take()
-        if c in CLASS_ESCAPES:
-            return CLASS_ESCAPES[c]
-        if c.lower() in CLASS_ESCAPES:
-            return tuple(complement(CLASS_ESCAPES[c.lower()]))
+        if c.lower() in "dws":
+            return _class_escape(c)
+        return (self._char_escape(c, in_class),) * 2
+
+    def _char_escape(self, c, in_class):
         if c in CONTROL_ESCAPES:
             if c == "0" and (self.peek() or "").isdigit():
                 self.refuse("an octal escape")

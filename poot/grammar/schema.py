@@ -18,7 +18,7 @@ only the properties `properties` names (and required names it does not), in that
 schema with no `type` takes the types its keywords speak of; `oneOf` is read as `anyOf`, so its
 alternatives must not overlap. Between tokens there is at most MAX_WS of whitespace; numbers
 have at most 16 digits before and after the point (and a bounded number none after an `e`);
-strings are written as JSON writes them (escapes included, lone surrogates not).
+strings are written as JSON writes them (escapes included; surrogates only in pairs).
 """
 import json
 import math
@@ -52,7 +52,10 @@ HEX = byte_set(b"0123456789abcdefABCDEF")
 CHAR = alt(code_points(subtract([(0, 0x10FFFF)], [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])),
            seq(text("\\"), alt(byte_set(b'"\\/bfnrt'), seq(
                text("u"), alt(seq(byte_set(b"0123456789abcefABCEF"), HEX),
-                              seq(byte_set(b"dD"), byte_range(0x30, 0x37))), HEX, HEX))))
+                              seq(byte_set(b"dD"), byte_range(0x30, 0x37))), HEX, HEX))),
+           # a character past U+FFFF as its surrogate pair, high then low
+           seq(text("\\u"), byte_set(b"dD"), byte_set(b"89abAB"), HEX, HEX,
+               text("\\u"), byte_set(b"dD"), byte_set(b"cdefCDEF"), HEX, HEX))
 STRING = seq(text('"'), Repeat(CHAR, 0, None), text('"'))
 SHORT_ESCAPES = {0x08: "\\b", 0x09: "\\t", 0x0A: "\\n", 0x0C: "\\f", 0x0D: "\\r",
                  0x22: '\\"', 0x5C: "\\\\"}
@@ -434,7 +437,8 @@ def _integer(lo, hi):
 
 FRACTION = seq(text("."), Repeat(DIGIT, 1, MAX_DIGITS))
 ZERO_FRACTION = seq(text("."), Repeat(text("0"), 1, MAX_DIGITS))
-NONZERO_FRACTION = seq(text("."), Repeat(DIGIT, 0, MAX_DIGITS - 1), byte_range(0x31, 0x39),
+# zeros, then the first digit that is not (where it is, is never in doubt: the DFA stays small)
+NONZERO_FRACTION = seq(text("."), Repeat(text("0"), 0, MAX_DIGITS - 1), byte_range(0x31, 0x39),
                        Repeat(DIGIT, 0, MAX_DIGITS - 1))
 
 
@@ -451,7 +455,7 @@ def _number(lo, hi, lo_open, hi_open):
         parts.append(_unsigned(low, open_, hi, hi_open))
     if lo is None or lo < 0:
         # -w for w from max(-hi, 0) to -lo; the ends swap
-        low, open_ = (0, False) if hi is None or hi >= 0 else (-hi, hi_open)
+        low, open_ = (0, False) if hi is None or hi > 0 else (-hi, hi_open)
         parts.append(seq(text("-"), _unsigned(low, open_, None if lo is None else -lo,
                                               lo_open)))
     return alt(*(p for p in parts if p is not None))

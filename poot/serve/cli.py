@@ -81,6 +81,9 @@ def build_parser():
                    "chunks and decode tokens together (default: the largest that fits, of "
                    f"{', '.join(map(str, plan.STEP_TOKENS))}; reference: "
                    f"{REFERENCE_STEP_TOKENS})")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the names /v1/models lists and requests may use for the model (the "
+                   "first is the one responses carry; default: the model file's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
@@ -100,6 +103,11 @@ def check_flags(args):
         raise UsageError(f"--ctx {args.ctx}: must be at least 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk {args.prefill_chunk}: must be at least 1")
+    if args.served_model_name is not None and (
+            any(not name.strip() for name in args.served_model_name)
+            or len(set(args.served_model_name)) != len(args.served_model_name)):
+        raise UsageError(f"--served-model-name {' '.join(args.served_model_name)}: names must "
+                         "be non-empty and distinct")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port}: not a port number")
     ordinals = [0]
@@ -217,7 +225,8 @@ def serve(args, stop_event):
         inject_faults(runner)
         engine = server.load(model, runner, devices=devices, plan=shape,
                              max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
-                             max_context=shape["context"], on_failure=stop_event.set)
+                             max_context=shape["context"], on_failure=stop_event.set,
+                             served_names=args.served_model_name)
     except BaseException:
         server.close(grace=0)
         raise

@@ -4,7 +4,8 @@ Symbols are the 256 byte values and, from 256 on, the grammar's special tokens (
 order). Symbols that every expression treats alike share a class; tables are indexed by class.
 
 A rule that lies on no cycle of references is copied into the rules that use it, so only the
-root and the recursive rules keep a machine of their own: a DFA (subset construction over an
+root, the recursive rules and those the grammar names `called` keep a machine of their own: a
+DFA (subset construction over an
 NFA built from the rule's expression) whose edges read a class or call a rule. The DFAs share
 one numbering of states. A matcher's state is a stack of states, the one being read on top and
 under it the states to return to. Reading a class at the top state either moves along the
@@ -54,6 +55,9 @@ class Automaton:
         self._check_and_link(dfas)
         self.start = self.rule_start[0]
         self._trim()
+        # states with nothing left to read but their rule's end: a stack is left without them
+        self._done = (self.accepting & (self.shift < 0).all(axis=1)
+                      & (self.call_state < 0).all(axis=1)).tolist()
         # Python lists for the per-token step (numpy scalars are slow one at a time)
         self._shift = self.shift.tolist()
         self._call_state = self.call_state.tolist()
@@ -166,23 +170,32 @@ class Automaton:
 
     def _trim(self):
         """Edges into states from which no end can be reached are removed, so that a prefix the
-        automaton reads can always be completed."""
+        automaton reads can always be completed. A call edge is a way on where the called rule
+        can end (its start is live): found by walking back from the ends, until the rules that
+        can end stop growing."""
         S = len(self.accepting)
-        live = self.accepting.copy()
-        # a call edge s -> t counts as a path when the called rule can end (it can, once any of
-        # its states is live from its start); iterate to the fixed point
-        changed = True
-        while changed:
-            changed = False
-            reach = live[np.maximum(self.shift, 0)] & (self.shift >= 0)
-            grow = reach.any(axis=1)
-            for s in range(S):
-                if not grow[s]:
-                    grow[s] = any(live[t] and live[self.rule_start[rule]]
-                                  for rule, t in self.calls[s])
-            grow |= live
-            if (grow != live).any():
-                live, changed = grow, True
+        sources, targets = np.nonzero(self.shift >= 0)
+        back = [[] for _ in range(S)]                   # state -> states with an edge to it
+        for a, b in zip(sources.tolist(), self.shift[sources, targets].tolist()):
+            back[b].append(a)
+        returns = [[] for _ in range(S)]                # return state -> (rule, calling state)
+        for a, calls in enumerate(self.calls):
+            for rule, b in calls:
+                returns[b].append((rule, a))
+        ending = set()
+        while True:
+            live = self.accepting.copy()
+            todo = np.flatnonzero(live).tolist()
+            while todo:
+                b = todo.pop()
+                for a in back[b] + [a for rule, a in returns[b] if rule in ending]:
+                    if not live[a]:
+                        live[a] = True
+                        todo.append(a)
+            grown = {r for r, start in enumerate(self.rule_start) if live[start]}
+            if grown == ending:
+                break
+            ending = grown
         if not live[self.start]:
             raise GrammarError("the grammar matches nothing")
         dead_targets = (self.shift >= 0) & ~live[np.maximum(self.shift, 0)]
@@ -210,6 +223,13 @@ class Automaton:
             else:
                 return None
 
+    def settle(self, stack):
+        """The stack with the called rules that can only end ended: one stack per place in the
+        text, whatever token boundary led there (so masks are found once per place)."""
+        while len(stack) > 1 and self._done[stack[-1]]:
+            stack = stack[:-1]
+        return stack
+
     def can_end(self, stack):
         return all(self._accepting[s] for s in stack)
 
@@ -217,15 +237,15 @@ class Automaton:
 # ---- NFA ---------------------------------------------------------------------------------------
 
 class _Builder:
-    """Thompson NFAs of the called rules (the root first, then the recursive rules), every
-    other rule copied in where it is referred to."""
+    """Thompson NFAs of the called rules (the root first, then the recursive rules and those
+    the grammar names), every other rule copied in where it is referred to."""
 
     def __init__(self, grammar, specials):
         self.rules, self.specials = grammar.rules, specials
         if grammar.root not in self.rules:
             raise GrammarError(f"the root rule {grammar.root!r} is not defined")
-        recursive = _recursive_rules(self.rules)
-        self.called = [grammar.root] + sorted(recursive - {grammar.root})
+        called = _recursive_rules(self.rules) | set(grammar.called)
+        self.called = [grammar.root] + sorted(called - {grammar.root})
         self.index = {name: i for i, name in enumerate(self.called)}
         self.eps, self.edges, self.calls = [], [], []
         self.starts, self.ends = [], []

@@ -68,8 +68,13 @@ NOTHING = Alt(())       # matches no string at all
 
 @dataclass
 class Grammar:
-    rules: dict         # name -> Expr
+    """Rules by name and the root's name. A rule is copied in wherever it is referred to,
+    unless it is recursive or named in `called`: those get a machine of their own, entered by
+    a call (so a rule repeated many times, a character of a string of bounded length say, is
+    not copied as many times)."""
+    rules: dict                         # name -> Expr
     root: str
+    called: frozenset = frozenset()
 
 
 def seq(*items):

@@ -47,16 +47,21 @@ WS = Repeat(byte_set(b" \t\n"), 0, MAX_WS)
 SEP = seq(WS, text(","), WS)
 DIGIT = byte_range(0x30, 0x39)
 HEX = byte_set(b"0123456789abcdefABCDEF")
-# one character of a JSON string: unescaped (not '"', '\\' nor a control character), or an
-# escape (\\u of a surrogate aside)
-CHAR = alt(code_points(subtract([(0, 0x10FFFF)], [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])),
-           seq(text("\\"), alt(byte_set(b'"\\/bfnrt'), seq(
-               text("u"), alt(seq(byte_set(b"0123456789abcefABCEF"), HEX),
-                              seq(byte_set(b"dD"), byte_range(0x30, 0x37))), HEX, HEX))),
-           # a character past U+FFFF as its surrogate pair, high then low
-           seq(text("\\u"), byte_set(b"dD"), byte_set(b"89abAB"), HEX, HEX,
-               text("\\u"), byte_set(b"dD"), byte_set(b"cdefCDEF"), HEX, HEX))
+# One character of a JSON string: unescaped (not '"', '\\' nor a control character), or an
+# escape (\\u of a lone surrogate aside). ASCII apart from the rest (UTF-8 of two bytes or more,
+# and escapes): bounded strings call the rest as a rule of its own (SchemaCompiler._string).
+PLAIN_ASCII = byte_set(set(range(0x20, 0x80)) - {0x22, 0x5C})
+CHAR_REST = alt(
+    code_points([(0x80, 0x10FFFF)]),
+    seq(text("\\"), alt(byte_set(b'"\\/bfnrt'), seq(
+        text("u"), alt(seq(byte_set(b"0123456789abcefABCEF"), HEX),
+                       seq(byte_set(b"dD"), byte_range(0x30, 0x37))), HEX, HEX))),
+    # a character past U+FFFF as its surrogate pair, high then low
+    seq(text("\\u"), byte_set(b"dD"), byte_set(b"89abAB"), HEX, HEX,
+        text("\\u"), byte_set(b"dD"), byte_set(b"cdefCDEF"), HEX, HEX))
+CHAR = alt(PLAIN_ASCII, CHAR_REST)
 STRING = seq(text('"'), Repeat(CHAR, 0, None), text('"'))
+CHAR_RULE = "json-char"
 SHORT_ESCAPES = {0x08: "\\b", 0x09: "\\t", 0x0A: "\\n", 0x0C: "\\f", 0x0D: "\\r",
                  0x22: '\\"', 0x5C: "\\\\"}
 
@@ -72,7 +77,7 @@ class SchemaUnsupported(GrammarError):
 def schema_grammar(schema):
     """The Grammar of the JSON texts valid under `schema`."""
     compiled = SchemaCompiler(schema)
-    return Grammar(dict(compiled.rules, root=compiled.expr), "root")
+    return Grammar(dict(compiled.rules, root=compiled.expr), "root", compiled.called)
 
 
 def json_object_grammar():
@@ -102,6 +107,7 @@ class SchemaCompiler:
     def __init__(self, schema, prefix=""):
         self.document, self.prefix = schema, prefix
         self.rules = {}
+        self.called = frozenset()      # rules the Grammar should call, not copy
         self.expr = self.value(schema, "#")
 
     def value(self, schema, path):
@@ -275,8 +281,16 @@ class SchemaCompiler:
                 raise SchemaUnsupported(path, "format", f"{fmt!r:.40} is not supported "
                                         f"(supported: {', '.join(FORMATS)})")
             pattern = FORMATS[fmt]
+        if pattern is None and (lo or hi is not None):
+            # Characters beyond ASCII are a machine of their own: copied for each place a
+            # character may take, their ~30 states (UTF-8, escapes) would multiply the string's
+            # length. ASCII, the common case, stays one edge to the next place.
+            self.rules[CHAR_RULE] = CHAR_REST
+            self.called |= {CHAR_RULE}
+            char = alt(PLAIN_ASCII, Ref(CHAR_RULE))
+            return seq(text('"'), Repeat(char, lo, hi), text('"'))
         if pattern is None:
-            return seq(text('"'), Repeat(CHAR, lo, hi), text('"'))
+            return STRING
         if not isinstance(pattern, str):
             raise SchemaUnsupported(path, "pattern", "must be a string")
         try:

@@ -112,7 +112,7 @@ class ToolFormat:
     def grammar(self, tools, forced, parallel, tokenizer):
         """The Grammar of replies that call `forced` (a tool name) or, if None, any of `tools`
         (OpenAI function tools), each with arguments valid under its parameters' schema."""
-        rules, calls = {}, []
+        rules, called, calls = {}, set(), []
         for tool in tools:
             function = tool["function"]
             if forced is not None and function["name"] != forced:
@@ -120,9 +120,10 @@ class ToolFormat:
             compiler = SchemaCompiler(function.get("parameters") or {"type": "object"},
                                       prefix=f"tool {function['name']} ")
             rules.update(compiler.rules)
+            called |= compiler.called
             calls.append(self.call(function["name"], compiler.expr, tokenizer))
         root = self.calls(alt(*calls), parallel and self.parallel, tokenizer)
-        return Grammar(dict(rules, **{"tool calls": root}), "tool calls")
+        return Grammar(dict(rules, **{"tool calls": root}), "tool calls", frozenset(called))
 
     def call(self, name, arguments, tokenizer):
         raise NotImplementedError

@@ -19,7 +19,7 @@ import pytest
 import poot
 from poot.grammar import (AmbiguousGrammar, Automaton, ConstraintViolated, GrammarTooLarge,
                           SchemaUnsupported, TokenGrammar, Vocabulary, compiled,
-                          json_object_grammar, schema_grammar)
+                          json_object_grammar, regex_grammar, schema_grammar)
 from poot.grammar.expr import Grammar, Ref, Token, code_points, seq, text
 from poot.grammar.regex import FORMATS, RegexUnsupported, lower, parse
 from poot.grammar.tokens import unpack
@@ -347,6 +347,13 @@ def test_a_pattern_matches_what_python_re_matches(pattern):
     compiled_re = re.compile(pattern.replace("$", r"\Z").replace("(?<", "(?P<"))
     for s in _strings("ab1-\n", 5):
         assert accepts(automaton, s.encode()) == bool(compiled_re.search(s)), (pattern, s)
+
+
+def test_a_regex_grammar_is_the_whole_text():
+    for pattern in (r"a+b?", r"^(ab|ba)*$", r"[^a]{1,2}|b1"):
+        automaton = Automaton(regex_grammar(pattern))
+        for s in _strings("ab1-\n", 4):
+            assert accepts(automaton, s.encode()) == bool(re.fullmatch(pattern, s)), (pattern, s)
 
 
 @pytest.mark.parametrize("pattern, what", [

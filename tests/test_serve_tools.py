@@ -8,6 +8,7 @@ formats' markers made control tokens). The default model shows real conversation
 """
 import json
 import pathlib
+import re
 from typing import Annotated
 
 import openai
@@ -315,6 +316,20 @@ def test_a_constrained_request_beside_others_leaves_them_as_they_are(client):
         t.join()
     assert beside == alone
     assert all(isinstance(json.loads(c.message.content), dict) for c in got.values())
+
+
+def test_a_guided_regex_is_the_whole_output(client, server):
+    pattern = r"[A-Z]{2}-[0-9]{3,4}( ok| no)?"
+    for seed in range(3):
+        text = client.completions.create(model="tiny", prompt="Code:", max_tokens=40, seed=seed,
+                                         extra_body={"guided_regex": pattern}).choices[0].text
+        assert re.fullmatch(pattern, text), text
+    reply = create(client, extra_body={"guided_regex": pattern})
+    assert re.fullmatch(pattern, reply.choices[0].message.content)
+    status, _, body = call(server, "POST", "/v1/completions",
+                           {"prompt": "x", "guided_regex": "(a)\\1"})
+    assert status == 400 and body["error"]["param"] == "guided_regex"
+    assert "backreference" in body["error"]["message"]
 
 
 # ---- names ------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Constrained decoding: grammars compiled to the tokens a sequence may sample next.
 
-expr.py describes languages; schema.py (JSON Schema) and regex.py (patterns) write them;
+expr.py describes languages; schema.py (JSON Schema) and regex.py (patterns, and whole outputs
+by a regular expression) write them;
 automaton.py compiles one to a deterministic pushdown automaton; tokens.py reads a vocabulary
 through it: `TokenGrammar.start()` is a sequence's constraint (`allowed()` a packed bitmask of
 the vocabulary, `advance(token)`), which rides on SamplingParams into the engine. `compiled`
@@ -11,12 +12,13 @@ import threading
 from collections import OrderedDict
 
 from .automaton import AmbiguousGrammar, Automaton, GrammarError, GrammarTooLarge
+from .regex import RegexUnsupported, regex_grammar
 from .schema import SchemaUnsupported, json_object_grammar, schema_grammar
 from .tokens import ConstraintViolated, Matcher, TokenGrammar, Vocabulary
 
 __all__ = ["AmbiguousGrammar", "Automaton", "ConstraintViolated", "GrammarError",
-           "GrammarTooLarge", "Matcher", "SchemaUnsupported", "TokenGrammar", "Vocabulary",
-           "compiled", "json_object_grammar", "schema_grammar"]
+           "GrammarTooLarge", "Matcher", "RegexUnsupported", "SchemaUnsupported", "TokenGrammar",
+           "Vocabulary", "compiled", "json_object_grammar", "regex_grammar", "schema_grammar"]
 
 CACHED_GRAMMARS = 64
 _compiled = OrderedDict()

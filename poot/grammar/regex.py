@@ -10,7 +10,7 @@ top-level alternatives. Backreferences, lookaround, word boundaries and flags ar
 RegexUnsupported.
 
 A JSON Schema pattern is not anchored: where ^ or $ is missing, any text may come before or
-after (`search`). Validators read patterns in other dialects than ECMA-262 (Python's `re` in
+after (`search`); a pattern that constrains a whole output (`regex_grammar`) is. Validators read patterns in other dialects than ECMA-262 (Python's `re` in
 jsonschema: its \\d, \\w and \\s take Unicode's digits, letters and spaces, its `.` takes \\r),
 so a class takes only the characters both dialects put in it, and a negated one only those
 both leave out: what the pattern writes, either reads. FORMATS are patterns for the `format`
@@ -20,7 +20,8 @@ import functools
 import unicodedata
 from dataclasses import dataclass
 
-from .expr import MAX_CODE_POINT, Repeat, alt, complement, merge_ranges, seq, subtract
+from .expr import (MAX_CODE_POINT, Grammar, Repeat, alt, code_points, complement, merge_ranges,
+                   seq, subtract)
 
 MAX_REPEAT = 1000
 
@@ -111,18 +112,23 @@ FORMATS = {
 }
 
 
-def parse(pattern):
-    """The tree of a whole pattern, with any text allowed where an end has no anchor."""
+def parse(pattern, search=True):
+    """The tree of a whole pattern: where `search`, with any text allowed where an end has no
+    anchor (JSON Schema's reading); otherwise the pattern is the whole text."""
     parser = _Parser(pattern)
     alternatives = parser.alternatives(top=True)
     if parser.at < len(pattern):
         raise RegexUnsupported(f"unbalanced ')' at {parser.at} in pattern {pattern!r}")
-    anything = Times(CharSet(ANY), 0, None)
+    anything = (Times(CharSet(ANY), 0, None),) if search else ()
     out = []
     for head, items, tail in alternatives:
-        out.append(Concat(((anything,) if not head else ()) + tuple(items)
-                          + ((anything,) if not tail else ())))
+        out.append(Concat((() if head else anything) + tuple(items) + (() if tail else anything)))
     return out[0] if len(out) == 1 else Either(tuple(out))
+
+
+def regex_grammar(pattern):
+    """The Grammar of texts (UTF-8) the whole of which `pattern` matches."""
+    return Grammar({"root": lower(parse(pattern, search=False), code_points)}, "root")
 
 
 def lower(node, char):

@@ -4,7 +4,8 @@
 the model's chat template gets them (itself, or as text: poot.text.toolcalls) and in which
 format the reply's calls are read. `constraint(body, model, tool_use)` is the TokenGrammar the
 request's output must follow, if any: `response_format` json_object or json_schema, or the calls
-`tool_choice` "required" or a named function forces (so they always parse). Compiled grammars
+`tool_choice` "required" or a named function forces (so they always parse), or vLLM's
+`guided_regex` (the whole output matches it). Compiled grammars
 are cached by their request's JSON (poot.grammar.compiled). `CallShaper` turns generated text
 into OpenAI's `tool_calls`, whole or as stream deltas. Errors are openai.APIError (400s).
 """
@@ -139,8 +140,20 @@ class ToolUse:
 
 
 def constraint(body, model, tool_use=None):
-    """The TokenGrammar a request's output follows (response_format, or forced tool calls),
-    or None."""
+    """The TokenGrammar a request's output follows (response_format, vLLM's guided_regex, or
+    forced tool calls), or None."""
+    regex = body.get("guided_regex")
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise _invalid("'guided_regex' must be a string", "guided_regex")
+        if body.get("response_format") is not None or (tool_use and tool_use.format):
+            raise _invalid("'guided_regex' together with 'response_format' or 'tools' is not "
+                           "supported", "guided_regex")
+        try:
+            return grammar.compiled(("regex", regex), lambda: grammar.regex_grammar(regex),
+                                    model.tokenizer)
+        except (grammar.GrammarError, grammar.RegexUnsupported) as exc:
+            raise _invalid(f"guided_regex: {exc}", "guided_regex") from None
     response_format = body.get("response_format")
     kind = None
     if response_format is not None:

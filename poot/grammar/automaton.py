@@ -152,7 +152,6 @@ class Automaton:
                     raise AmbiguousGrammar(
                         f"the recursive rule {names[self.rule_of[s]]!r} may end where it may "
                         f"also go on, and what follows it begins alike ({self._describe(clash)})")
-        self.first = first
 
     def _first_at(self, s, first):
         got = set(np.flatnonzero(self.shift[s] >= 0).tolist())

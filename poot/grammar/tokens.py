@@ -6,12 +6,12 @@ symbol of its own; a token that spells nothing is never allowed), all in one fla
 of one sequence: `allowed()` is the packed bitmask of the tokens that may come next (bit t % 32
 of word t // 32, end-of-sequence tokens where the grammar may end), `advance(token)` reads one.
 
-A mask is read from the stack's top state for every token at once: numpy reads the tokens'
-symbols a position at a time, each token with its own small stack for the rules it enters and
-leaves within itself. A token that reads to its end is allowed, one that finds no way on is not;
+A mask is read from the stack's top state for every token at once: numpy reads the
+vocabulary's trie a depth at a time (a prefix many tokens share is read once), each prefix with
+its own small stack for the rules it enters and leaves within itself. A token that reads to its end is allowed, one that finds no way on is not;
 one that ends the top state's rule partway is read on, from there, by the state below, and so
 down the stack. The top state's reading is kept per state, a stack's mask per stack, in a cache
-bounded in bytes: a place seen before costs a lookup.
+bounded in bytes: a place seen before costs a lookup. Compiling grammars is automaton.py's.
 """
 import threading
 import weakref

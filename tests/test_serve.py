@@ -557,6 +557,7 @@ NO_GPU = dict(NO_VULKAN, POOT_CUDA_LIB="/nonexistent", POOT_HSA_LIB="/nonexisten
     (["--backend", "reference", "--device-timing"], 2, "no device", {}),
     (["--backend", "reference", "--memory-limit", "lots"], 2, "memory-limit", {}),
     (["--backend", "reference", "--max-seqs", "0"], 2, "max-seqs", {}),
+    (["--backend", "reference", "--served-model-name", "a", "a"], 2, "distinct", {}),
 ])
 def test_the_program_refuses_what_it_cannot_do_with_an_exit_status(flags, status, words, env,
                                                                     capsys, monkeypatch):

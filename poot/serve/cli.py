@@ -103,11 +103,6 @@ def check_flags(args):
         raise UsageError(f"--ctx {args.ctx}: must be at least 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk {args.prefill_chunk}: must be at least 1")
-    if args.served_model_name is not None and (
-            any(not name.strip() for name in args.served_model_name)
-            or len(set(args.served_model_name)) != len(args.served_model_name)):
-        raise UsageError(f"--served-model-name {' '.join(args.served_model_name)}: names must "
-                         "be non-empty and distinct")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port}: not a port number")
     ordinals = [0]
@@ -195,8 +190,18 @@ def describe(device, memory):
             "memory_free": free, "memory_total": total, "memory_source": source}
 
 
+def check_names(names):
+    """--served-model-name's names (None: the model file's)."""
+    if names is not None and (any(not name.strip() for name in names)
+                              or len(set(names)) != len(names)):
+        raise UsageError(f"--served-model-name {' '.join(names)}: names must be non-empty and "
+                         "distinct")
+    return names
+
+
 def serve(args, stop_event):
     ordinals, memory_limit = check_flags(args)
+    names = check_names(args.served_model_name)
     device = open_placed(args, ordinals)
     if args.device_timing and not hasattr(device, "start_timing"):
         raise UsageError(f"--device-timing: backend {device.backend} ({device.name}) has no "
@@ -226,7 +231,7 @@ def serve(args, stop_event):
         engine = server.load(model, runner, devices=devices, plan=shape,
                              max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
                              max_context=shape["context"], on_failure=stop_event.set,
-                             served_names=args.served_model_name)
+                             served_names=names)
     except BaseException:
         server.close(grace=0)
         raise

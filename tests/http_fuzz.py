@@ -101,6 +101,11 @@ class Requests:
             body["stream_options"] = {"include_usage": rng.random() < 0.5}
         if rng.random() < 0.3:
             body["top_k"] = rng.choice([0, 1, 5, 2 ** 40])
+        if rng.random() < 0.2:
+            body["response_format"] = rng.choice([
+                {"type": "json_object"}, {"type": "text"},
+                {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                    "type": "object", "properties": {"n": {"type": "integer"}}}}}])
         return body
 
     def valid(self):

@@ -189,6 +189,38 @@ def test_rows_that_report_no_logprobs_are_sampled_from_their_own_candidates(devi
     assert np.allclose(got.top_logprobs[reports], want.top_logprobs[reports], rtol=0, atol=1e-4)
 
 
+def test_constrained_rows_are_sampled_on_the_host_among_their_tokens(device, monkeypatch):
+    """Rows with a mask (SamplingRows.masks) take sample()'s token of the same step's logits,
+    read back for them alone; the rows beside them keep their own way (greedy from the
+    device's argmax, sampled from candidates), with and without log probabilities."""
+    n = 6
+    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    words = -(-runner.vocab_size // 32)
+    masked = np.array([False, True, False, True, True, False])
+    for decode, logprobs in enumerate((False, True)):
+        allowed = np.zeros((n, words * 32), bool)
+        for r in np.flatnonzero(masked):
+            allowed[r, rng.choice(runner.vocab_size, 40, replace=False)] = True
+        masks = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
+        masks[~masked] = 0xFFFFFFFF
+        rows = SamplingRows(temperature=np.array([0, 0, 0.8, 1, 0, 0], np.float32),
+                            top_k=np.array([0, 0, 5, 0, 0, 0], np.int32),
+                            top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32),
+                            seed=rng.integers(0, 2**63, n).astype(np.uint64),
+                            step=np.arange(n, dtype=np.int64), n_logprobs=2 * logprobs,
+                            logprobs=logprobs, masks=masks, masked=masked)
+        batch = batch_of(decode, rows)
+        read.clear()
+        got = runner.step(batch)
+        assert read.count(runner._output_name()) >= masked.sum(), read
+        want = sample(runner.logits(batch), rows)   # the same step again: the same logits
+        assert got.tokens.tolist() == want.tokens.tolist()
+        assert all(allowed[r, got.tokens[r]] for r in np.flatnonzero(masked))
+        if logprobs:
+            assert np.allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
+            assert got.top_ids.tolist() == want.top_ids.tolist()
+
+
 def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):
     """Steps whose inputs and greedy tokens pass through the device's host_array memory,
     copied by the step itself (recorded with its launches): ptx and a discrete GPU's vulkan do

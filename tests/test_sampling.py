@@ -175,3 +175,45 @@ def test_sample_takes_choose_s_tokens_and_the_sorted_top_logprobs():
                uniform(params.seed[r], params.step[r])) for r in range(6)]
     lp = log_softmax(logits)
     assert out.top_ids.tolist() == np.argsort(-lp, axis=-1, kind="stable")[:, :4].tolist()
+
+
+def with_masks(r, allowed):
+    """SamplingRows `r` with rows constrained to `allowed` (bool [R, V]; None: unconstrained)."""
+    words = -(-max(len(a) for a in allowed if a is not None) // 32)
+    masks = np.full((len(allowed), words), 0xFFFFFFFF, np.uint32)
+    for i, a in enumerate(allowed):
+        if a is not None:
+            padded = np.zeros(words * 32, bool)
+            padded[:len(a)] = a
+            masks[i] = np.packbits(padded, bitorder="little").view(np.uint32)
+    r.masks, r.masked = masks, np.array([a is not None for a in allowed])
+    return r
+
+
+def test_constrained_rows_choose_among_their_tokens_and_report_raw_logprobs():
+    rng = np.random.default_rng(3)
+    V = 100                                 # not a multiple of 32: the last word is partial
+    logits = rng.standard_normal((4, V)).astype(np.float32)
+    allowed = [None, np.isin(np.arange(V), [3, 50]), np.arange(V) == 99,
+               (np.arange(V) >= 10) & (np.arange(V) < 20)]
+    for temperature in (0.0, 1.0):
+        free = sample(logits, rows(4, temperature=temperature, n_logprobs=3))
+        got = sample(logits, with_masks(rows(4, temperature=temperature, n_logprobs=3),
+                                        allowed))
+        assert got.tokens[0] == free.tokens[0]
+        assert got.tokens[2] == 99 and got.tokens[1] in (3, 50) and 10 <= got.tokens[3] < 20
+        if temperature == 0:
+            assert got.tokens[1] == [3, 50][int(logits[1, 50] > logits[1, 3])]
+        expected = log_softmax(logits.astype(np.float64))
+        assert np.allclose(got.logprobs, expected[np.arange(4), got.tokens], atol=1e-5)
+        assert got.top_ids.tolist() == free.top_ids.tolist()    # of the raw logits
+
+
+def test_a_constrained_row_draws_by_its_renormalised_distribution():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05] + [1e-3] * 28, np.float32))
+    allowed = np.zeros(32, bool)
+    allowed[[1, 2]] = True                  # 0.3 : 0.15 -> 2/3 : 1/3
+    draws = [sample(logits[None], with_masks(rows(1, seed=s), [allowed])).tokens[0]
+             for s in range(3000)]
+    assert set(draws) == {1, 2}
+    assert abs(np.mean(np.array(draws) == 1) - 2 / 3) < 0.03

@@ -290,6 +290,54 @@ def test_a_request_whose_delivery_raises_fails_alone(model, monkeypatch):
     assert engine.error is None and engine.stats().kv_blocks_used == 0
 
 
+def test_a_constrained_request_follows_its_grammar_and_leaves_the_batch_as_it_was(model):
+    """The constraint's masks ride in the step's SamplingRows: its request writes JSON of the
+    schema, and seeded requests batched beside it write what they write alone."""
+    import json
+
+    from poot.grammar import compiled, schema_grammar
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {
+        "type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
+    grammar = compiled(("scheduler", json.dumps(schema)), lambda: schema_grammar(schema),
+                       model.tokenizer)
+    seeded = SamplingParams(max_tokens=30, seed=11, ignore_eos=True)
+    requests = list(zip(prompts(model, [5, 7, 3], seed=6),
+                        [seeded, SamplingParams(max_tokens=200, seed=3, constraint=grammar),
+                         greedy(30)]))
+    expected = [alone(model, *requests[0]), alone(model, *requests[2])]
+    engine = make_engine(model)
+    handles = [engine.submit(p, params) for p, params in requests]
+    engine.run_until_idle()
+    assert [tokens(handles[0]), tokens(handles[2])] == expected
+    outs = list(handles[1])
+    assert outs[-1].finish_reason == "stop"
+    value = json.loads("".join(o.text for o in outs))
+    assert set(value) == {"n", "ok"} and isinstance(value["ok"], bool)
+
+
+def test_a_constraint_that_fails_fails_its_request_alone(model):
+    class Refusing:
+        """A constraint whose every state fails (as one whose grammar no token continues)."""
+        def start(self):
+            return self
+
+        def allowed(self):
+            raise ValueError("no token continues")
+
+        def advance(self, token):
+            raise ValueError("no token continues")
+
+    requests = list(zip(prompts(model, [4, 6], seed=2),
+                        [greedy(6, constraint=Refusing()), greedy(6)]))
+    expected = alone(model, *requests[1])
+    engine = make_engine(model)
+    handles = [engine.submit(p, params) for p, params in requests]
+    engine.run_until_idle()
+    first, second = outcome(handles[0]), outcome(handles[1])
+    assert isinstance(first, EngineFailed) and "no token continues" in str(first)
+    assert second == expected and engine.error is None
+
+
 # ---- the policy alone: no runner, no thread -----------------------------------------------------
 
 def sequences(model, lengths, max_tokens=8):

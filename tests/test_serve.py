@@ -32,10 +32,11 @@ from poot.serve import Server
 # ---- helpers (test_serve_errors.py uses them too) ----------------------------------------------
 
 def start_server(model, *, num_blocks=256, block_size=4, max_seqs=8, step_tokens=64,
-                 max_context=None, **server_kw):
+                 max_context=None, served_names=None, **server_kw):
     server = Server(port=0, **server_kw)
     server.load(model, model.runner(num_blocks=num_blocks, block_size=block_size),
-                max_seqs=max_seqs, step_tokens=step_tokens, max_context=max_context)
+                max_seqs=max_seqs, step_tokens=step_tokens, max_context=max_context,
+                served_names=served_names)
     return server
 
 
@@ -551,6 +552,7 @@ NO_GPU = dict(NO_VULKAN, POOT_CUDA_LIB="/nonexistent", POOT_HSA_LIB="/nonexisten
     (["--backend", "reference", "--device-timing"], 2, "no device", {}),
     (["--backend", "reference", "--memory-limit", "lots"], 2, "memory-limit", {}),
     (["--backend", "reference", "--max-seqs", "0"], 2, "max-seqs", {}),
+    (["--backend", "reference", "--served-model-name", "a", "a"], 2, "distinct", {}),
 ])
 def test_the_program_refuses_what_it_cannot_do_with_an_exit_status(flags, status, words, env,
                                                                     capsys, monkeypatch):

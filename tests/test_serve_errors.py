@@ -112,9 +112,12 @@ CHAT_CASES = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
      "max_completion_tokens", None),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     "tools", None),
+     "tools[0].function", "name"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+     "response_format", "json_schema"),
     ({"messages": [{"role": "user", "content": "hi"}],
-      "response_format": {"type": "json_object"}}, "response_format", None),
+      "response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}},
+     "response_format", "'not'"),
 ]
 
 

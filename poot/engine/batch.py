@@ -24,6 +24,9 @@ class SamplingRows:
     n_logprobs most likely alternatives); without it a runner may leave them out (zeros).
     reports says which rows do (None: every row, when logprobs); a runner may leave out the
     others' (zeros).
+    masks, where a row is constrained (SamplingParams.constraint), holds per row the tokens it
+    may sample: bit t % 32 of word t // 32 (words past the array, none); masked says which rows
+    have one (the others' rows are all ones). None: no row of the step is constrained.
     """
     temperature: np.ndarray   # float32 [R]
     top_k: np.ndarray         # int32 [R]
@@ -34,6 +37,8 @@ class SamplingRows:
     n_logprobs: int = 0
     logprobs: bool = False
     reports: np.ndarray | None = None   # bool [R]
+    masks: np.ndarray | None = None     # uint32 [R, words]
+    masked: np.ndarray | None = None    # bool [R]
 
     @classmethod
     def greedy(cls, rows):

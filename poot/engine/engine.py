@@ -332,6 +332,8 @@ class Engine:
 
     def _deliver(self, seq, out, r, now):
         token = int(out.tokens[r])
+        if seq.constraint is not None:
+            seq.constraint.advance(token)       # raises where the runner broke the mask
         logprob = None
         if seq.params.logprobs is not None:
             k = seq.params.logprobs

@@ -35,7 +35,14 @@ class SamplingParams:
     temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 switch those cuts off. max_tokens None
     means "until the context is full". seed None draws a fresh random seed per request.
     logprobs None reports no log probabilities; an int n reports the chosen token's and the
-    n most likely alternatives (0..20).
+    n most likely alternatives (0..20). skip_special_tokens leaves control tokens out of the
+    text (as vLLM's field of that name).
+
+    constraint, where given, limits what may be sampled: an object whose `start()` gives each
+    sequence its own state, with `allowed()` (a packed bitmask of the vocabulary: bit t % 32 of
+    uint32 word t // 32 set where token t may come next; end-of-sequence tokens included where
+    the sequence may end) and `advance(token)` (raises where the token was not allowed).
+    poot.grammar's TokenGrammar is one.
     """
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -47,6 +54,8 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    skip_special_tokens: bool = True
+    constraint: object = None
 
     def __post_init__(self):
         def bad(param, message):
@@ -180,18 +189,21 @@ class Sequence:
     keys: list = field(default_factory=list)    # prefix keys of its full blocks (kvcache.py)
     cached_tokens: int = 0  # of its prompt, taken from the prefix cache when first admitted
     admitted: bool = False
+    constraint: object = None   # params.constraint's state for this sequence
     last_token_time: float | None = None
     finish_reason: str | None = None
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
         self.stop_text = StopText(self.params.stop)
+        if self.params.constraint is not None:
+            self.constraint = self.params.constraint.start()
 
     @classmethod
     def create(cls, seq_id, prompt, params, max_tokens, tokenizer):
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         return cls(seq_id=seq_id, prompt=list(prompt), params=params, max_tokens=max_tokens,
-                   seed=seed, decoder=tokenizer.decoder(skip_special=True),
+                   seed=seed, decoder=tokenizer.decoder(skip_special=params.skip_special_tokens),
                    eos_ids=frozenset(tokenizer.eos_ids))
 
     @property

@@ -6,7 +6,10 @@ first, lower id first on ties), cut to the top k, then to the smallest prefix wh
 reaches top_p, then to tokens with probability at least min_p times the highest; the survivors
 are renormalised and one is drawn by inverse CDF with the row's uniform number u(seed, step). The
 draw depends only on (seed, step), so a seeded request gives the same tokens alone or batched,
-on any backend that follows this definition.
+on any backend that follows this definition. A constrained row (SamplingRows.masks) chooses
+among the tokens its mask allows: the others' logits are -inf before any of this. Log
+probabilities stay those of the raw logits (as vLLM reports them): how likely the model found
+the token, not how it was picked, like the temperature and the cuts.
 
 `choose` is that definition as written; `sample` takes each row's token from `choose_sorted`,
 which gives the same token from a plain sort of the values instead of a stable argsort of the
@@ -177,6 +180,18 @@ def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, 
     return token, values[ids == token][0] - norm, ids[order], values[order] - norm
 
 
+def allowed_logits(logits, rows, r):
+    """Row r's logits [V] for choosing: -inf where its mask (SamplingRows.masks) leaves a token
+    out; the row as it is when it has no mask."""
+    if rows.masked is None or not rows.masked[r]:
+        return logits
+    bits = np.unpackbits(np.ascontiguousarray(rows.masks[r]).view(np.uint8), bitorder="little")
+    allowed = np.zeros(len(logits), bool)
+    n = min(len(bits), len(logits))
+    allowed[:n] = bits[:n]
+    return np.where(allowed, logits, np.float32(-np.inf))
+
+
 def choice_args(rows, r):
     """choose()'s arguments after the logits for row r of SamplingRows `rows`."""
     return (float(rows.temperature[r]), int(rows.top_k[r]), float(rows.top_p[r]),
@@ -186,7 +201,7 @@ def choice_args(rows, r):
 def sample_row(logits, rows, r, k):
     """sample()'s row r of SamplingRows `rows` alone, from its logits [V]: (token, its log
     probability, the k best ids and theirs)."""
-    token = choose_sorted(logits, *choice_args(rows, r))
+    token = choose_sorted(allowed_logits(logits, rows, r), *choice_args(rows, r))
     logprobs = log_softmax(np.asarray(logits, np.float32))
     top = best(logprobs, k) if k else np.zeros(0, np.int64)
     return token, logprobs[token], top, logprobs[top]
@@ -196,8 +211,8 @@ def sample(logits, rows):
     """StepOutput for logits [R, V] under SamplingRows `rows` (choose_sorted for each row)."""
     logits = np.asarray(logits, np.float32)
     n_rows = logits.shape[0]
-    tokens = np.array([choose_sorted(logits[r], *choice_args(rows, r)) for r in range(n_rows)],
-                      dtype=np.int32)
+    tokens = np.array([choose_sorted(allowed_logits(logits[r], rows, r), *choice_args(rows, r))
+                       for r in range(n_rows)], dtype=np.int32)
     k = rows.n_logprobs
     if not (rows.logprobs or k):        # nobody reports them: left out (batch.SamplingRows)
         return StepOutput(tokens=tokens, logprobs=np.zeros(n_rows, np.float32),

@@ -13,10 +13,14 @@ and says which steps it has launched (`launched`) and which have landed (`comput
 With lanes (a pipeline's, engine/group.py) each running sequence belongs to one: newcomers join
 the lane whose turn it is, up to its share of the sequences there are.
 """
+import logging
+
 import numpy as np
 
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.engine.kvcache import BlockAllocator
+
+log = logging.getLogger("poot.engine")
 
 
 class Scheduler:
@@ -191,8 +195,30 @@ class Scheduler:
             n_logprobs=max([p.logprobs or 0 for p in params], default=0),
             logprobs=any(p.logprobs is not None for p in params),
             reports=np.array([p.logprobs is not None for p in params], bool))
+        sampling.masks, sampling.masked = self._masks(sampled)
         batch = StepBatch(tokens=np.array(tokens, np.int32),
                           positions=np.array(positions, np.int32),
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,
                           sample_tokens=np.array(sample_tokens, np.int32), sampling=sampling)
         return batch, sampled
+
+    def _masks(self, sampled):
+        """(masks, masked) of SamplingRows for the sampled sequences: each constrained one's
+        allowed tokens now; (None, None) where none is constrained."""
+        allowed = {}
+        for r, seq in enumerate(sampled):
+            if seq.constraint is not None:
+                try:
+                    allowed[r] = seq.constraint.allowed()
+                except Exception as exc:    # its advance() fails it alone, after the step
+                    log.error("request %d: its constraint failed", seq.seq_id, exc_info=exc)
+        if not allowed:
+            return None, None
+        masked = np.zeros(len(sampled), bool)
+        masked[list(allowed)] = True
+        words = max(len(bits) for bits in allowed.values())
+        masks = np.full((len(sampled), words), 0xFFFFFFFF, np.uint32)
+        for r, bits in allowed.items():
+            masks[r] = 0
+            masks[r, :len(bits)] = bits
+        return masks, masked

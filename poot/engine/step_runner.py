@@ -113,10 +113,20 @@ class StepRunner:
         row's candidates (ops.top_candidates: each chunk's best logits and sum), from which
         sampling.choose_among takes the definition's token; steps that report logprobs, the
         candidates with sums at temperature 1 (_step_with_logprobs); a row they cannot decide
-        reads the logits and samples on the host (engine/sampling.py)."""
+        reads the logits and samples on the host (engine/sampling.py). So does every
+        constrained row (SamplingRows.masks): no kernel applies masks yet."""
         batch, R = self._launched
         self._launched = None
+        out = self._tokens(batch.sampling, R)
         rows = batch.sampling
+        if rows.masked is not None:
+            for r, logits in self._logit_rows(np.flatnonzero(rows.masked)).items():
+                out.tokens[r], out.logprobs[r], out.top_ids[r], out.top_logprobs[r] = \
+                    sample_row(logits, rows, r, rows.n_logprobs)
+        return out
+
+    def _tokens(self, rows, R):
+        """collect()'s StepOutput of the last step's R rows, masks aside."""
         if R == 0:
             return _tokens_only(np.zeros(0, np.int32))
         if not self._has_candidates() and (rows.logprobs or rows.n_logprobs

@@ -35,11 +35,12 @@ class Server:
         return self.serving.engine
 
     def load(self, model, runner, *, devices=(), plan=None, max_seqs=16, step_tokens=256,
-             max_context=None, on_failure=None):
+             max_context=None, on_failure=None, served_names=None):
         """Start an engine over `runner` for `model`; /health then reports serving, naming
         `devices` (what the runner runs on, as the program describes them) and `plan` (the
         memory plan and its check, engine/plan.py) beside the shape the engine runs.
-        `on_failure` is called once the engine can serve no more (its device lost)."""
+        `on_failure` is called once the engine can serve no more (its device lost).
+        `served_names`: the names requests may use for the model (default: its file's)."""
         engine = Engine(runner, model.tokenizer, max_seqs=max_seqs, step_tokens=step_tokens,
                         max_context=max_context)
         engine.on_failure = on_failure
@@ -47,8 +48,9 @@ class Server:
         plan = dict(plan or {}, max_seqs=engine.max_seqs, context=engine.context_limit,
                     step_tokens=engine.step_tokens, kv_blocks=runner.num_blocks,
                     kv_block_size=runner.block_size)
-        self.serving.ready(model, engine, {"model": model.name, "backend": runner.backend,
-                                           "devices": list(devices), "plan": plan})
+        names = list(served_names or [model.name])
+        self.serving.ready(model, engine, {"model": names[0], "backend": runner.backend,
+                                           "devices": list(devices), "plan": plan}, names)
         return engine
 
     def close(self, grace=10.0):

@@ -55,6 +55,9 @@ def build_parser():
                    "chunks and decode tokens together (default: the largest that fits, of "
                    f"{', '.join(map(str, plan.STEP_TOKENS))}; reference: "
                    f"{REFERENCE_STEP_TOKENS})")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the names /v1/models lists and requests may use for the model (the "
+                   "first is the one responses carry; default: the model file's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
@@ -89,8 +92,18 @@ def describe(device, memory):
             "memory_free": free, "memory_total": total, "memory_source": source}
 
 
+def check_names(names):
+    """--served-model-name's names (None: the model file's)."""
+    if names is not None and (any(not name.strip() for name in names)
+                              or len(set(names)) != len(names)):
+        raise UsageError(f"--served-model-name {' '.join(names)}: names must be non-empty and "
+                         "distinct")
+    return names
+
+
 def serve(args, stop_event):
     memory_limit = check_flags(args)
+    names = check_names(args.served_model_name)
     device = open_placed(args.backend, args.placement)     # decided once, before the port opens
     if args.device_timing and "timing" not in device.features:
         raise UsageError(f"--device-timing: backend {device.backend} ({device.name}) has no "
@@ -119,7 +132,8 @@ def serve(args, stop_event):
         inject_faults(runner)
         engine = server.load(model, runner, devices=devices, plan=shape,
                              max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
-                             max_context=shape["context"], on_failure=stop_event.set)
+                             max_context=shape["context"], on_failure=stop_event.set,
+                             served_names=names)
     except BaseException:
         server.close(grace=0)
         raise

@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlsplit
 from poot.engine.request import EngineFailed, InvalidRequest
 from poot.serve import openai
 from poot.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
-from poot.serve.openai import APIError
+from poot.serve.errors import APIError
 
 log = logging.getLogger("poot.serve")
 
@@ -50,14 +50,16 @@ class Serving:
         self.idle_timeout = idle_timeout
         self.status = "loading"          # loading -> serving -> stopping
         self.model = None
+        self.names = []             # the names the model is served under (the first: default)
         self.engine = None
         self.info = {}
         self.metrics = Metrics()
         self._active = 0
         self._active_lock = threading.Condition()
 
-    def ready(self, model, engine, info):
+    def ready(self, model, engine, info, names=None):
         self.model, self.engine, self.info = model, engine, info
+        self.names = list(names or [model.name])
         self.status = "serving"
 
     def failure(self):
@@ -369,20 +371,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def models(self, _):
         self.serving.require_engine()
-        self._send_json(200, openai.models_list(self.serving.model,
+        self._send_json(200, openai.models_list(self.serving.names,
                                                 self.serving.engine.context_limit))
 
     def model_card(self, model_id):
         self.serving.require_engine()
-        model = self.serving.model
-        if model_id != model.name:
+        if model_id not in self.serving.names:
             raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error",
                            "model", "model_not_found")
-        self._send_json(200, openai.model_card(model, self.serving.engine.context_limit))
+        self._send_json(200, openai.model_card(model_id, self.serving.engine.context_limit))
 
     def tokenize(self, body):
         self.serving.require_engine()
-        self._send_json(200, openai.tokenize(body, self.serving.model,
+        self._send_json(200, openai.tokenize(body, self.serving.model, self.serving.names,
                                              self.serving.engine.context_limit))
 
     def detokenize(self, body):
@@ -391,11 +392,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def completions(self, body):
         self.serving.require_engine()
-        self._complete(openai.Completion.text(body, self.serving.model))
+        self._complete(openai.Completion.text(body, self.serving.model, self.serving.names))
 
     def chat_completions(self, body):
         self.serving.require_engine()
-        self._complete(openai.Completion.chat(body, self.serving.model))
+        self._complete(openai.Completion.chat(body, self.serving.model, self.serving.names))
 
     def _complete(self, request):
         try:

@@ -1,37 +1,25 @@
 """The OpenAI API's shapes: validating request bodies and shaping engine outputs into responses.
 
 A request body (already parsed JSON) becomes a `Completion`: prompt token ids, SamplingParams
-and how to shape what comes back (chat or text, streamed or whole, logprobs). Every refusal is an
-`APIError` carrying the OpenAI error body's fields. This module knows the model's tokenizer and
-chat template but neither sockets (http.py) nor the engine's internals.
+and how to shape what comes back (chat or text, streamed or whole, logprobs, tool calls). Every
+refusal is an `APIError` carrying the OpenAI error body's fields. Tools and response_format are
+structured.py's. This module knows the model's tokenizer and chat template but neither sockets
+(http.py) nor the engine's internals. `names` are the names the model is served under
+(--served-model-name; the first is the one responses carry where a request names none).
 """
+import json
 import math
 import time
 import uuid
 
 from poot.engine.request import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidRequest, SamplingParams
 from poot.errors import TemplateError
+from poot.serve import structured
+from poot.serve.errors import APIError, invalid
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # OpenAI's default for /v1/completions without max_tokens (chat's is the rest of the context)
 COMPLETION_MAX_TOKENS = 16
-
-
-class APIError(Exception):
-    """An HTTP error with an OpenAI-shaped body."""
-
-    def __init__(self, status, message, type="invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type, param, code)
-
-    def body(self):
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def invalid(message, param=None, code=None):
-    return APIError(400, message, "invalid_request_error", param, code)
 
 
 def from_invalid_request(exc):
@@ -80,11 +68,16 @@ def _check_text(text, param):
     return text
 
 
-def check_model(body, model):
+def check_model(body, names):
+    """The served name the request asks for (the first where it names none)."""
     name = _get(body, "model", "str")
-    if name is not None and name != model.name:
+    if name is None:
+        return names[0]
+    if name not in names:
         raise APIError(404, f"The model '{name}' does not exist; this server serves "
-                       f"'{model.name}'", "invalid_request_error", "model", "model_not_found")
+                       f"{', '.join(repr(n) for n in names)}", "invalid_request_error", "model",
+                       "model_not_found")
+    return name
 
 
 def _refuse_unsupported(body):
@@ -99,15 +92,10 @@ def _refuse_unsupported(body):
             raise invalid(f"'{name}' is not supported (it must be 0 or absent)", name)
     if _get(body, "logit_bias", "dict"):
         raise invalid("'logit_bias' is not supported", "logit_bias")
-    if _get(body, "tools", "list") or _get(body, "functions", "list"):
-        raise invalid("tool calling is not supported", "tools")
-    response_format = _get(body, "response_format", "dict")
-    if response_format and response_format.get("type", "text") != "text":
-        raise invalid("only response_format {\"type\": \"text\"} is supported",
-                      "response_format")
 
 
-def _sampling(body, max_tokens_names, logprobs, max_tokens=None):
+def _sampling(body, max_tokens_names, logprobs, max_tokens=None, constraint=None,
+              skip_special_tokens=True):
     """SamplingParams of a request; `max_tokens` where the request names none (None: up to
     the context)."""
     for name in max_tokens_names:
@@ -141,7 +129,8 @@ def _sampling(body, max_tokens_names, logprobs, max_tokens=None):
             min_p=float(_get(body, "min_p", "number", 0.0)),
             seed=None if seed is None else seed % 2 ** 64,
             stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
-            ignore_eos=_get(body, "ignore_eos", "bool", False), logprobs=logprobs)
+            ignore_eos=_get(body, "ignore_eos", "bool", False), logprobs=logprobs,
+            constraint=constraint, skip_special_tokens=skip_special_tokens)
     except InvalidRequest as exc:
         raise from_invalid_request(exc) from None
 
@@ -178,7 +167,9 @@ def _prompt_ids(body, tokenizer):
 
 
 def chat_messages(body):
-    """The messages of a chat request, checked and flattened to {"role", "content": str}."""
+    """The messages of a chat request, checked, as Hugging Face's templates take them: content
+    a string; an assistant's tool_calls with their arguments as objects (where they are JSON
+    objects), a tool result's tool_call_id."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise invalid("'messages' must be an array of messages", "messages")
@@ -204,7 +195,7 @@ def chat_messages(body):
                 parts.append(part["text"])
             content = "".join(parts)
         elif content is None and role == "assistant":
-            content = ""
+            content = ""        # templates take a string (an assistant that only calls tools)
         elif not isinstance(content, str):
             raise invalid(f"{where}.content must be a string or an array of text parts",
                           f"{where}.content")
@@ -212,24 +203,58 @@ def chat_messages(body):
                  "content": _check_text(content, f"{where}.content")}
         if isinstance(message.get("name"), str):
             entry["name"] = message["name"]
+        if role == "assistant" and message.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise invalid(f"{where}.tool_call_id must be the string id of the call it "
+                              "answers", f"{where}.tool_call_id")
+            entry["tool_call_id"] = call_id
         flat.append(entry)
     return flat
 
 
-def render_chat(model, messages):
+def _tool_calls(calls, where):
+    if not isinstance(calls, list):
+        raise invalid(f"{where} must be an array", where)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments"), str) \
+                or not isinstance(call.get("id", ""), str):
+            raise invalid(f"{where}[{j}] must be {{\"id\": ..., \"type\": \"function\", "
+                          "\"function\": {\"name\": ..., \"arguments\": a JSON string}}",
+                          f"{where}[{j}]")
+        arguments = function["arguments"]
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        # Hugging Face's templates take the arguments as an object; text that is no JSON
+        # object stays text (templates that test for a string write it as it is)
+        out.append({"id": call.get("id", ""), "type": "function", "function": {
+            "name": function["name"], "arguments": parsed if isinstance(parsed, dict)
+            else _check_text(arguments, f"{where}[{j}].function.arguments")}})
+    return out
+
+
+def render_chat(model, messages, tool_use=None):
     if model.chat_template is None:
         raise invalid(f"model '{model.name}' has no chat template; use /v1/completions with a "
                       "prompt you format yourself", "messages", "no_chat_template")
+    messages, tools = tool_use.messages(messages) if tool_use else (messages, None)
     try:
-        return model.chat_template.render(messages, add_generation_prompt=True)
+        return model.chat_template.render(messages, add_generation_prompt=True, tools=tools)
     except TemplateError as exc:
         raise invalid(f"the model's chat template rejected the messages: {exc}",
                       "messages") from None
 
 
-def chat_prompt_ids(model, messages):
+def chat_prompt_ids(model, messages, tool_use=None):
     # The rendered template carries its own special tokens (BOS included where the model wants).
-    return model.tokenizer.encode(render_chat(model, messages), add_special=False,
+    return model.tokenizer.encode(render_chat(model, messages, tool_use), add_special=False,
                                   parse_special=True)
 
 
@@ -238,9 +263,12 @@ def chat_prompt_ids(model, messages):
 class Completion:
     """One validated /v1/completions or /v1/chat/completions request, and its response shapes."""
 
-    def __init__(self, kind, model, prompt_ids, params, stream, include_usage,
-                 ids_as_tokens=False):
+    def __init__(self, kind, model, name, prompt_ids, params, stream, include_usage,
+                 ids_as_tokens=False, tool_use=None):
         self.kind = kind                      # "chat" or "text"
+        self.name = name                      # the served name responses carry
+        # the reply is read for tool calls where tool_use has a format
+        self.calls = structured.CallShaper(tool_use) if tool_use and tool_use.format else None
         # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", which tells
         # apart tokens whose bytes are no whole characters
         self.ids_as_tokens = ids_as_tokens
@@ -255,8 +283,8 @@ class Completion:
         self.text_offset = 0
 
     @classmethod
-    def chat(cls, body, model):
-        check_model(body, model)
+    def chat(cls, body, model, names):
+        name = check_model(body, names)
         _refuse_unsupported(body)
         logprobs = None
         if _get(body, "logprobs", "bool", False):
@@ -266,14 +294,19 @@ class Completion:
                               "top_logprobs")
         elif _get(body, "top_logprobs", "int"):
             raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        params = _sampling(body, ("max_completion_tokens", "max_tokens"), logprobs)
-        prompt_ids = chat_prompt_ids(model, chat_messages(body))
-        return cls("chat", model, prompt_ids, params, *_stream_flags(body),
-                   _get(body, "return_tokens_as_token_ids", "bool", False))
+        messages = chat_messages(body)
+        tool_use = structured.ToolUse.of(body, model)
+        prompt_ids = chat_prompt_ids(model, messages, tool_use)
+        params = _sampling(body, ("max_completion_tokens", "max_tokens"), logprobs,
+                           constraint=structured.constraint(body, model, tool_use),
+                           skip_special_tokens=not tool_use.keeps_special_tokens(
+                               model.tokenizer))
+        return cls("chat", model, name, prompt_ids, params, *_stream_flags(body),
+                   _get(body, "return_tokens_as_token_ids", "bool", False), tool_use)
 
     @classmethod
-    def text(cls, body, model):
-        check_model(body, model)
+    def text(cls, body, model, names):
+        name = check_model(body, names)
         _refuse_unsupported(body)
         if _get(body, "echo", "bool", False):
             raise invalid("'echo' is not supported", "echo")
@@ -282,8 +315,9 @@ class Completion:
         logprobs = _get(body, "logprobs", "int")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise invalid(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
-        params = _sampling(body, ("max_tokens",), logprobs, COMPLETION_MAX_TOKENS)
-        return cls("text", model, _prompt_ids(body, model.tokenizer), params,
+        params = _sampling(body, ("max_tokens",), logprobs, COMPLETION_MAX_TOKENS,
+                           constraint=structured.constraint(body, model))
+        return cls("text", model, name, _prompt_ids(body, model.tokenizer), params,
                    *_stream_flags(body), _get(body, "return_tokens_as_token_ids", "bool", False))
 
     # ---- shaping ----
@@ -323,7 +357,7 @@ class Completion:
 
     def _envelope(self, object_, choices):
         return {"id": self.id, "object": object_, "created": self.created,
-                "model": self.model.name, "choices": choices}
+                "model": self.name, "choices": choices}
 
     def response(self, outputs):
         """The whole (non-streamed) response from every Output of the request."""
@@ -334,8 +368,10 @@ class Completion:
             entries = [e for o in outputs for e in (o.logprobs or [])]
         logprobs = self._logprobs(entries)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": last.finish_reason}
+            message, called = ({"role": "assistant", "content": text}, False) \
+                if self.calls is None else self.calls.message(text)
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
+                      "finish_reason": self._finish(last.finish_reason, called)}
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs,
@@ -358,16 +394,28 @@ class Completion:
         return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])]
 
+    @staticmethod
+    def _finish(reason, called):
+        """OpenAI's finish_reason "tool_calls" for a reply that stopped after calling tools."""
+        return "tool_calls" if called and reason == "stop" else reason
+
     def chunks(self, output):
         """The stream chunks for one Output (none while its text is held back)."""
         has_logprobs = bool(output.logprobs)
-        if not output.text and not has_logprobs and output.finish_reason is None:
+        content, calls = output.text, []
+        if self.calls is not None:
+            content, calls = self.calls.push(output.text, output.finish_reason is not None)
+        if not content and not calls and not has_logprobs and output.finish_reason is None:
             return []
         logprobs = self._logprobs(output.logprobs) if has_logprobs else None
         if self.kind == "chat":
-            delta = {"content": output.text} if output.text or has_logprobs else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": output.finish_reason}
+            delta = {"content": content} if content or has_logprobs else {}
+            if calls:
+                delta["tool_calls"] = calls
+            finish = output.finish_reason
+            if finish is not None and self.calls is not None:
+                finish = self._finish(finish, self.calls.count > 0)
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": output.text, "logprobs": logprobs,
                       "finish_reason": output.finish_reason}
@@ -381,19 +429,20 @@ class Completion:
 
 # ---- the small routes -----------------------------------------------------------------------
 
-def models_list(model, context):
-    return {"object": "list", "data": [model_card(model, context)]}
+def models_list(names, context):
+    return {"object": "list", "data": [model_card(name, context) for name in names]}
 
 
-def model_card(model, context):
-    return {"id": model.name, "object": "model", "created": 0, "owned_by": "poot",
+def model_card(name, context):
+    return {"id": name, "object": "model", "created": 0, "owned_by": "poot",
             "max_model_len": context}
 
 
-def tokenize(body, model, context):
+def tokenize(body, model, names, context):
     if "messages" in body:
-        check_model(body, model)
-        text = render_chat(model, chat_messages(body))
+        check_model(body, names)
+        tool_use = structured.ToolUse.of(body, model)
+        text = render_chat(model, chat_messages(body), tool_use)
         ids = model.tokenizer.encode(text, add_special=False, parse_special=True)
     else:
         prompt = body.get("prompt")

@@ -19,6 +19,27 @@ class ChatTemplate:
         self.source = source
         self.bos_token, self.eos_token = bos_token, eos_token
         self.template = Template(source, trim_blocks=True, lstrip_blocks=True)
+        self._renders_tools = None
+
+    def renders_tools(self):
+        """Whether the template writes tools, an assistant's tool calls and tool results into
+        the prompt (found once, by rendering a conversation that holds one of each)."""
+        if self._renders_tools is None:
+            probe = {"type": "function", "function": {
+                "name": "probe_tool_name", "description": "probe tool description",
+                "parameters": {"type": "object", "properties": {}}}}
+            call = {"id": "probe0001", "type": "function",
+                    "function": {"name": "probe_call_name", "arguments": {}}}
+            messages = [{"role": "user", "content": "probe question"},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "probe0001", "content": "probe result"}]
+            try:
+                prompt = self.render(messages, tools=[probe])
+            except TemplateError:
+                prompt = ""
+            self._renders_tools = all(word in prompt for word in (
+                "probe_tool_name", "probe_call_name", "probe result"))
+        return self._renders_tools
 
     def render(self, messages, add_generation_prompt=True, tools=None, **extra) -> str:
         check_messages(messages)

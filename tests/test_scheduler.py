@@ -101,6 +101,33 @@ def test_preempted_sequences_resume_with_identical_tokens(model):
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == 24
 
 
+@pytest.mark.parametrize("num_blocks", [64, 20])
+def test_prompts_that_begin_alike_take_the_cached_prefix_and_give_the_same_tokens(model,
+                                                                                 num_blocks):
+    """Requests that share a 40-token start (a system prompt, a conversation's earlier turns)
+    compute it once: later ones take its blocks, report them as cached, and give the tokens
+    they give alone; with 20 blocks the cache is taken back mid-load (evictions) and nothing
+    changes either."""
+    start = prompts(model, [40], seed=3)[0]
+    tails = prompts(model, [3, 9, 5, 12, 7, 1], seed=4)
+    requests = [(start + tail, greedy(n)) for tail, n in zip(tails, (12, 8, 15, 6, 10, 9))]
+    expected = [alone(model, p, params) for p, params in requests]
+    cached = make_engine(model, num_blocks=num_blocks, max_seqs=2)
+    first = run_together(cached, requests[:1])          # the start, computed once
+    handles = [cached.submit(p, params) for p, params in requests[1:]]
+    cached.run_until_idle()
+    outs = [list(h) for h in handles]
+    assert first + [tokens(o) for o in outs] == expected
+    stats = cached.stats()
+    assert stats.prefix_cache_hit_tokens_total >= 40 and stats.kv_blocks_used == 0
+    assert outs[0][-1].usage.cached_tokens == 40        # ten blocks of 4
+    if num_blocks == 20:
+        assert stats.prefix_cache_evictions_total > 0
+    plain = make_engine(model, num_blocks=num_blocks, max_seqs=2, prefix_caching=False)
+    assert run_together(plain, requests) == expected
+    assert plain.stats().prefix_cache_hit_tokens_total == 0
+
+
 def test_seeded_sampling_is_reproducible_alone_or_batched(model):
     prompt, other = prompts(model, [5, 11])
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)

@@ -137,6 +137,16 @@ def test_a_completion_without_max_tokens_takes_openais_default_of_16(client, tin
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
+def test_a_prompt_that_begins_as_an_earlier_one_reports_its_cached_tokens(client, tiny):
+    prompt = list(range(3, 60))
+    first = client.completions.create(model=tiny.name, prompt=prompt, max_tokens=2,
+                                      temperature=0)
+    second = client.completions.create(model=tiny.name, prompt=prompt + [61, 62], max_tokens=2,
+                                       temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 56     # 14 blocks of 4
+
+
 def test_a_prompt_of_token_ids_is_taken_as_it_is(client, tiny):
     ids = [5, 90, 31, 7, 200]
     text, _, _ = engine_alone(tiny, ids, max_tokens=5, temperature=0, ignore_eos=True)

@@ -64,6 +64,8 @@ def build_parser():
                    "/health")
     p.add_argument("--profile", metavar="PATH", help="sample every thread's stack while "
                    "serving and write where the time went to PATH at exit")
+    p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole, "
+                   "never reusing the KV blocks of one that began alike")
     return p
 
 
@@ -133,7 +135,7 @@ def serve(args, stop_event):
         engine = server.load(model, runner, devices=devices, plan=shape,
                              max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
                              max_context=shape["context"], on_failure=stop_event.set,
-                             served_names=names)
+                             served_names=names, prefix_caching=not args.no_prefix_cache)
     except BaseException:
         server.close(grace=0)
         raise

@@ -353,7 +353,8 @@ class Completion:
     def usage(usage):
         return {"prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.total_tokens}
+                "total_tokens": usage.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
     def _envelope(self, object_, choices):
         return {"id": self.id, "object": object_, "created": self.created,

@@ -2,26 +2,15 @@
 stacked, and which arena slot each value lives in. Pure functions of the graph (and of whether
 the device runs the tensor-core matmul): no device, no kernel choice, no buffers; the runner
 (device_runner.py) issues what comes out, kernel_choice.py says which kernel runs each step.
+A step is the graph's own Op where nothing fuses, an Op of a fused kind (rope_store_kv, an
+all_reduce with its residual), or a Matvec: a matmul with the work fused into it.
 """
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..ir.graph import Tensor
+from ..ir.graph import Op, Tensor
 
 SHARES_INPUT = ("reshape", "rope", "rope_store_kv")   # run in place
-
-
-@dataclass(frozen=True)
-class Step:
-    """One launch of the lowered graph: an op, or ops fused into one kernel, and its tensors."""
-    kind: str
-    inputs: tuple
-    output: object
-    attrs: dict = field(default_factory=dict)
-
-    @property
-    def outputs(self):
-        return (self.output,)
 
 
 @dataclass(frozen=True)
@@ -110,12 +99,12 @@ def lower(graph, stack_glu=False):
             for mine, other in ((0, 1), (1, 0)):
                 reduce = made_once(op.inputs[mine], "all_reduce")
                 if reduce is not None and op.inputs[other].kind == "value":
-                    place[id(reduce)] = Step("all_reduce", (reduce.inputs[0], op.inputs[other]),
+                    place[id(reduce)] = Op("all_reduce", (reduce.inputs[0], op.inputs[other]),
                                              op.output, dict(reduce.attrs, residual=True))
                     place[id(op)] = None
                     break
         elif op.kind == "all_reduce":
-            place.setdefault(id(op), Step("all_reduce", op.inputs, op.output,
+            place.setdefault(id(op), Op("all_reduce", op.inputs, op.output,
                                           dict(op.attrs, residual=False)))
     norm_of = {}
     for op in ops_:
@@ -188,7 +177,7 @@ def lower(graph, stack_glu=False):
     steps = []
     for op in ops_:
         if id(op) not in place:
-            steps.append(Step(op.kind, op.inputs, op.output, op.attrs))
+            steps.append(op)
         elif place[id(op)] is not None:
             steps.append(place[id(op)])
     return steps, stacked
@@ -206,7 +195,7 @@ def _fuse_rope_store_kv(store, users, order, made_once, place):
             k_rope.attrs != q_rope.attrs or len(users.get(q_rope.inputs[0].name, ())) != 1:
         return
     q, k = q_rope.inputs[0], k_rope.inputs[0]
-    place[id(store)] = Step("rope_store_kv", (q, k, *store.inputs[1:], q_rope.inputs[2]),
+    place[id(store)] = Op("rope_store_kv", (q, k, *store.inputs[1:], q_rope.inputs[2]),
                             q_rope.output, q_rope.attrs)
     place[id(k_rope)] = place[id(q_rope)] = None
 

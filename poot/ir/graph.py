@@ -46,6 +46,10 @@ class Op:
     output: Tensor
     attrs: dict = field(default_factory=dict)
 
+    @property
+    def outputs(self):
+        return (self.output,)
+
 
 class Graph:
     """Built op by op; the builder methods return the output tensor of the op they add."""

@@ -296,7 +296,9 @@ def test_engine_serves_prompts_of_several_chunks(tmp_path, device):
     from poot.engine.request import SamplingParams
     from poot.engine.engine import Engine
     model = poot.load(tiny_model(tmp_path, dtype="F16"))
-    rng = np.random.default_rng()
+    # a fixed draw: a random model's greedy tokens from f16 caches can part from float32's at a
+    # near-tie, which a fresh draw meets now and then (seen once on wgpu in CI)
+    rng = np.random.default_rng(5)
     lengths, new = (100, 7, 70, 5, 130), (6, 12, 5, 9, 4)
     prompts = [rng.integers(3, 300, n).tolist() for n in lengths]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in new]

@@ -14,7 +14,8 @@ import uuid
 
 from poot.engine.request import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidRequest, SamplingParams
 from poot.errors import TemplateError
-from poot.serve import structured
+from poot.serve.structured import CallShaper, ToolUse
+from poot.serve.structured import constraint as constraint_of
 from poot.serve.errors import APIError, invalid
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -268,7 +269,7 @@ class Completion:
         self.kind = kind                      # "chat" or "text"
         self.name = name                      # the served name responses carry
         # the reply is read for tool calls where tool_use has a format
-        self.calls = structured.CallShaper(tool_use) if tool_use and tool_use.format else None
+        self.calls = CallShaper(tool_use) if tool_use and tool_use.format else None
         # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", which tells
         # apart tokens whose bytes are no whole characters
         self.ids_as_tokens = ids_as_tokens
@@ -295,10 +296,10 @@ class Completion:
         elif _get(body, "top_logprobs", "int"):
             raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         messages = chat_messages(body)
-        tool_use = structured.ToolUse.of(body, model)
+        tool_use = ToolUse.of(body, model)
         prompt_ids = chat_prompt_ids(model, messages, tool_use)
         params = _sampling(body, ("max_completion_tokens", "max_tokens"), logprobs,
-                           constraint=structured.constraint(body, model, tool_use),
+                           constraint=constraint_of(body, model, tool_use),
                            skip_special_tokens=not tool_use.keeps_special_tokens(
                                model.tokenizer))
         return cls("chat", model, name, prompt_ids, params, *_stream_flags(body),
@@ -316,7 +317,7 @@ class Completion:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise invalid(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
         params = _sampling(body, ("max_tokens",), logprobs, COMPLETION_MAX_TOKENS,
-                           constraint=structured.constraint(body, model))
+                           constraint=constraint_of(body, model))
         return cls("text", model, name, _prompt_ids(body, model.tokenizer), params,
                    *_stream_flags(body), _get(body, "return_tokens_as_token_ids", "bool", False))
 
@@ -442,7 +443,7 @@ def model_card(name, context):
 def tokenize(body, model, names, context):
     if "messages" in body:
         check_model(body, names)
-        tool_use = structured.ToolUse.of(body, model)
+        tool_use = ToolUse.of(body, model)
         text = render_chat(model, chat_messages(body), tool_use)
         ids = model.tokenizer.encode(text, add_special=False, parse_special=True)
     else:

@@ -322,6 +322,30 @@ def test_engine_serves_prompts_of_several_chunks(tmp_path, device):
     assert served(runner, together=True) == want
 
 
+def test_prompts_sharing_a_start_read_its_cached_blocks_on_the_device(tmp_path, device):
+    """Prefix caching on a device: requests whose prompts share a 48-token start take its KV
+    blocks (three of 16) from the one that computed it, read through their block tables, and
+    give the greedy tokens the reference engine gives each alone."""
+    from poot.engine.engine import Engine
+    from poot.engine.request import SamplingParams
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    rng = np.random.default_rng(6)        # a fixed draw, as in the test above
+    start = rng.integers(3, 300, 48).tolist()
+    prompts = [start + rng.integers(3, 300, n).tolist() for n in (5, 9, 1, 20)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = Engine(model.runner(None, num_blocks=64), model.tokenizer)
+    want = [[t for o in alone.generate(p, params) for t in o.token_ids] for p in prompts]
+    engine = Engine(model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4),
+                    model.tokenizer, max_seqs=4, step_tokens=32)
+    first = [t for o in engine.generate(prompts[0], params) for t in o.token_ids]
+    handles = [engine.submit(p, params) for p in prompts[1:]]
+    engine.run_until_idle()
+    outs = [list(h) for h in handles]
+    assert [first] + [[t for o in out for t in o.token_ids] for out in outs] == want
+    assert all(out[-1].usage.cached_tokens == 48 for out in outs)
+    assert engine.stats().prefix_cache_hit_tokens_total == 3 * 48
+
+
 def test_steps_that_fail_on_the_device_fail_only_their_requests(tmp_path, device):
     """Every 9th step fails at its third launch (while issued, or while its decode step is
     captured), or just before its recorded step replays: its requests fail, the runner

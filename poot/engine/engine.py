@@ -61,13 +61,37 @@ class RequestHandle:
     def __init__(self, engine, seq):
         self._engine = engine
         self._queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._listener = None
         self.seq_id = seq.seq_id
         self.seed = seq.seed
         self.prompt_tokens = len(seq.prompt)
         self.finished = False
 
     def _put(self, item):
-        self._queue.put(item)
+        with self._lock:
+            if self._listener is None:
+                self._queue.put(item)
+                return
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                self.finished = True
+            self._listener(self, item)
+
+    def listen(self, listener):
+        """From now on each Output (or the error that ends the request) goes to
+        `listener(handle, item)`, called on the engine's thread as the step delivers it, the
+        ones queued already first: a server hands a step's tokens on in bulk this way instead
+        of waking a thread per token. The listener must be quick and must not block."""
+        with self._lock:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, BaseException) or item.finish_reason is not None:
+                    self.finished = True
+                listener(self, item)
+            self._listener = listener
 
     def next_output(self, timeout=None):
         """The next Output; None if `timeout` seconds pass first. Raises the engine's error.

@@ -2,9 +2,10 @@
 
 One handler thread per connection (HTTP/1.1 keep-alive). A handler reads and checks the body,
 lets openai.py turn it into a request, submits that to the engine and writes what comes back:
-one JSON response, or server-sent events flushed per token (chunked transfer encoding). It
-notices a client that went away, while waiting as well as while writing, and cancels its
-request so the engine frees its KV blocks. It never touches the engine's internals.
+one JSON response, or server-sent events per token (chunked transfer encoding), which one
+writer thread writes for every stream (streams.py). It notices a client that went away, while
+waiting as well as while writing, and cancels its request so the engine frees its KV blocks.
+It never touches the engine's internals.
 """
 import hmac
 import json
@@ -15,13 +16,12 @@ import socket
 import socketserver
 import sys
 import threading
-import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
 from poot.engine.request import EngineFailed, InvalidRequest
-from poot.serve import openai
+from poot.serve import openai, streams
 from poot.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from poot.serve.errors import APIError
 
@@ -54,6 +54,7 @@ class Serving:
         self.engine = None
         self.info = {}
         self.metrics = Metrics()
+        self.writer = streams.Writer()      # writes every streamed response's events
         self._active = 0
         self._active_lock = threading.Condition()
 
@@ -344,12 +345,6 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _event(self, obj):
-        """One server-sent event as one HTTP chunk, written (and so flushed) at once."""
-        payload = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) \
-            + b"\n\n"
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
-
     def _client_gone(self):
         """True when the peer closed its side (readable with nothing to read)."""
         try:
@@ -408,39 +403,44 @@ class Handler(BaseHTTPRequestHandler):
         self.serving.enter()
         try:
             if request.stream:
-                self._stream(request, handle)
+                self._stream(request, [handle])
             else:
-                try:
-                    outputs = list(self._outputs(handle))
-                except EngineFailed as exc:
-                    raise APIError(500, str(exc), "server_error", None, "engine_failed") from None
+                outputs = self._whole(handle)
+                if isinstance(outputs[-1], EngineFailed):
+                    raise APIError(500, str(outputs[-1]), "server_error", None,
+                                   "engine_failed")
                 self._send_json(200, request.response(outputs))
         finally:
             handle.cancel()          # no-op once finished; frees the blocks of a gone client
             self.serving.leave()
 
-    def _outputs(self, handle):
-        """The request's outputs as they come, looking every DISCONNECT_POLL_S whether the
-        client has left meanwhile (also while outputs keep coming: a whole answer is written
-        only at its end, so nothing else would notice)."""
+    def _whole(self, handle):
+        """Every output of a request once it ends (or the error that ended it, last): the
+        engine's thread gathers them (RequestHandle.listen) while this one looks every
+        DISCONNECT_POLL_S whether the client left (a whole answer is written only at its end,
+        so nothing else would notice)."""
+        outputs, ended = [], threading.Event()
+
+        def gather(_, item):
+            outputs.append(item)
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                ended.set()
+        handle.listen(gather)
+        while not ended.wait(DISCONNECT_POLL_S):
+            if self._client_gone():
+                raise ClientGone
         first = True
-        looked = time.monotonic()
-        while True:
-            output = handle.next_output(timeout=DISCONNECT_POLL_S)
-            if time.monotonic() - looked >= DISCONNECT_POLL_S or output is None:
-                looked = time.monotonic()
-                if self._client_gone():
-                    raise ClientGone
-            if output is None:
-                continue
-            if output.token_ids and output.elapsed is not None:
+        for output in outputs:
+            if not isinstance(output, BaseException) and output.token_ids \
+                    and output.elapsed is not None:
                 self.serving.metrics.observe_token(first, output.elapsed)
                 first = False
-            yield output
-            if output.finish_reason is not None:
-                return
+        return outputs
 
-    def _stream(self, request, handle):
+    def _stream(self, request, handles):
+        """Server-sent events: the first chunks from here, then the writer thread's
+        (streams.py) until the request ends, this thread looking every DISCONNECT_POLL_S
+        whether the client left."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -449,19 +449,22 @@ class Handler(BaseHTTPRequestHandler):
         self.status_sent = 200
         try:
             for chunk in request.first_chunks():
-                self._event(chunk)
-            try:
-                for output in self._outputs(handle):
-                    for chunk in request.chunks(output):
-                        self._event(chunk)
-            except EngineFailed as exc:
-                self._event(APIError(500, str(exc), "server_error", None,
-                                     "engine_failed").body())
-            self._event(b"[DONE]")
-            self.wfile.write(b"0\r\n\r\n")
+                self.wfile.write(streams.event(chunk))
         except OSError:
             self.close_connection = True
             raise ClientGone from None
+        stream = streams.Stream(self.connection, request, handles, self.serving.metrics)
+        timeout = self.connection.gettimeout()
+        self.connection.settimeout(0.0)             # the writer never blocks on one client
+        self.serving.writer.attach(stream)
+        while not stream.done.wait(DISCONNECT_POLL_S):
+            if self._client_gone():
+                with stream.lock:
+                    stream.give_up()
+        self.connection.settimeout(timeout)
+        if stream.gone:
+            self.close_connection = True
+            raise ClientGone
 
 
 def listen(serving, host, port):

@@ -1,0 +1,96 @@
+"""The writer thread of streamed responses (poot/serve/streams.py): a client that stops reading
+holds up no other stream, and gets its whole stream once it reads again; one that leaves ends
+its request."""
+import json
+import socket
+import time
+
+import pytest
+
+import poot
+from poot.engine.engine import Engine
+from poot.serve import openai, streams
+from poot.serve.metrics import Metrics
+from tests.models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return poot.load(tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture
+def engine(model):
+    engine = Engine(model.runner(num_blocks=256, block_size=4), model.tokenizer, max_seqs=4)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def request(model, max_tokens):
+    body = {"model": model.name, "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    return openai.Completion.text(body, model, [model.name])
+
+
+def pair():
+    """(the server's end, non-blocking with a small send buffer; the client's end)."""
+    server, client = socket.socketpair()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    server.settimeout(0.0)
+    return server, client
+
+
+def start(engine, writer, model, sock, max_tokens):
+    req = request(model, max_tokens)
+    stream = streams.Stream(sock, req, [engine.submit(req.prompt_ids, req.params)], Metrics())
+    writer.attach(stream)
+    return stream
+
+
+def read_all(sock):
+    sock.settimeout(30)
+    data = b""
+    while not data.endswith(b"0\r\n\r\n"):
+        piece = sock.recv(65536)
+        assert piece, "the stream ended early"
+        data += piece
+    return data
+
+
+def generated(data):
+    """The tokens a whole stream reports (its usage), after checking it ends as it should."""
+    events = [line[6:].strip() for line in data.decode().split("\r\n")
+              if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    return chunks[-1]["usage"]["completion_tokens"]
+
+
+def test_a_client_that_reads_nothing_holds_up_no_other_stream(engine, model):
+    writer = streams.Writer()
+    stalled_end, stalled = pair()
+    reading_end, reading = pair()
+    slow = start(engine, writer, model, stalled_end, 300)
+    fast = start(engine, writer, model, reading_end, 40)
+    assert generated(read_all(reading)) == 40
+    assert fast.done.wait(10)
+    time.sleep(0.5)
+    assert not slow.done.is_set() and len(slow.out) > 0, "the stalled stream's bytes fit anyway"
+    assert generated(read_all(stalled)) == 300
+    assert slow.done.wait(10) and not slow.gone
+
+
+def test_a_client_that_leaves_ends_its_request(engine, model):
+    writer = streams.Writer()
+    server_end, client = pair()
+    stream = start(engine, writer, model, server_end, 400)
+    client.recv(100)
+    client.close()
+    assert stream.done.wait(10) and stream.gone
+    deadline = time.monotonic() + 10
+    while engine.kv.num_used and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.kv.num_used == 0

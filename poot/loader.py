@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import ModelFileError
 from .formats import open_model
-from . import models
+from .models import MissingWeight, WrongShape, gguf_family, hf_family
 from .text.chat import ChatTemplate
 from .text.tokenizer import Tokenizer
 
@@ -59,11 +59,11 @@ class LoadedModel:
         every weight is present with the shape the config implies."""
         if self.file.kind == "gguf":
             self._file_names = {name: name for name in self.file.tensors}
-            self.family = models.gguf_family(self.path, self.file.metadata)
+            self.family = gguf_family(self.path, self.file.metadata)
             self.config = self.family.config_from_gguf(self.path, self.file.metadata,
                                                        self._file_names)
         else:
-            self.family = models.hf_family(self.path, self.file.config)
+            self.family = hf_family(self.path, self.file.config)
             self._file_names = {}
             for file_name in self.file.tensors:
                 gguf_name = self.family.gguf_name(file_name)
@@ -92,9 +92,9 @@ class LoadedModel:
         try:
             return self.family.forward(self.config, self.weight_shapes(), num_blocks,
                                        block_size, self.freq_factors, part)
-        except models.MissingWeight as e:
+        except MissingWeight as e:
             raise ModelFileError(self.path, f"tensor {e.name} is missing", tensor=e.name) from None
-        except models.WrongShape as e:
+        except WrongShape as e:
             raise ModelFileError(self.path, str(e), tensor=e.name) from None
 
     def runner(self, device=None, num_blocks=None, block_size=16, max_tokens=256, max_seqs=16):

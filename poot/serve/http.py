@@ -132,6 +132,9 @@ class HTTPServer(ThreadingHTTPServer):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # every event is one small write: Nagle's algorithm would hold it back for the client's
+    # delayed acknowledgement (~40 ms on a kept-alive connection)
+    disable_nagle_algorithm = True
 
     status_sent = None          # the status of the response begun, for /metrics
     body_pending = False        # the request has a body not read yet

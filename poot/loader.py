@@ -87,6 +87,17 @@ class LoadedModel:
         """A weight dequantised to float32 (the reference interpreter's view of it)."""
         return self.file.array(self._file_names[name])
 
+    def embedding(self, last_hidden):
+        """A prompt's embedding (unit length) from its last token's final hidden state."""
+        if not hasattr(self, "_small_weights"):
+            self._small_weights = {}
+
+        def weight(name):                   # the few small weights an embedding reads, kept
+            if name not in self._small_weights:
+                self._small_weights[name] = self.weight_array(name)
+            return self._small_weights[name]
+        return self.family.embedding(self.config, weight, last_hidden)
+
     def step_graph(self, num_blocks, block_size, part=None):
         """The step graph; `part` (engine/placement.py) makes one device's part of a group."""
         try:

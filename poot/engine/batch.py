@@ -24,6 +24,8 @@ class SamplingRows:
     n_logprobs most likely alternatives); without it a runner may leave them out (zeros).
     reports says which rows do (None: every row, when logprobs); a runner may leave out the
     others' (zeros).
+    hidden says which rows' final hidden states (the step graph's "last_hidden": what
+    embeddings are made of) the runner reads back into StepOutput.hidden (None: no row's).
     masks, where a row is constrained (SamplingParams.constraint), holds per row the tokens it
     may sample: bit t % 32 of word t // 32 (words past the array, none); masked says which rows
     have one (the others' rows are all ones). None: no row of the step is constrained.
@@ -39,6 +41,7 @@ class SamplingRows:
     reports: np.ndarray | None = None   # bool [R]
     masks: np.ndarray | None = None     # uint32 [R, words]
     masked: np.ndarray | None = None    # bool [R]
+    hidden: np.ndarray | None = None    # bool [R]: rows whose last_hidden the step reads back
 
     @classmethod
     def greedy(cls, rows):
@@ -76,3 +79,4 @@ class StepOutput:
     logprobs: np.ndarray      # float32 [R]: log p of the chosen token under the model
     top_ids: np.ndarray       # int32 [R, n_logprobs]
     top_logprobs: np.ndarray  # float32 [R, n_logprobs]
+    hidden: dict | None = None  # row -> float32 [d_model], the rows SamplingRows.hidden asks

@@ -738,6 +738,14 @@ class DeviceRunner(StepRunner):
     def _output_name(self):
         return f"arena.{self._slot_of[self.graph.outputs['logits'].name]}"
 
+    def _hidden_name(self):
+        """The buffer of the step's "last_hidden" rows (what embeddings are made of)."""
+        return f"arena.{self._slot_of[self.graph.outputs['last_hidden'].name]}"
+
+    @property
+    def hidden_size(self):
+        return self.graph.outputs["last_hidden"].shape[-1]
+
 
 @dataclass(frozen=True)
 class StepKind:

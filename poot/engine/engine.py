@@ -190,10 +190,10 @@ class Engine:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary "
                                  f"(0..{self.runner.vocab_size - 1})", "prompt")
         room = self.context_limit - len(prompt)
-        if room < 1:
+        if room < (0 if params.embed else 1):
+            more = "" if params.embed else " and needs room for at least one more"
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this server's context "
-                                 f"is {self.context_limit} tokens and needs room for at least "
-                                 "one more", "prompt")
+                                 f"is {self.context_limit} tokens{more}", "prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
             raise InvalidRequest(f"max_tokens {max_tokens} plus the prompt's {len(prompt)} tokens "
@@ -355,6 +355,10 @@ class Engine:
         return True
 
     def _deliver(self, seq, out, r, now):
+        if seq.params.embed:
+            self.scheduler.remove(seq)
+            self._handles.pop(seq.seq_id)._put(seq.embedded(out.hidden[r]))
+            return
         token = int(out.tokens[r])
         if seq.constraint is not None:
             seq.constraint.advance(token)       # raises where the runner broke the mask

@@ -186,3 +186,10 @@ class GroupRunner(StepRunner):
 
     def _output_name(self):
         return self.head._output_name()
+
+    def _hidden_name(self):
+        return self.head._hidden_name()
+
+    @property
+    def hidden_size(self):
+        return self.head.hidden_size

@@ -43,6 +43,9 @@ class SamplingParams:
     uint32 word t // 32 set where token t may come next; end-of-sequence tokens included where
     the sequence may end) and `advance(token)` (raises where the token was not allowed).
     poot.grammar's TokenGrammar is one.
+
+    embed asks for the prompt's last hidden state instead of new tokens: the request ends
+    when its prompt is computed, its one Output carrying `hidden`.
     """
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -56,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     constraint: object = None
+    embed: bool = False
 
     def __post_init__(self):
         def bad(param, message):
@@ -120,6 +124,7 @@ class Output:
     elapsed: float | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
+    hidden: object = None       # float32 [d_model]: the prompt's last hidden state (embed)
 
 
 class StopText:
@@ -250,6 +255,12 @@ class Sequence:
             self.finish_reason = "stop"
             return text
         return text + self.stop_text.flush()
+
+    def embedded(self, hidden):
+        """The Output of an embed request whose prompt is computed."""
+        self.finish_reason = "stop"
+        return Output(token_ids=[], text="", finish_reason="stop", usage=self.usage(),
+                      hidden=hidden)
 
     def abort(self):
         self.finish_reason = "abort"

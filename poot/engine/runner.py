@@ -25,18 +25,26 @@ class ReferenceRunner:
 
     def logits(self, batch):
         """Runs the step and returns the logits of the sampled rows, float32 [R, vocab]."""
+        return self._run(batch)["logits"]
+
+    def _run(self, batch):
         if batch.positions.size and int(batch.positions.max()) >= self.num_blocks * self.block_size:
             raise ValueError("a position lies beyond the KV cache")
         inputs = {"tokens": batch.tokens, "positions": batch.positions,
                   "seq_rows": batch.seq_rows, "block_tables": batch.block_tables,
                   "sample_tokens": batch.sample_tokens}
-        return self.interpreter.run(inputs)["logits"]
+        return self.interpreter.run(inputs)
 
     def step(self, batch):
         if self.faults is not None:
             self.faults.begin_step()
             self.faults.end_step()
-        return sample(self.logits(batch), batch.sampling)
+        values = self._run(batch)
+        out = sample(values["logits"], batch.sampling)
+        if batch.sampling.hidden is not None:
+            out.hidden = {int(r): np.asarray(values["last_hidden"][r], np.float32)
+                          for r in np.flatnonzero(batch.sampling.hidden)}
+        return out
 
     def recover(self):
         """After a step raised: the host holds nothing of it (see StepRunner.recover)."""

@@ -196,6 +196,8 @@ class Scheduler:
             logprobs=any(p.logprobs is not None for p in params),
             reports=np.array([p.logprobs is not None for p in params], bool))
         sampling.masks, sampling.masked = self._masks(sampled)
+        if any(p.embed for p in params):
+            sampling.hidden = np.array([p.embed for p in params], bool)
         batch = StepBatch(tokens=np.array(tokens, np.int32),
                           positions=np.array(positions, np.int32),
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,

@@ -123,6 +123,11 @@ class StepRunner:
             for r, logits in self._logit_rows(np.flatnonzero(rows.masked)).items():
                 out.tokens[r], out.logprobs[r], out.top_ids[r], out.top_logprobs[r] = \
                     sample_row(logits, rows, r, rows.n_logprobs)
+        if rows.hidden is not None:
+            size = self.hidden_size * 4
+            out.hidden = {int(r): np.frombuffer(self._read(self._hidden_name(), size, r * size),
+                                                np.float32)
+                          for r in np.flatnonzero(rows.hidden)}
         return out
 
     def _tokens(self, rows, R):

@@ -3,8 +3,10 @@
 A family is one module here: its config readers (`config_from_gguf(path, metadata,
 tensor_names)`, `config_from_hf(path, config)`), the GGUF name of each Hugging Face tensor it
 uses (`gguf_name`), the names it answers to (`GGUF_ARCHS`: general.architecture values;
-`HF_ARCHS`: {config.json architecture: arch}), and its forward pass in the graph IR
-(`forward(config, weights, num_blocks, block_size, freq_factors, part)`). The loader asks this
+`HF_ARCHS`: {config.json architecture: arch}), its forward pass in the graph IR
+(`forward(config, weights, num_blocks, block_size, freq_factors, part)`, whose outputs are
+"logits" and "last_hidden") and the embedding it makes of a last hidden state
+(`embedding(config, weight_array, last_hidden)`). The loader asks this
 registry for a file's family and knows nothing of any one of them.
 """
 from ..errors import ModelFileError

@@ -245,7 +245,10 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
         g.output("hidden", x)
         return g
     # only the sampled rows need the final norm and the (large) output projection
-    x = g.rms_norm(g.gather(x, sample_tokens), w("output_norm.weight", E), cfg.norm_eps)
+    last = g.gather(x, sample_tokens)
+    if part.logits:
+        g.output("last_hidden", last)       # what embeddings pool (embedding() below)
+    x = g.rms_norm(last, w("output_norm.weight", E), cfg.norm_eps)
     output = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     logits = g.matmul(x, w(output, cfg.vocab_size, E, rows=part.vocab))
     if part.vocab is not None:
@@ -254,3 +257,12 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
         g.output("logits", logits)
     return g
 
+
+
+def embedding(cfg, weight_array, last_hidden):
+    """A prompt's embedding from its last token's final hidden state (the graph's output
+    "last_hidden"): the output norm's scale, then unit length (the norm's division by the RMS
+    is a scale the unit length takes out). The last token is what a causal decoder's
+    embedding models pool: it alone has attended to the whole prompt."""
+    x = np.asarray(last_hidden, np.float64) * weight_array("output_norm.weight")
+    return (x / max(np.linalg.norm(x), 1e-12)).astype(np.float32)

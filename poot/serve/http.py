@@ -22,6 +22,7 @@ from urllib.parse import unquote, urlsplit
 
 from poot.engine.request import EngineFailed, InvalidRequest
 from poot.serve import openai, streams
+from poot.serve.embeddings import Embeddings
 from poot.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from poot.serve.errors import APIError
 
@@ -146,6 +147,7 @@ class Handler(BaseHTTPRequestHandler):
         "/v1/models": ({"GET"}, "models", True),
         "/v1/completions": ({"POST"}, "completions", True),
         "/v1/chat/completions": ({"POST"}, "chat_completions", True),
+        "/v1/embeddings": ({"POST"}, "embeddings", True),
         "/tokenize": ({"POST"}, "tokenize", True),
         "/detokenize": ({"POST"}, "detokenize", True),
     }
@@ -395,6 +397,31 @@ class Handler(BaseHTTPRequestHandler):
     def chat_completions(self, body):
         self.serving.require_engine()
         self._complete(openai.Completion.chat(body, self.serving.model, self.serving.names))
+
+    def embeddings(self, body):
+        self.serving.require_engine()
+        request = Embeddings(body, self.serving.model, self.serving.names)
+        handles = []
+        self.serving.enter()
+        try:
+            for ids in request.inputs:          # submitted together: they share steps
+                try:
+                    handles.append(self.serving.engine.submit(ids, request.params))
+                except InvalidRequest as exc:
+                    raise APIError(400, f"input {len(handles)}: {exc}",
+                                   "invalid_request_error", "input") from None
+                except EngineFailed as exc:
+                    raise APIError(503, str(exc), "server_error", None,
+                                   "engine_failed") from None
+            outputs = [self._whole(handle)[-1] for handle in handles]
+            for output in outputs:
+                if isinstance(output, EngineFailed):
+                    raise APIError(500, str(output), "server_error", None, "engine_failed")
+            self._send_json(200, request.response(outputs))
+        finally:
+            for handle in handles:
+                handle.cancel()
+            self.serving.leave()
 
     def _complete(self, request):
         try:

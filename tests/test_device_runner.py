@@ -749,3 +749,36 @@ def test_mixed_dtypes_fuse_what_shares_a_dtype(tmp_path, device):
     got_ids, got = greedy(runner, [5, 80, 9, 41], 12, table)
     assert got_ids == want_ids
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_embeddings_on_a_device_equal_the_reference(tmp_path, device):
+    """Embed requests batched with generating ones (chunked prefill, several rows a step), then
+    again with their prompts cached: the device's embeddings are the reference's."""
+    from poot.engine.engine import Engine
+    from poot.engine.request import SamplingParams
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    rng = np.random.default_rng(7)
+    batch = [rng.integers(3, 300, n).tolist() for n in (3, 30, 17, 1, 45)]
+    generating = [rng.integers(3, 300, n).tolist() for n in (7, 20)]
+    embed = SamplingParams(temperature=0.0, embed=True)
+    gen = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+    def embeddings(engine):
+        others = [engine.submit(p, gen) for p in generating]
+        handles = [engine.submit(p, embed) for p in batch]
+        engine.run_until_idle()
+        assert all(list(h)[-1].finish_reason == "length" for h in others)
+        outs = [list(h)[0] for h in handles]
+        return [model.embedding(o.hidden) for o in outs], outs
+
+    want, _ = embeddings(Engine(model.runner(None, num_blocks=128, block_size=4),
+                                model.tokenizer))
+    engine = Engine(model.runner(device, num_blocks=128, block_size=16, max_tokens=32,
+                                 max_seqs=8), model.tokenizer, max_seqs=8, step_tokens=32)
+    for again in (False, True):
+        got, outs = embeddings(engine)
+        for g, w in zip(got, want):
+            assert float(g @ w) > 0.9995, float(g @ w)      # f16 weights and KV cache
+        if again:
+            assert sum(o.usage.cached_tokens for o in outs) > 0
+    assert engine.kv.num_used == 0

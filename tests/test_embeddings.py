@@ -1,5 +1,5 @@
-"""Embeddings: the engine's embed requests on every runner, and /v1/embeddings over HTTP with
-the openai client."""
+"""Embeddings: what the engine's embed requests read, and /v1/embeddings over HTTP with the
+openai client (devices: tests/test_device_runner.py)."""
 import base64
 
 import numpy as np
@@ -58,24 +58,6 @@ def test_last_hidden_is_what_the_head_reads(model):
         assert abs(mine[token] - logprob) < 1e-3
     want = normed / np.linalg.norm(normed)
     assert np.allclose(model.embedding(hidden), want, atol=1e-6)
-
-
-def test_embeddings_on_a_device_equal_the_reference(model, device):
-    """Embed requests batched with generating ones (chunked prefill, several rows a step), then
-    again with their prompts cached: the device's embeddings are the reference's."""
-    batch = prompts(2, [3, 30, 17, 1, 45])
-    reference = Engine(model.runner(None, num_blocks=128, block_size=4), model.tokenizer)
-    want = [model.embedding(o.hidden) for o in embed_all(reference, batch)]
-    engine = Engine(model.runner(device, num_blocks=128, block_size=16, max_tokens=32,
-                                 max_seqs=8), model.tokenizer, max_seqs=8, step_tokens=32)
-    for again in (False, True):
-        outs = embed_all(engine, batch, generating=prompts(3, [7, 20]))
-        got = [model.embedding(o.hidden) for o in outs]
-        for g, w in zip(got, want):
-            assert float(g @ w) > 0.9995, float(g @ w)      # f16 weights and KV cache
-        if again:
-            assert sum(o.usage.cached_tokens for o in outs) > 0
-    assert engine.kv.num_used == 0
 
 
 def test_embeddings_over_http(model):

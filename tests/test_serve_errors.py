@@ -164,7 +164,7 @@ def test_bodies_that_are_not_json_objects(server, raw, words):
 
 def test_unknown_routes_and_wrong_methods(server):
     assert_error(call(server, "GET", "/v2/everything"), 404, code="not_found")
-    assert_error(call(server, "POST", "/v1/embeddings", {"input": "x"}), 404)
+    assert_error(call(server, "POST", "/v1/audio/speech", {"input": "x"}), 404)
     status, response, body = call(server, "GET", "/v1/completions")
     assert_error((status, response, body), 405, code="method_not_allowed")
     assert response.getheader("Allow") == "POST"
@@ -180,7 +180,7 @@ def test_a_connection_is_reused_only_when_its_framing_is_intact(server):
         response = conn.getresponse()
         assert response.status == 200 and response.getheader("Connection") is None
         response.read()
-    conn.request("POST", "/v1/embeddings", body=json.dumps({"input": "x" * 1000}))
+    conn.request("POST", "/v1/audio/speech", body=json.dumps({"input": "x" * 1000}))
     response = conn.getresponse()           # the body is never read, so the connection ends
     assert response.status == 404 and response.getheader("Connection") == "close"
     response.read()

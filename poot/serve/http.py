@@ -4,7 +4,8 @@ One handler thread per connection (HTTP/1.1 keep-alive). A handler reads and che
 lets openai.py turn it into a request, submits that to the engine and writes what comes back:
 one JSON response, or server-sent events flushed per token (chunked transfer encoding). It
 notices a client that went away, while waiting as well as while writing, and cancels its
-request so the engine frees its KV blocks. It never touches the engine's internals.
+request (every choice of it) so the engine frees its KV blocks. It never touches the engine's
+internals.
 """
 import hmac
 import json
@@ -400,7 +401,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _complete(self, request):
         try:
-            handle = self.serving.engine.submit(request.prompt_ids, request.params)
+            handle = self.serving.engine.submit_prompts(request.prompts, request.params,
+                                                        request.n)
         except InvalidRequest as exc:
             raise openai.from_invalid_request(exc) from None
         except EngineFailed as exc:
@@ -414,15 +416,16 @@ class Handler(BaseHTTPRequestHandler):
                     outputs = list(self._outputs(handle))
                 except EngineFailed as exc:
                     raise APIError(500, str(exc), "server_error", None, "engine_failed") from None
-                self._send_json(200, request.response(outputs))
+                self._send_json(200, request.response(outputs, handle.usage))
         finally:
             handle.cancel()          # no-op once finished; frees the blocks of a gone client
             self.serving.leave()
 
     def _outputs(self, handle):
-        """The request's outputs as they come, looking every DISCONNECT_POLL_S whether the
-        client has left meanwhile (also while outputs keep coming: a whole answer is written
-        only at its end, so nothing else would notice)."""
+        """The request's outputs (of every choice) as they come, until all have finished,
+        looking every DISCONNECT_POLL_S whether the client has left meanwhile (also while
+        outputs keep coming: a whole answer is written only at its end, so nothing else would
+        notice)."""
         first = True
         looked = time.monotonic()
         while True:
@@ -437,7 +440,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.serving.metrics.observe_token(first, output.elapsed)
                 first = False
             yield output
-            if output.finish_reason is not None:
+            if handle.finished:
                 return
 
     def _stream(self, request, handle):
@@ -454,6 +457,8 @@ class Handler(BaseHTTPRequestHandler):
                 for output in self._outputs(handle):
                     for chunk in request.chunks(output):
                         self._event(chunk)
+                if request.include_usage:
+                    self._event(request.usage_chunk(handle.usage))
             except EngineFailed as exc:
                 self._event(APIError(500, str(exc), "server_error", None,
                                      "engine_failed").body())

@@ -366,6 +366,8 @@ class Engine:
         self.scheduler.computed(plan)
         now = time.monotonic()
         for r, (seq, position) in enumerate(rows):
+            if seq.finish_reason is not None:       # failed at an earlier row of the step
+                continue
             try:
                 if position is None:
                     self._deliver(seq, out, r, now)

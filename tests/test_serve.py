@@ -410,6 +410,16 @@ def test_metrics_count_requests_tokens_and_latencies(server, client, tiny):
         assert line.startswith("# ") or sample.fullmatch(line), line
 
 
+def test_a_request_of_n_choices_is_timed_once_to_its_first_token(server, client, tiny):
+    """Its other choices' first tokens, timed from the request too, are no gaps between
+    tokens: the histograms get one first token and each choice's later tokens."""
+    names = ("poot_time_to_first_token_seconds_count", "poot_inter_token_latency_seconds_count")
+    before = [metric(server, name) for name in names]
+    client.completions.create(model=tiny.name, prompt="Timed", n=3, max_tokens=5,
+                              extra_body={"ignore_eos": True})
+    assert [metric(server, name) for name in names] == [before[0] + 1, before[1] + 3 * 4]
+
+
 def test_cutting_streams_midway_frees_every_kv_block(server, tiny):
     total = metric(server, "poot_kv_blocks_free") + metric(server, "poot_kv_blocks_used")
     socks = []

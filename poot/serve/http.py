@@ -425,8 +425,9 @@ class Handler(BaseHTTPRequestHandler):
         """The request's outputs (of every choice) as they come, until all have finished,
         looking every DISCONNECT_POLL_S whether the client has left meanwhile (also while
         outputs keep coming: a whole answer is written only at its end, so nothing else would
-        notice)."""
-        first = True
+        notice). The request's first token is its time to first token; a later choice's
+        first token, timed from the request too, is no gap between tokens and is not timed."""
+        started = set()         # the choices that have given a token
         looked = time.monotonic()
         while True:
             output = handle.next_output(timeout=DISCONNECT_POLL_S)
@@ -437,8 +438,9 @@ class Handler(BaseHTTPRequestHandler):
             if output is None:
                 continue
             if output.token_ids and output.elapsed is not None:
-                self.serving.metrics.observe_token(first, output.elapsed)
-                first = False
+                if output.index in started or not started:
+                    self.serving.metrics.observe_token(not started, output.elapsed)
+                started.add(output.index)
             yield output
             if handle.finished:
                 return

@@ -189,6 +189,37 @@ def test_rows_that_report_no_logprobs_are_sampled_from_their_own_candidates(devi
     assert np.allclose(got.top_logprobs[reports], want.top_logprobs[reports], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [5, 20])
+def test_forced_rows_score_their_token_from_candidates_or_the_row_read_back(device,
+                                                                             monkeypatch, k):
+    """Rows forced to a token (a prompt position scored: SamplingRows.forced) give sample()'s
+    output on the same step's full logits, the k best alternatives up to 20 (OpenAI's most):
+    from the candidates where the token is one of them (its best), from the row read back
+    where it is not (a token of the worst); rows beside them sample as ever."""
+    n = 6
+    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    rows = SamplingRows(temperature=np.array([0, 0, 1, 0, 0, 0.8], np.float32),
+                        top_k=np.array([0, 0, 5, 0, 0, 3], np.int32),
+                        top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32),
+                        seed=rng.integers(0, 2**63, n).astype(np.uint64),
+                        step=np.arange(n, dtype=np.int64), n_logprobs=k, logprobs=True,
+                        reports=np.array([True, True, True, True, True, False]))
+    batch = batch_of(0, rows)
+    logits = runner.logits(batch)           # the step once: its logits, for tokens to force
+    best_ones, worst = np.argmax(logits, axis=1), np.argmin(logits, axis=1)
+    rows.forced = np.array([best_ones[0], worst[1], -1, best_ones[3], worst[4], -1], np.int32)
+    read.clear()
+    got = runner.step(batch)
+    assert read.count(runner._output_name()) == 2, read         # the two worst, alone
+    want = sample(runner.logits(batch), rows)   # the same step again: the same logits
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert got.tokens[[0, 1, 3, 4]].tolist() == rows.forced[[0, 1, 3, 4]].tolist()
+    reports = rows.reports
+    assert got.top_ids[reports].tolist() == want.top_ids[reports].tolist()
+    assert np.allclose(got.logprobs[reports], want.logprobs[reports], rtol=0, atol=1e-4)
+    assert np.allclose(got.top_logprobs[reports], want.top_logprobs[reports], rtol=0, atol=1e-4)
+
+
 def test_constrained_rows_are_sampled_on_the_host_among_their_tokens(device, monkeypatch):
     """Rows with a mask (SamplingRows.masks) take sample()'s token of the same step's logits,
     read back for them alone; the rows beside them keep their own way (greedy from the
@@ -344,6 +375,39 @@ def test_prompts_sharing_a_start_read_its_cached_blocks_on_the_device(tmp_path, 
     assert [first] + [[t for o in out for t in o.token_ids] for out in outs] == want
     assert all(out[-1].usage.cached_tokens == 48 for out in outs)
     assert engine.stats().prefix_cache_hit_tokens_total == 3 * 48
+
+
+def test_n_choices_and_prompt_logprobs_on_the_device(tmp_path, device):
+    """A request of 3 choices whose prompt (three chunks of a 32-token step) is scored: the
+    choices after the first read its blocks through their block tables and compute the rest,
+    and each gives the reference engine's greedy tokens; the prompt's log probabilities (rows
+    of a runner of 4, forced to the prompt's tokens) are the reference's within what an f16
+    KV cache moves them."""
+    from poot.engine.engine import Engine
+    from poot.engine.request import SamplingParams
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    rng = np.random.default_rng(7)        # a fixed draw, as in the tests above
+    prompt = rng.integers(3, 300, 70).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=3)
+
+    def served(runner):
+        engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32,
+                        prefix_caching=False)
+        outs = list(engine.submit(prompt, params, n=3))
+        assert engine.kv.num_used == 0
+        return outs
+
+    want, got = served(model.runner(None, num_blocks=64)), served(
+        model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4))
+    for j in range(3):
+        assert [t for o in got if o.index == j for t in o.token_ids] == \
+            [t for o in want if o.index == 0 for t in o.token_ids]
+    scored = [next(o for o in outs if o.index == 0).prompt_logprobs for outs in (want, got)]
+    assert [e.token_id for e in scored[1]] == prompt[1:]
+    assert np.allclose([e.logprob for e in scored[1]], [e.logprob for e in scored[0]],
+                       atol=5e-3)
+    assert np.mean([[i for i, _ in a.top] == [i for i, _ in b.top]
+                    for a, b in zip(*scored)]) > 0.9
 
 
 def test_steps_that_fail_on_the_device_fail_only_their_requests(tmp_path, device):

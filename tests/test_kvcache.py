@@ -51,6 +51,24 @@ def test_releasing_a_block_not_held_is_an_error():
         kv.release(stale)                              # a double free is caught
 
 
+def test_a_shared_block_is_free_only_once_every_holder_has_released_it():
+    kv = BlockAllocator(num_blocks=4, block_size=2, caching=False)
+    first = []
+    kv.grow(first, 5)                                  # blocks 0, 1, 2
+    fork = first[:2]
+    kv.share(fork)                                     # a fork's choices read the full two
+    kv.release(first)
+    assert (kv.num_used, kv.num_free) == (2, 2)
+    other = list(fork)
+    kv.share(other)
+    kv.release(fork)
+    assert kv.num_used == 2
+    kv.release(other)
+    assert (kv.num_used, kv.num_free) == (0, 4)
+    with pytest.raises(ValueError, match="not held"):
+        kv.share([3])
+
+
 def test_an_empty_cache_is_refused():
     with pytest.raises(ValueError):
         BlockAllocator(num_blocks=0, block_size=16)

@@ -1,8 +1,8 @@
 import numpy as np
 
 from poot.engine.batch import SamplingRows
-from poot.engine.sampling import (SUM_MARGIN, best, choose, choose_among, choose_sorted,
-                                  log_softmax, logprobs_among, sample, uniform)
+from poot.engine.sampling import (SUM_MARGIN, best, choice_args, choose, choose_among,
+                                  choose_sorted, log_softmax, logprobs_among, sample, uniform)
 
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, n_logprobs=0):
@@ -175,6 +175,34 @@ def test_sample_takes_choose_s_tokens_and_the_sorted_top_logprobs():
                uniform(params.seed[r], params.step[r])) for r in range(6)]
     lp = log_softmax(logits)
     assert out.top_ids.tolist() == np.argsort(-lp, axis=-1, kind="stable")[:, :4].tolist()
+
+
+def test_forced_rows_score_their_token_and_sample_nothing():
+    """A forced row (a prompt position scored) gives the token it is given, its log probability
+    of the raw logits and the best alternatives, as a chosen token's; the rows beside it sample
+    as ever. From candidates, the same where the token is one of them, else nothing."""
+    rng = np.random.default_rng(8)
+    logits = (rng.standard_normal((4, 3000)) * 4).astype(np.float32)
+    params = rows(4, temperature=0.8, n_logprobs=3)
+    params.logprobs = True
+    forced = np.array([17, -1, int(np.argmax(logits[2])), -1], np.int32)
+    plain = sample(logits, params)
+    params.forced = forced
+    out = sample(logits, params)
+    lp = log_softmax(logits)
+    assert out.tokens.tolist() == [17, plain.tokens[1], forced[2], plain.tokens[3]]
+    assert np.allclose(out.logprobs, lp[np.arange(4), out.tokens], rtol=0, atol=1e-6)
+    assert out.top_ids.tolist() == plain.top_ids.tolist()
+    for r, token in ((0, 17), (2, int(forced[2]))):
+        got = logprobs_among(*candidates(logits[r], 256, 16, 1.0, rng), 3000,
+                             *choice_args(params, r), 3, token)
+        best_in_chunk = np.argsort(-logits[r, token // 256 * 256:][:256],
+                                   kind="stable")[:16] + token // 256 * 256
+        if token in best_in_chunk:
+            assert got[0] == token and abs(got[1] - lp[r, token]) < SUM_MARGIN
+            assert got[2].tolist() == out.top_ids[r].tolist()
+        else:
+            assert got is None              # its logit is not among them: read the row
 
 
 def with_masks(r, allowed):

@@ -5,6 +5,7 @@ The recurring check is that a request's tokens do not depend on what else is in 
 (or seeded) outputs in a batch, after preemption, or on the engine thread equal the same request
 run alone.
 """
+import dataclasses
 import threading
 
 import numpy as np
@@ -12,10 +13,12 @@ import pytest
 
 import poot
 from tests.models import tiny_model
+from poot.engine.batch import SamplingRows, StepBatch
 from poot.engine.faults import Faults
 from poot.engine.engine import Engine
 from poot.engine.request import (EngineFailed, InvalidRequest, SamplingParams, Sequence,
-                                 StopText)
+                                 StopText, Usage)
+from poot.engine.sampling import best, log_softmax
 from poot.engine.scheduler import Scheduler
 
 
@@ -140,7 +143,7 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(model):
     assert together[1] == expected
     a = engine.submit(prompt, SamplingParams(max_tokens=2))
     b = engine.submit(prompt, SamplingParams(max_tokens=2))
-    assert a.seed != b.seed                # no seed: a fresh random one per request
+    assert a.seeds != b.seeds              # no seed: a fresh random one per request
 
 
 def test_a_stop_string_ends_the_text_before_it(model):
@@ -236,6 +239,211 @@ def test_the_engine_thread_serves_many_caller_threads(model):
     assert engine.stats().kv_blocks_used == 0
 
 
+# ---- n choices of a prompt, several prompts, the prompt's log probabilities -----------------
+
+class Counting:
+    """A reference runner that counts the tokens its steps compute and checks that no step
+    has more rows than `max_rows`."""
+
+    def __init__(self, runner, max_rows=None):
+        self.runner, self.max_rows, self.computed, self.rows = runner, max_rows, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def step(self, batch):
+        self.computed += len(batch.tokens)
+        self.rows.append(len(batch.sample_tokens))
+        assert self.max_rows is None or self.rows[-1] <= self.max_rows
+        return self.runner.step(batch)
+
+
+def counting_engine(model, num_blocks=64, max_rows=None, **kw):
+    runner = Counting(model.runner(num_blocks=num_blocks, block_size=4), max_rows)
+    return Engine(runner, model.tokenizer, **kw), runner
+
+
+def choices(outputs, count):
+    """Each choice's tokens, by Output.index."""
+    return [[t for o in outputs if o.index == i for t in o.token_ids] for i in range(count)]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("length", [13, 12])
+def test_n_choices_are_the_requests_of_seeds_seed_plus_j_and_compute_the_prompt_once(
+        model, caching, temperature, length):
+    """n = 4 of a seeded request: choice j gives the tokens of the request alone with seed
+    seed + j. The first computes the prompt; the others take its full blocks (held for them,
+    not through the prefix cache) and compute only the rest: the 13-token prompt's last token,
+    the 12-token prompt's last block (a choice computes at least its last prompt token).
+    Usage counts the prompt once; every block is free after."""
+    prompt = prompts(model, [length], seed=9)[0]
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=41, ignore_eos=True)
+    expected = [alone(model, prompt, dataclasses.replace(params, seed=41 + j)) for j in range(4)]
+    engine, runner = counting_engine(model, prefix_caching=caching)
+    handle = engine.submit(prompt, params, n=4)
+    engine.run_until_idle()
+    outs = list(handle)
+    assert choices(outs, 4) == expected
+    if temperature:
+        assert len({tuple(e) for e in expected}) == 4
+    assert [o.finish_reason for o in outs if o.finish_reason] == ["length"] * 4
+    assert handle.finished and handle.usage == Usage(length, 32, 0)
+    rest = length - (length - 1) // 4 * 4
+    assert runner.computed == length + 3 * rest + 4 * 7     # each choice's 7 fed back
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == 64
+    assert stats.prefix_cache_hit_tokens_total == 0 and stats.prompt_tokens_total == length
+
+
+def test_a_fork_holds_the_prompt_for_its_choices_after_the_first_has_finished(model):
+    """max_tokens 1 without a prefix cache: the first choice ends at its first token and frees
+    its blocks, yet the others still take the prompt's full blocks from the fork's hold."""
+    prompt = prompts(model, [21], seed=2)[0]
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=5)
+    engine, runner = counting_engine(model, prefix_caching=False)
+    handle = engine.submit(prompt, params, n=3)
+    engine.run_until_idle()
+    assert choices(list(handle), 3) == [
+        alone(model, prompt, dataclasses.replace(params, seed=5 + j)) for j in range(3)]
+    assert runner.computed == 21 + 2 * 1
+    assert engine.kv.num_used == 0 and not engine.scheduler.holds
+
+
+def test_n_choices_beside_others_in_a_tight_cache_give_their_tokens_and_free_every_block(
+        model, monkeypatch):
+    """Twelve blocks of 4 for three requests of 3 choices: sequences are preempted and forks'
+    holds given back (their waiting choices then compute the prompt themselves); every choice
+    still gives its tokens alone, and every block comes back."""
+    dropped = []
+    drop = Scheduler._drop_hold
+
+    def counted(self, but=None):
+        dropped.append(drop(self, but))
+        return dropped[-1]
+
+    monkeypatch.setattr(Scheduler, "_drop_hold", counted)
+    requests = [(p, SamplingParams(max_tokens=12, temperature=0.9, seed=s, ignore_eos=True))
+                for p, s in zip(prompts(model, [17, 9, 21], seed=3), (1, 2, 3))]
+    expected = [[alone(model, p, dataclasses.replace(q, seed=q.seed + j)) for j in range(3)]
+                for p, q in requests]
+    for caching in (True, False):
+        engine = make_engine(model, num_blocks=12, max_seqs=4, prefix_caching=caching)
+        handles = [engine.submit(p, q, n=3) for p, q in requests]
+        engine.run_until_idle()
+        assert [choices(list(h), 3) for h in handles] == expected
+        stats = engine.stats()
+        assert stats.preemptions_total > 0 and stats.kv_blocks_used == 0
+        assert stats.kv_blocks_free == 12 and not engine.scheduler.holds
+    assert any(dropped)
+
+
+def test_several_prompts_are_one_request_indexed_prompt_times_n_plus_choice(model):
+    ps = prompts(model, [5, 14, 3], seed=11)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=8, ignore_eos=True)
+    engine = make_engine(model, max_seqs=4)
+    handle = engine.submit_prompts(ps, params, n=2)
+    engine.run_until_idle()
+    assert choices(list(handle), 6) == [alone(model, p, dataclasses.replace(params, seed=8 + j))
+                                        for p in ps for j in range(2)]
+    assert handle.usage == Usage(5 + 14 + 3, 36, 0)
+    assert engine.stats().kv_blocks_used == 0
+    with pytest.raises(InvalidRequest) as bad:
+        engine.submit_prompts([ps[0], []], params)
+    assert bad.value.param == "prompt" and str(bad.value).startswith("prompt 1: ")
+    with pytest.raises(InvalidRequest) as bad:
+        engine.submit(ps[0], params, n=17)
+    assert bad.value.param == "n"
+
+
+def test_cancelling_a_request_aborts_every_choice_and_frees_the_blocks(model):
+    engine = make_engine(model, prefix_caching=False)
+    handle = engine.submit_prompts(prompts(model, [9, 30], seed=1), greedy(40), n=3)
+    handle.next_output()                    # a step or more: some choices wait still
+    assert engine.stats().kv_blocks_used > 0
+    handle.cancel()
+    outs = list(handle)
+    assert sorted(o.index for o in outs if o.finish_reason == "abort") == [
+        i for i in range(6) if not any(o.index == i and o.finish_reason == "length"
+                                       for o in outs)]
+    assert handle.finished and engine.stats().kv_blocks_used == 0 and not engine.scheduler.holds
+
+
+def reference_logprobs(model, prompt):
+    """log_softmax of the reference model's logits at every position of `prompt`, float64."""
+    n = len(prompt)
+    batch = StepBatch(np.array(prompt, np.int32), np.arange(n, dtype=np.int32),
+                      np.zeros(n, np.int32), np.array([list(range(64))], np.int32),
+                      np.arange(n, dtype=np.int32), SamplingRows.greedy(n))
+    logits = model.runner(num_blocks=64, block_size=4).logits(batch)
+    return log_softmax(logits.astype(np.float64))
+
+
+def check_prompt_logprobs(entries, prompt, expected, k):
+    assert [e.token_id for e in entries] == prompt[1:]
+    for p, e in enumerate(entries):
+        assert e.logprob == pytest.approx(expected[p, prompt[p + 1]], abs=1e-5)
+        assert [i for i, _ in e.top] == best(expected[p], k).tolist()
+        assert np.allclose([lp for _, lp in e.top], expected[p, best(expected[p], k)],
+                           atol=1e-5)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_prompt_logprobs_are_the_log_softmax_of_the_logits_at_every_position(model,
+                                                                             max_tokens):
+    """Each prompt token after the first is scored by the logits of the position before it:
+    every such position is a row of its step, forced to the next prompt token, so a step of a
+    runner of 4 rows scores at most 4 (the 30-token prompt takes several steps beside a
+    request decoding, which keeps its token each step). The prompt is computed whole, even
+    where the prefix cache holds it; max_tokens 0 ends once it is scored."""
+    prompt = prompts(model, [30], seed=12)[0]
+    expected = reference_logprobs(model, prompt)
+    engine, runner = counting_engine(model, max_rows=4, max_seqs=4, step_tokens=64)
+    list(engine.generate(prompt, greedy(1)))                # the prefix cache holds it now
+    hits = engine.stats().prefix_cache_hit_tokens_total
+    other = engine.submit(prompts(model, [3], seed=13)[0], greedy(20))
+    other.next_output()
+    steps = engine.stats().steps_total
+    outs = list(engine.generate(prompt, greedy(max_tokens, prompt_logprobs=5)))
+    check_prompt_logprobs(outs[0].prompt_logprobs, prompt, expected, 5)
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    assert engine.stats().prefix_cache_hit_tokens_total == hits
+    assert engine.stats().steps_total - steps >= 29 // 3     # 3 rows a step beside `other`
+    assert max(runner.rows) == 4
+    if max_tokens == 0:
+        assert len(outs) == 1 and outs[0].finish_reason == "length" and not outs[0].token_ids
+        assert outs[0].usage == Usage(30, 0, 0)
+    else:
+        assert tokens(outs) == alone(model, prompt, greedy(3))
+    assert tokens(other) == alone(model, prompts(model, [3], seed=13)[0], greedy(20))[1:]
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_each_choice_reports_the_prompt_logprobs_its_first_computed(model):
+    prompt = prompts(model, [10], seed=14)[0]
+    expected = reference_logprobs(model, prompt)
+    for max_tokens in (0, 2):
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=3,
+                                prompt_logprobs=1)
+        engine, runner = counting_engine(model, prefix_caching=False)
+        outs = list(engine.submit(prompt, params, n=3))
+        firsts = [next(o for o in outs if o.index == j) for j in range(3)]
+        for first in firsts:
+            check_prompt_logprobs(first.prompt_logprobs, prompt, expected, 1)
+        assert runner.computed == 10 + 2 * 2 + (3 * (max_tokens - 1) if max_tokens else 0)
+        assert engine.kv.num_used == 0
+
+
+def test_max_tokens_0_without_prompt_logprobs_ends_at_once(model):
+    engine = make_engine(model)
+    handle = engine.submit_prompts(prompts(model, [4, 6]), SamplingParams(max_tokens=0), n=2)
+    outs = list(handle)
+    assert [(o.index, o.finish_reason, o.token_ids) for o in outs] == [
+        (i, "length", []) for i in range(4)]
+    assert handle.usage == Usage(10, 0, 0) and engine.stats().steps_total == 0
+
+
 def faulty_engine(model, faults, **kw):
     runner = model.runner(num_blocks=64, block_size=4)
     runner.faults = faults
@@ -306,7 +514,7 @@ def test_a_request_whose_delivery_raises_fails_alone(model, monkeypatch):
     accept = Sequence.accept
 
     def fragile(seq, token_id, *args):
-        if seq.seq_id == handles[0].seq_id and seq.num_generated == 2:
+        if seq.seq_id == handles[0].seq_ids[0] and seq.num_generated == 2:
             raise UnicodeError("a decoder fault")
         return accept(seq, token_id, *args)
     monkeypatch.setattr(Sequence, "accept", fragile)
@@ -383,8 +591,8 @@ def test_the_scheduler_decodes_first_then_chunks_prompts_within_the_budget(model
         s.add(seq)
     plan = s.schedule()
     assert [(q.seq_id, n) for q, n in plan] == [(0, 10), (1, 6)]   # c waits for the budget
-    batch, sampled = s.build(plan)
-    assert len(batch.tokens) == 16 and sampled == [a]               # b's chunk samples nothing
+    batch, rows = s.build(plan)
+    assert len(batch.tokens) == 16 and rows == [(a, None)]          # b's chunk samples nothing
     s.computed(plan)
     s.accept(a, 7, None, 0.0, 64)
     plan = s.schedule()

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import openai
 import pytest
 
@@ -242,6 +243,146 @@ def test_seeded_sampling_repeats_and_unseeded_varies(client, tiny):
     assert others != {first}
 
 
+# ---- n, several prompts, echo ---------------------------------------------------------------
+
+def by_index(chunks, count):
+    """Each choice's text and last finish_reason, joined from stream chunks by choice index."""
+    texts, finishes = [""] * count, [None] * count
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    return texts, finishes
+
+
+def test_n_choices_are_the_request_with_seed_plus_j_whole_and_streamed(client, tiny):
+    prompt = "Choices of"
+    ids = tiny.tokenizer.encode(prompt)
+    expected = [engine_alone(tiny, ids, max_tokens=7, temperature=1.0, seed=30 + j,
+                             ignore_eos=True) for j in range(3)]
+    args = dict(model=tiny.name, prompt=prompt, max_tokens=7, temperature=1.0, seed=30, n=3,
+                extra_body={"ignore_eos": True})
+    r = client.completions.create(**args)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [(c.text, c.finish_reason) for c in r.choices] == [(t, f) for t, _, f in expected]
+    assert len({c.text for c in r.choices}) == 3
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 21)  # prompt once
+    chunks = list(client.completions.create(stream=True, stream_options={
+        "include_usage": True}, **args))
+    assert by_index(chunks, 3) == ([t for t, _, _ in expected], ["length"] * 3)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 21
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_several_prompts_are_indexed_prompt_times_n_plus_choice(client, tiny):
+    prompts = ["First prompt", [7, 8, 9, 10], "A third"]
+    ids = [tiny.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    expected = [engine_alone(tiny, i, max_tokens=5, temperature=0.8, seed=2 + j,
+                             ignore_eos=True)[0] for i in ids for j in range(2)]
+    args = dict(model=tiny.name, prompt=prompts, max_tokens=5, temperature=0.8, seed=2, n=2,
+                extra_body={"ignore_eos": True})
+    r = client.completions.create(**args)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == expected
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 30
+    chunks = list(client.completions.create(stream=True, **args))
+    assert by_index(chunks, 6) == (expected, ["length"] * 6)
+    lists = client.completions.create(model=tiny.name, prompt=[ids[0], ids[2]], max_tokens=5,
+                                      temperature=0.8, seed=2, extra_body={"ignore_eos": True})
+    assert [c.text for c in lists.choices] == [expected[0], expected[4]]
+
+
+def test_echo_leads_each_choice_with_its_prompt_and_scores_its_tokens(client, tiny):
+    """echo with logprobs: the prompt's text, then the completion's; the prompt's tokens in
+    logprobs too (the first with no log probability), each scored as the tiny model's logits
+    score it, the completion's as without echo. Streamed, the first chunk of each choice
+    carries it."""
+    prompt = "Echo me"
+    ids = tiny.tokenizer.encode(prompt)
+    args = dict(model=tiny.name, max_tokens=4, temperature=0, logprobs=2,
+                extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt=prompt, **args).choices[0]
+    r = client.completions.create(prompt=prompt, echo=True, n=2, **args)
+    lp_scored = reference_scores(tiny, ids)
+    for choice in r.choices:
+        lp = choice.logprobs
+        assert choice.text == prompt + plain.text
+        assert lp.tokens == [tiny.tokenizer.token_bytes(i).decode("utf-8", "replace")
+                             for i in ids] + plain.logprobs.tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(lp_scored, abs=1e-4)
+        assert lp.token_logprobs[len(ids):] == pytest.approx(plain.logprobs.token_logprobs)
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(prompt=prompt, echo=True, n=2, stream=True, **args))
+    assert by_index(chunks, 2)[0] == [prompt + plain.text] * 2
+    firsts = [next(c.choices[0] for c in chunks if c.choices[0].index == j) for j in range(2)]
+    assert all(f.text.startswith(prompt) and f.logprobs.token_logprobs[0] is None
+               for f in firsts)
+
+
+def reference_scores(model, ids):
+    """The log probability of each token of `ids` after the first, from the reference
+    runner's logits of the positions before it."""
+    from poot.engine.batch import SamplingRows, StepBatch
+    from poot.engine.sampling import log_softmax
+    n = len(ids)
+    batch = StepBatch(np.array(ids, np.int32), np.arange(n, dtype=np.int32),
+                      np.zeros(n, np.int32), np.array([list(range(64))], np.int32),
+                      np.arange(n, dtype=np.int32), SamplingRows.greedy(n))
+    lp = log_softmax(model.runner(num_blocks=64, block_size=4).logits(batch).astype(np.float64))
+    return [lp[p, ids[p + 1]] for p in range(n - 1)]
+
+
+def test_lm_eval_harness_scores_token_prompts_with_echo_and_max_tokens_0(client, tiny):
+    """What lm-eval-harness sends to score text: several prompts of token ids, echo, logprobs
+    1, max_tokens 0, temperature 0. Each choice is its prompt alone, scored; streamed too."""
+    prompts = [[5, 90, 31, 7, 200, 11], [40, 41, 42], [300, 2, 9, 9, 9, 9, 9, 9, 9, 9, 1]]
+    args = dict(model=tiny.name, prompt=prompts, echo=True, logprobs=1, max_tokens=0,
+                temperature=0)
+    r = client.completions.create(**args)
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 20
+    for choice, ids in zip(r.choices, prompts):
+        lp = choice.logprobs
+        assert choice.finish_reason == "length"
+        assert choice.text == tiny.tokenizer.decode(ids, skip_special=True)
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(reference_scores(tiny, ids), abs=1e-4)
+        for token, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert len(top) == 1 and token <= max(top.values()) + 1e-6   # is_greedy's test
+    chunks = list(client.completions.create(stream=True, **args))
+    assert by_index(chunks, 3) == ([c.text for c in r.choices], ["length"] * 3)
+    plain = client.completions.create(model=tiny.name, prompt="no scores", echo=True,
+                                      max_tokens=0)
+    assert plain.choices[0].text == "no scores" and plain.choices[0].logprobs is None
+
+
+def test_twenty_logprobs_are_reported(client, tiny):
+    """OpenAI's most, for the prompt's tokens and the completion's (named by id: the tiny
+    vocabulary's tokens share texts, which would share a key)."""
+    r = client.completions.create(model=tiny.name, prompt="Twenty", max_tokens=3,
+                                  temperature=0, logprobs=20, echo=True, extra_body={
+                                      "ignore_eos": True, "return_tokens_as_token_ids": True})
+    tops = r.choices[0].logprobs.top_logprobs
+    assert all(len(top) == 20 for top in tops[1:])
+    for top in tops[1:]:
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+
+
+def test_a_client_leaving_a_stream_of_n_choices_ends_them_all(server):
+    body = json.dumps({"prompt": "all of them", "n": 4, "max_tokens": long_run(server),
+                       "temperature": 0.7, "stream": True, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
+    received = b""
+    while received.count(b"data: ") < 8:
+        received += sock.recv(4096)
+    assert metric(server, "poot_running_sequences") == 4
+    sock.close()
+    assert wait_for_free_blocks(server)
+
+
 def test_tokenize_and_detokenize_round_trip(server, tiny):
     status, _, body = call(server, "POST", "/tokenize", {"prompt": "Hello world"})
     assert status == 200 and body["tokens"] == tiny.tokenizer.encode("Hello world")
@@ -267,6 +408,16 @@ def test_metrics_count_requests_tokens_and_latencies(server, client, tiny):
     sample = re.compile(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+')
     for line in text.splitlines():        # every sample line: name{label="value",...} number
         assert line.startswith("# ") or sample.fullmatch(line), line
+
+
+def test_a_request_of_n_choices_is_timed_once_to_its_first_token(server, client, tiny):
+    """Its other choices' first tokens, timed from the request too, are no gaps between
+    tokens: the histograms get one first token and each choice's later tokens."""
+    names = ("poot_time_to_first_token_seconds_count", "poot_inter_token_latency_seconds_count")
+    before = [metric(server, name) for name in names]
+    client.completions.create(model=tiny.name, prompt="Timed", n=3, max_tokens=5,
+                              extra_body={"ignore_eos": True})
+    assert [metric(server, name) for name in names] == [before[0] + 1, before[1] + 3 * 4]
 
 
 def test_cutting_streams_midway_frees_every_kv_block(server, tiny):
@@ -440,6 +591,34 @@ def test_chat_with_the_default_models_template(default_server):
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == choice.message.content
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_chat_n_choices_with_twenty_top_logprobs_whole_and_streamed(default_server):
+    """n = 2 sampled chat replies: choice j is the request with seed 7 + j alone; each has its
+    role chunk, its deltas and its finish_reason when streamed; top_logprobs up to 20."""
+    server, model = default_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    args = dict(model=model.name, messages=[{"role": "user", "content": "Name an animal."}],
+                max_tokens=6, temperature=1.0)
+    r = client.chat.completions.create(n=2, seed=7, logprobs=True, top_logprobs=20, **args)
+    alone = [client.chat.completions.create(seed=7 + j, **args).choices[0] for j in range(2)]
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.message.content for c in r.choices] == [a.message.content for a in alone]
+    assert [c.finish_reason for c in r.choices] == [a.finish_reason for a in alone]
+    for choice in r.choices:
+        assert all(len(e.top_logprobs) == 20 for e in choice.logprobs.content)
+        assert all(e.logprob <= e.top_logprobs[0].logprob + 1e-6
+                   for e in choice.logprobs.content)
+    chunks = list(client.chat.completions.create(n=2, seed=7, stream=True, **args))
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    texts, finishes = ["", ""], [None, None]
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        texts[choice.index] += choice.delta.content or ""
+        finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [c.message.content for c in r.choices]
+    assert finishes == [c.finish_reason for c in r.choices]
 
 
 def test_a_client_leaving_is_noticed_while_its_tokens_keep_coming(tmp_path):

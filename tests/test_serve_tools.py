@@ -129,6 +129,33 @@ def test_a_required_call_is_a_valid_call_whole_and_streamed(client):
     assert streamed_calls == [(c.function.name, c.function.arguments) for c in calls]
 
 
+def test_n_replies_each_call_on_their_own_whole_and_streamed(client):
+    """n = 3 required calls: each choice is a call of its own draw (choice j is the request
+    with seed 1 + j alone), finishing "tool_calls"; streamed, each choice's deltas (by the
+    choice's index, then the call's) join to its whole reply."""
+    def calls_of(message):
+        return [(c.function.name, c.function.arguments) for c in message.tool_calls]
+
+    reply = create(client, tools=TOOLS, tool_choice="required", n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "tool_calls" for c in reply.choices)
+    whole = [calls_of(c.message) for c in reply.choices]
+    for j, calls in enumerate(whole):
+        check_calls(calls)
+        assert calls == calls_of(create(client, tools=TOOLS, tool_choice="required",
+                                        seed=1 + j).choices[0].message)
+    joined, finishes = {}, {}
+    for chunk in create(client, tools=TOOLS, tool_choice="required", n=3, stream=True):
+        for choice in chunk.choices:
+            for part in choice.delta.tool_calls or []:
+                got = joined.setdefault((choice.index, part.index), ["", ""])
+                got[0] += part.function.name or ""
+                got[1] += part.function.arguments or ""
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert finishes == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+    assert [[tuple(joined[j, k]) for k in range(len(whole[j]))] for j in range(3)] == whole
+
+
 def test_a_named_function_is_the_one_called(client):
     for seed in range(3):
         reply = create(client, tools=TOOLS, seed=seed,

@@ -44,7 +44,7 @@ def pair():
 
 def start(engine, writer, model, sock, max_tokens):
     req = request(model, max_tokens)
-    stream = streams.Stream(sock, req, [engine.submit(req.prompt_ids, req.params)], Metrics())
+    stream = streams.Stream(sock, req, engine.submit(req.prompts[0], req.params), Metrics())
     writer.attach(stream)
     return stream
 
@@ -65,7 +65,7 @@ def generated(data):
               if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length", chunks[-3:]
     return chunks[-1]["usage"]["completion_tokens"]
 
 

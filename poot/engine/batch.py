@@ -29,6 +29,11 @@ class SamplingRows:
     masks, where a row is constrained (SamplingParams.constraint), holds per row the tokens it
     may sample: bit t % 32 of word t // 32 (words past the array, none); masked says which rows
     have one (the others' rows are all ones). None: no row of the step is constrained.
+    forced, where a row scores a given token instead of sampling one (a prompt position whose
+    next prompt token's log probability is asked), holds that token (-1: the row samples); the
+    row's output is that token, its log probability and the best alternatives, as a sampled
+    row's; such a row reports (logprobs set; reports, where given, true for it). None: every
+    row samples.
     """
     temperature: np.ndarray   # float32 [R]
     top_k: np.ndarray         # int32 [R]
@@ -42,6 +47,7 @@ class SamplingRows:
     masks: np.ndarray | None = None     # uint32 [R, words]
     masked: np.ndarray | None = None    # bool [R]
     hidden: np.ndarray | None = None    # bool [R]: rows whose last_hidden the step reads back
+    forced: np.ndarray | None = None    # int32 [R]
 
     @classmethod
     def greedy(cls, rows):

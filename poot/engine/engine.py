@@ -1,6 +1,7 @@
 """The engine: continuous batching of requests over one runner, on a thread of its own.
 
-`Engine.submit` queues a prompt and returns a `RequestHandle` that yields an `Output` per step.
+`Engine.submit` queues a prompt (`submit_prompts`: several, with n choices each) and returns a
+`RequestHandle` that yields an `Output` per step of each choice.
 Each `Engine.step` asks the scheduler (scheduler.py: the policy) for the next step, has the
 runner run it and gives each sampled sequence its token. The engine runs on its own thread
 (`start`) or is driven by the caller (`generate`, `run_until_idle`); both use the same `step`.
@@ -25,7 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from poot.engine.kvcache import blocks_for
-from poot.engine.request import EngineFailed, InvalidRequest, Sequence, TokenLogprob
+from poot.engine.request import (MAX_CHOICES, MAX_N, EngineFailed, Fork, InvalidRequest,
+                                 Sequence, TokenLogprob, Usage)
 from poot.engine.scheduler import Scheduler
 
 log = logging.getLogger("poot.engine")
@@ -56,26 +58,44 @@ def _snapshot(kernel_times):
 
 
 class RequestHandle:
-    """The caller's side of one request: iterate it for Outputs; the last has finish_reason."""
+    """The caller's side of one request: iterate it for Outputs as they come. Output.index says
+    whose (prompt i's choice j is i * n + j); each choice's last has finish_reason, and the
+    request is finished when every choice is. `usage` then sums them: each prompt's tokens
+    once (its cached ones: its first choice's), every choice's generated tokens."""
 
-    def __init__(self, engine, seq):
+    def __init__(self, engine, seqs, n):
         self._engine = engine
         self._queue = queue.Queue()
+        self.seq_ids = [seq.seq_id for seq in seqs]
+        self.seeds = [seq.seed for seq in seqs]
+        self.n = n
+        self._open = len(seqs)
+        self.usage = Usage(0, 0)
+        self.finished = False
         self._lock = threading.Lock()
         self._listener = None
-        self.seq_id = seq.seq_id
-        self.seed = seq.seed
-        self.prompt_tokens = len(seq.prompt)
-        self.finished = False
 
     def _put(self, item):
         with self._lock:
             if self._listener is None:
                 self._queue.put(item)
                 return
-            if isinstance(item, BaseException) or item.finish_reason is not None:
-                self.finished = True
-            self._listener(self, item)
+            self._listener(self, self._account(item))
+
+    def _account(self, item):
+        """An item as its consumer takes it: a choice's last Output adds to `usage`, and the
+        request is finished once every choice's has come (or an error)."""
+        if isinstance(item, BaseException):
+            self.finished = True
+        elif item.finish_reason is not None:
+            u = item.usage
+            first = item.index % self.n == 0
+            self.usage = Usage(self.usage.prompt_tokens + first * u.prompt_tokens,
+                               self.usage.completion_tokens + u.completion_tokens,
+                               self.usage.cached_tokens + first * u.cached_tokens)
+            self._open -= 1
+            self.finished = self._open == 0
+        return item
 
     def listen(self, listener):
         """From now on each Output (or the error that ends the request) goes to
@@ -88,9 +108,7 @@ class RequestHandle:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(item, BaseException) or item.finish_reason is not None:
-                    self.finished = True
-                listener(self, item)
+                listener(self, self._account(item))
             self._listener = listener
 
     def next_output(self, timeout=None):
@@ -113,13 +131,10 @@ class RequestHandle:
                 except queue.Empty:
                     return None
             if not self._engine.step() and self._queue.empty():
-                raise RuntimeError(f"request {self.seq_id} has nothing to wait for: "
+                raise RuntimeError(f"request {self.seq_ids[0]} has nothing to wait for: "
                                    "the engine is idle")
-        if isinstance(item, BaseException):
-            self.finished = True
+        if isinstance(self._account(item), BaseException):
             raise item
-        if item.finish_reason is not None:
-            self.finished = True
         return item
 
     def __iter__(self):
@@ -127,9 +142,10 @@ class RequestHandle:
             yield self.next_output()
 
     def cancel(self):
-        """End the request; its blocks are freed before the next step and it finishes "abort"."""
+        """End the request, every choice: their blocks are freed before the next step and the
+        unfinished ones finish "abort"."""
         if not self.finished:
-            self._engine._cancel(self.seq_id)
+            self._engine._cancel(self.seq_ids)
 
 
 class Engine:
@@ -162,7 +178,7 @@ class Engine:
         self._inbox = deque()
         self._wake = threading.Condition()
         self._step_lock = threading.RLock()
-        self._flight = [None] * len(self.lanes)     # per lane: (plan, sampled, output)
+        self._flight = [None] * len(self.lanes)     # per lane: (plan, rows, output)
         self._turn = 0
         self._handles = {}
         self._thread = None
@@ -176,39 +192,68 @@ class Engine:
 
     # ---- the caller's side -------------------------------------------------------------------
 
-    def submit(self, prompt_ids, params):
-        """Queue a request; raises InvalidRequest for a prompt or max_tokens that cannot run."""
+    def submit(self, prompt_ids, params, n=1):
+        """Queue a request of n choices of a prompt (submit_prompts)."""
+        return self.submit_prompts([prompt_ids], params, n)
+
+    def submit_prompts(self, prompts, params, n=1):
+        """Queue a request of n choices of each prompt; raises InvalidRequest for a prompt,
+        max_tokens or n that cannot run. Each choice samples on its own: with a seed, choice j
+        of a prompt samples with seed + j (mod 2**64), as vLLM seeds them, so choice 0 is the
+        prompt's answer with n = 1. A prompt is computed once for its choices (Fork)."""
         if self.error is not None:
             raise EngineFailed(self.error)
         if self._stopping:
             raise EngineFailed("the engine has stopped")
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary "
-                                 f"(0..{self.runner.vocab_size - 1})", "prompt")
-        room = self.context_limit - len(prompt)
-        if room < (0 if params.embed else 1):
-            more = "" if params.embed else " and needs room for at least one more"
-            raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this server's context "
-                                 f"is {self.context_limit} tokens{more}", "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise InvalidRequest(f"max_tokens {max_tokens} plus the prompt's {len(prompt)} tokens "
-                                 f"exceeds this server's context of {self.context_limit} tokens",
-                                 "max_tokens")
+        if not 1 <= n <= MAX_N:
+            raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {n}", "n")
+        if not prompts:
+            raise InvalidRequest("no prompt", "prompt")
+        if len(prompts) * n > MAX_CHOICES:
+            raise InvalidRequest(f"{len(prompts)} prompts of {n} choices: a request has at most "
+                                 f"{MAX_CHOICES} choices", "prompt")
+        checked = [self._check_prompt(p, params, f"prompt {i}: " if len(prompts) > 1 else "")
+                   for i, p in enumerate(prompts)]
         with self._wake:
             seq_id = self._next_id
-            self._next_id += 1
-        seq = Sequence.create(seq_id, prompt, params, max_tokens, self.tokenizer)
-        seq.last_token_time = time.monotonic()
-        handle = RequestHandle(self, seq)
+            self._next_id += len(prompts) * n
+        seqs = []
+        now = time.monotonic()
+        for prompt, max_tokens in checked:
+            for j in range(n):
+                seed = None if params.seed is None else (params.seed + j) % 2 ** 64
+                seq = Sequence.create(seq_id + len(seqs), prompt, params, max_tokens,
+                                      self.tokenizer, seed, index=len(seqs))
+                seq.last_token_time = now
+                if n > 1:
+                    seq.fork = Fork(seq, n - 1) if j == 0 else seqs[-j].fork
+                seqs.append(seq)
+        handle = RequestHandle(self, seqs, n)
         with self._wake:
-            self._inbox.append(("submit", seq, handle))
+            self._inbox.append(("submit", seqs, handle))
             self._wake.notify()
         return handle
+
+    def _check_prompt(self, prompt_ids, params, where):
+        """(the prompt's token ids, its max_tokens) where it can run; else InvalidRequest."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise InvalidRequest(f"{where}the prompt is empty", "prompt")
+        bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise InvalidRequest(f"{where}token id {bad[0]} is outside the vocabulary "
+                                 f"(0..{self.runner.vocab_size - 1})", "prompt")
+        room = self.context_limit - len(prompt)
+        if room < (params.max_tokens != 0):
+            raise InvalidRequest(f"{where}the prompt has {len(prompt)} tokens; this server's "
+                                 f"context is {self.context_limit} tokens and needs room for at "
+                                 "least one more", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequest(f"{where}max_tokens {max_tokens} plus the prompt's {len(prompt)} "
+                                 f"tokens exceeds this server's context of {self.context_limit} "
+                                 "tokens", "max_tokens")
+        return prompt, max_tokens
 
     def generate(self, prompt_ids, params):
         """Outputs of one request; with no engine thread, the caller's thread runs the steps."""
@@ -241,9 +286,9 @@ class Engine:
     def abort_all(self):
         with self._wake:
             ids = [s.seq_id for s in self.scheduler.waiting + self.scheduler.running]
-            ids += [item[1].seq_id for item in self._inbox if item[0] == "submit"]
-        for seq_id in ids:
-            self._cancel(seq_id)
+            ids += [seq.seq_id for item in self._inbox if item[0] == "submit"
+                    for seq in item[1]]
+        self._cancel(ids)
 
     @property
     def threaded(self):
@@ -255,7 +300,7 @@ class Engine:
 
     def stats(self):
         with self._wake:
-            pending = sum(1 for item in self._inbox if item[0] == "submit")
+            pending = sum(len(item[1]) for item in self._inbox if item[0] == "submit")
         s = self.scheduler
         return EngineStats(
             waiting=len(s.waiting) + pending, running=len(s.running),
@@ -269,9 +314,9 @@ class Engine:
             prefix_cache_query_tokens_total=s.kv.query_tokens,
             prefix_cache_evictions_total=s.kv.evictions, kv_blocks_cached=s.kv.num_cached)
 
-    def _cancel(self, seq_id):
+    def _cancel(self, seq_ids):
         with self._wake:
-            self._inbox.append(("cancel", seq_id))
+            self._inbox.extend(("cancel", seq_id) for seq_id in seq_ids)
             self._wake.notify()
         if not self.threaded:
             with self._step_lock:
@@ -316,7 +361,7 @@ class Engine:
         """Issues a lane's step of `plan` (without lanes: runs it); False if it raised (its
         requests failed)."""
         try:
-            batch, sampled = self.scheduler.build(plan)
+            batch, rows = self.scheduler.build(plan)
             if len(self.lanes) == 1:
                 out = self.runner.step(batch)
             else:
@@ -327,7 +372,7 @@ class Engine:
             return False
         self._steps_total += 1
         self.scheduler.launched(plan)
-        self._flight[lane] = (plan, sampled, out)
+        self._flight[lane] = (plan, rows, out)
         return True
 
     def _collect(self, lane):
@@ -336,7 +381,7 @@ class Engine:
         if flight is None:
             return False
         self._flight[lane] = None
-        plan, sampled, out = flight
+        plan, rows, out = flight
         try:
             if out is None:
                 out = self.lanes[lane].collect()
@@ -346,12 +391,21 @@ class Engine:
             return False
         self.scheduler.computed(plan)
         now = time.monotonic()
-        for r, seq in enumerate(sampled):
+        for r, (seq, position) in enumerate(rows):
+            if seq.finish_reason is not None:       # failed at an earlier row of the step
+                continue
             try:
-                self._deliver(seq, out, r, now)
+                if position is None:
+                    self._deliver(seq, out, r, now)
+                else:
+                    seq.prompt_logprobs.append(_logprob(out, r, seq.params.prompt_logprobs))
             except Exception as exc:        # one request's text or stop check: it alone fails
                 log.error("request %d failed", seq.seq_id, exc_info=exc)
                 self._fail_sequences([seq], f"request failed: {type(exc).__name__}: {exc}")
+        for seq, _ in plan:         # max_tokens 0: done once the prompt is
+            if seq.max_tokens == 0 and seq.finish_reason is None \
+                    and seq.num_computed == len(seq.tokens):
+                self._handles.pop(seq.seq_id)._put(self.scheduler.end_at_prompt(seq))
         return True
 
     def _deliver(self, seq, out, r, now):
@@ -364,10 +418,7 @@ class Engine:
             seq.constraint.advance(token)       # raises where the runner broke the mask
         logprob = None
         if seq.params.logprobs is not None:
-            k = seq.params.logprobs
-            top = [(int(i), float(lp))
-                   for i, lp in zip(out.top_ids[r, :k], out.top_logprobs[r, :k])]
-            logprob = TokenLogprob(token, float(out.logprobs[r]), top)
+            logprob = _logprob(out, r, seq.params.logprobs)
         output = self.scheduler.accept(seq, token, logprob, now, self.context_limit)
         if seq.finish_reason is not None:
             self._handles.pop(seq.seq_id)._put(output)
@@ -410,12 +461,17 @@ class Engine:
                     return
                 item = self._inbox.popleft()
             if item[0] == "submit":
-                _, seq, handle = item
+                _, seqs, handle = item
                 if self.error is not None:
                     handle._put(EngineFailed(self.error))
                     continue
-                self._handles[seq.seq_id] = handle
-                self.scheduler.add(seq)
+                for seq in seqs:
+                    if seq.max_tokens == 0 and seq.params.prompt_logprobs is None \
+                            and not seq.params.embed:
+                        handle._put(seq.end_at_prompt())        # nothing to compute
+                        continue
+                    self._handles[seq.seq_id] = handle
+                    self.scheduler.add(seq)
             else:
                 self._abort(item[1])
 
@@ -432,10 +488,16 @@ class Engine:
         is told (the server drains and exits, for a supervisor to restart it)."""
         self.error = message
         log.error("%s", self.error, exc_info=exc)
-        for handle in self._handles.values():
+        for handle in set(self._handles.values()):
             handle._put(EngineFailed(self.error))
         self._handles.clear()
         self.scheduler.clear()
         self._flight = [None] * len(self.lanes)
         if self.on_failure is not None:
             self.on_failure()
+
+
+def _logprob(out, r, k):
+    """Row r of a StepOutput as a TokenLogprob with its k best alternatives."""
+    top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[r, :k], out.top_logprobs[r, :k])]
+    return TokenLogprob(int(out.tokens[r]), float(out.logprobs[r]), top)

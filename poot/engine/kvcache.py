@@ -9,9 +9,10 @@ Prefix caching: a full block whose keys and values are computed is keyed by a ha
 tokens and of the key of the block before it (so a key names the whole prefix up to the block's
 end). A later sequence whose tokens start the same way takes those blocks instead of computing
 them again (`match`); several sequences then hold one block, read-only, since only full blocks
-are shared and a sequence writes only past them. A keyed block no sequence holds stays cached
-until a block is needed and none is free: then the least recently used is taken back, so the
-cache never holds blocks the plan promised to the sequences.
+are shared and a sequence writes only past them. (`share` holds blocks once more the same way,
+without a key: the choices of one prompt read its full blocks.) A keyed block no sequence holds
+stays cached until a block is needed and none is free: then the least recently used is taken
+back, so the cache never holds blocks the plan promised to the sequences.
 """
 import hashlib
 from collections import OrderedDict
@@ -91,6 +92,14 @@ class BlockAllocator:
         del self._block_of[self._key_of.pop(block)]
         self.evictions += 1
         return block
+
+    def share(self, table):
+        """Hold every block of `table` once more: another sequence reads them too (the choices of
+        one prompt share its full blocks, scheduler.py). Each hold is released on its own."""
+        for block in table:
+            if block not in self._refs:
+                raise ValueError(f"block {block} shared but not held")
+            self._refs[block] += 1
 
     def release(self, table):
         """Give back every block of `table` and empty it: a block no sequence holds any more is

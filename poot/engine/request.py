@@ -1,9 +1,10 @@
 """One generation request as the engine sees it: its parameters, its sequence state, its outputs.
 
-`SamplingParams` is what a caller asks for; `Sequence` is the engine's state of one request
-(tokens, KV blocks, text decoding, stop checks); `Output` is what the caller receives after each
-step. `StopText` holds back text that may be the start of a stop string. No scheduling and no
-JSON here: the scheduler moves sequences, the server shapes outputs.
+`SamplingParams` is what a caller asks for; `Sequence` is the engine's state of one choice of a
+request (tokens, KV blocks, text decoding, stop checks); `Fork` ties the n choices of one prompt;
+`Output` is what the caller receives after each step. `StopText` holds back text that may be the
+start of a stop string. No scheduling and no JSON here: the scheduler moves sequences, the server
+shapes outputs.
 """
 import secrets
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 512            # a stop string's length bounds the text held back each token
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+MAX_N = 16                      # choices of one prompt
+MAX_CHOICES = 1024              # choices of one request: its prompts times n
 
 
 class InvalidRequest(ValueError):
@@ -33,10 +36,12 @@ class SamplingParams:
     """How to sample and when to stop.
 
     temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 switch those cuts off. max_tokens None
-    means "until the context is full". seed None draws a fresh random seed per request.
+    means "until the context is full"; 0 generates nothing (the prompt is computed for its
+    prompt_logprobs). seed None draws a fresh random seed per request.
     logprobs None reports no log probabilities; an int n reports the chosen token's and the
-    n most likely alternatives (0..20). skip_special_tokens leaves control tokens out of the
-    text (as vLLM's field of that name).
+    n most likely alternatives (0..20). prompt_logprobs, the same for each prompt token after
+    the first: its log probability after the tokens before it (vLLM's field of that name).
+    skip_special_tokens leaves control tokens out of the text (as vLLM's field of that name).
 
     constraint, where given, limits what may be sampled: an object whose `start()` gives each
     sequence its own state, with `allowed()` (a packed bitmask of the vocabulary: bit t % 32 of
@@ -44,8 +49,8 @@ class SamplingParams:
     the sequence may end) and `advance(token)` (raises where the token was not allowed).
     poot.grammar's TokenGrammar is one.
 
-    embed asks for the prompt's last hidden state instead of new tokens: the request ends
-    when its prompt is computed, its one Output carrying `hidden`.
+    embed asks for the prompt's last hidden state instead of new tokens (with max_tokens 0):
+    the request ends when its prompt is computed, its one Output carrying `hidden`.
     """
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -60,13 +65,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     constraint: object = None
     embed: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         def bad(param, message):
             raise InvalidRequest(message, param)
 
-        if self.max_tokens is not None and not 1 <= self.max_tokens:
-            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and not 0 <= self.max_tokens:
+            bad("max_tokens", f"max_tokens must be at least 0, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
             bad("temperature", f"temperature must be between 0 and 2, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -86,13 +92,16 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got "
                 f"{len(self.stop_token_ids)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                bad(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {n}")
 
 
 @dataclass
 class TokenLogprob:
-    """The chosen token's log probability and the top alternatives as (token id, logprob)."""
+    """The chosen token's log probability and the top alternatives as (token id, logprob); for a
+    prompt token, the token itself."""
     token_id: int
     logprob: float
     top: list
@@ -117,6 +126,9 @@ class Output:
     token); text: the newly final text (possibly empty while held back); logprobs: one entry per
     token whose text is emitted, when asked; elapsed: seconds since the previous token (since
     submission for the first); finish_reason "stop", "length" or "abort" with usage on the last.
+    index: whose (prompt i's choice j of a request of n choices a prompt is i * n + j).
+    prompt_logprobs: on a choice's first Output where SamplingParams.prompt_logprobs asks, an
+    entry for each prompt token after the first.
     """
     token_ids: list
     text: str
@@ -125,6 +137,8 @@ class Output:
     finish_reason: str | None = None
     usage: Usage | None = None
     hidden: object = None       # float32 [d_model]: the prompt's last hidden state (embed)
+    index: int = 0
+    prompt_logprobs: list | None = None
 
 
 class StopText:
@@ -172,12 +186,14 @@ class StopText:
 
 @dataclass(eq=False)
 class Sequence:
-    """The engine's state of one request.
+    """The engine's state of one choice of a request.
 
     tokens holds the prompt then every sampled token; num_computed counts the leading tokens whose
     keys/values are in the KV cache. A preempted sequence drops its blocks and sets num_computed
     to 0: the next prefill recomputes prompt and generated tokens alike, and sampling resumes at
     step len(generated), so the random draws (a function of seed and step) are the same.
+    A sequence that reports its prompt's log probabilities (the first of its fork, or alone)
+    scores each prompt position it computes (logprob_positions) until it knows them all.
     """
     seq_id: int
     prompt: list
@@ -197,6 +213,10 @@ class Sequence:
     constraint: object = None   # params.constraint's state for this sequence
     last_token_time: float | None = None
     finish_reason: str | None = None
+    index: int = 0              # Output.index
+    fork: object = None         # the Fork of its prompt's choices, where n > 1
+    prompt_logprobs: list = field(default_factory=list)    # by position from 1, as computed
+    prompt_reported: bool = False
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -205,11 +225,13 @@ class Sequence:
             self.constraint = self.params.constraint.start()
 
     @classmethod
-    def create(cls, seq_id, prompt, params, max_tokens, tokenizer):
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
+    def create(cls, seq_id, prompt, params, max_tokens, tokenizer, seed=None, index=0):
+        """`seed` None: params.seed, or a fresh random one where that is None too."""
+        if seed is None:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
         return cls(seq_id=seq_id, prompt=list(prompt), params=params, max_tokens=max_tokens,
                    seed=seed, decoder=tokenizer.decoder(skip_special=params.skip_special_tokens),
-                   eos_ids=frozenset(tokenizer.eos_ids))
+                   eos_ids=frozenset(tokenizer.eos_ids), index=index)
 
     @property
     def num_generated(self):
@@ -219,8 +241,40 @@ class Sequence:
     def num_uncomputed(self):
         return len(self.tokens) - self.num_computed
 
+    @property
+    def waits_for_fork(self):
+        """A choice after its fork's first, while the first has not computed the prompt yet
+        (and still may)."""
+        fork = self.fork
+        return (fork is not None and fork.first is not self and not fork.primed
+                and fork.first.finish_reason is None)
+
+    def logprob_positions(self, start, n):
+        """The positions among [start, start + n) whose next prompt token's log probability
+        the sequence reports and does not know yet (a row each, forced to that token)."""
+        if self.params.prompt_logprobs is None or (self.fork is not None
+                                                    and self.fork.first is not self):
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(start + n, len(self.prompt) - 1))
+
+    def samples_after(self, start, n):
+        """Whether computing [start, start + n) ends with a row that samples the next token."""
+        return start + n == len(self.tokens) and (self.max_tokens > 0 or self.params.embed)
+
+    def rows(self, start, n):
+        """How many rows of its step computing [start, start + n) takes."""
+        return len(self.logprob_positions(start, n)) + self.samples_after(start, n)
+
     def usage(self):
         return Usage(len(self.prompt), self.num_generated, self.cached_tokens)
+
+    def _prompt_logprobs_once(self):
+        """The prompt's log probabilities for the first Output, where they are asked (a fork's
+        other choices report the first's)."""
+        if self.params.prompt_logprobs is None or self.prompt_reported:
+            return None
+        self.prompt_reported = True
+        return list((self if self.fork is None else self.fork.first).prompt_logprobs)
 
     def accept(self, token_id, logprob, now, context_limit):
         """Append a sampled token, check every stop condition, and return this step's Output."""
@@ -245,7 +299,15 @@ class Sequence:
             logprobs = [] if stops_here else [logprob]
         return Output(token_ids=[token_id], text=text, logprobs=logprobs, elapsed=elapsed,
                       finish_reason=self.finish_reason,
-                      usage=self.usage() if self.finish_reason else None)
+                      usage=self.usage() if self.finish_reason else None, index=self.index,
+                      prompt_logprobs=self._prompt_logprobs_once())
+
+    def end_at_prompt(self):
+        """The Output of a sequence of max_tokens 0 once its prompt is computed (or at once,
+        where it reports nothing of it)."""
+        self.finish_reason = "length"
+        return Output(token_ids=[], text="", finish_reason="length", usage=self.usage(),
+                      index=self.index, prompt_logprobs=self._prompt_logprobs_once())
 
     def _flush_text(self):
         """The held-back text at a finish that is not a stop string; a stop string in the
@@ -260,8 +322,23 @@ class Sequence:
         """The Output of an embed request whose prompt is computed."""
         self.finish_reason = "stop"
         return Output(token_ids=[], text="", finish_reason="stop", usage=self.usage(),
-                      hidden=hidden)
+                      hidden=hidden, index=self.index)
 
     def abort(self):
         self.finish_reason = "abort"
-        return Output(token_ids=[], text="", finish_reason="abort", usage=self.usage())
+        return Output(token_ids=[], text="", finish_reason="abort", usage=self.usage(),
+                      index=self.index)
+
+
+@dataclass(eq=False)
+class Fork:
+    """The n choices of one prompt (n > 1): the first computes the prompt; the others wait until
+    it has (`primed`), then take its full blocks and compute only the rest (scheduler.py).
+
+    `waiting` counts the others not admitted yet; `blocks` are the prompt's full blocks, held for
+    them from the moment the first has computed the prompt until the last of them is admitted
+    (or blocks run short: they then compute the prompt themselves)."""
+    first: Sequence
+    waiting: int
+    blocks: list = field(default_factory=list)
+    primed: bool = False

@@ -9,7 +9,8 @@ draw depends only on (seed, step), so a seeded request gives the same tokens alo
 on any backend that follows this definition. A constrained row (SamplingRows.masks) chooses
 among the tokens its mask allows: the others' logits are -inf before any of this. Log
 probabilities stay those of the raw logits (as vLLM reports them): how likely the model found
-the token, not how it was picked, like the temperature and the cuts.
+the token, not how it was picked, like the temperature and the cuts. A forced row
+(SamplingRows.forced) samples nothing: its token is the one given, scored as a chosen one.
 
 `choose` is that definition as written; `sample` takes each row's token from `choose_sorted`,
 which gives the same token from a plain sort of the values instead of a stable argsort of the
@@ -160,19 +161,29 @@ def choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, mi
     return int(ids[order[at.pop()]])
 
 
-def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u, n):
+def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u, n,
+                   forced=-1):
     """sample()'s row from a device's candidates (choose_among's arguments, sums at temperature
     1): (token, its log probability, the n best ids and theirs), the log probabilities those of
     the raw logits, log(sum of exp) from the chunks' sums. None where choose_among cannot decide
     the token, where the row samples at another temperature (its sums would be another's), or
-    where n is more than a chunk keeps (a row's best n are among its chunks' best n)."""
-    if temperature > 0 and temperature != 1.0 or n > values.shape[1]:
+    where n is more than a chunk keeps (a row's best n are among its chunks' best n). A forced
+    row's token is `forced` (>= 0): None where it is no candidate (its logit is not known)."""
+    if n > values.shape[1]:
         return None
-    token = choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u)
+    if forced >= 0:
+        token = forced
+    elif temperature > 0 and temperature != 1.0:
+        return None
+    else:
+        token = choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p,
+                             u)
     if token is None:
         return None
     real = ids < vocab
     values, ids = values[real].astype(np.float64), ids[real]
+    if not np.any(ids == token):
+        return None
     order = np.lexsort((ids, -values))[:n]          # best() of the row: lower id on ties
     peak = values.max()
     total = np.sum(np.asarray(sums, np.float64) * np.exp(np.asarray(maxima, np.float64) - peak))
@@ -198,21 +209,28 @@ def choice_args(rows, r):
             float(rows.min_p[r]), uniform(rows.seed[r], rows.step[r]))
 
 
+def token_of(logits, rows, r):
+    """Row r's token from its logits [V]: its forced token (SamplingRows.forced), or the one
+    choose_sorted draws among those its mask allows."""
+    if rows.forced is not None and rows.forced[r] >= 0:
+        return int(rows.forced[r])
+    return choose_sorted(allowed_logits(logits, rows, r), *choice_args(rows, r))
+
+
 def sample_row(logits, rows, r, k):
     """sample()'s row r of SamplingRows `rows` alone, from its logits [V]: (token, its log
     probability, the k best ids and theirs)."""
-    token = choose_sorted(allowed_logits(logits, rows, r), *choice_args(rows, r))
+    token = token_of(logits, rows, r)
     logprobs = log_softmax(np.asarray(logits, np.float32))
     top = best(logprobs, k) if k else np.zeros(0, np.int64)
     return token, logprobs[token], top, logprobs[top]
 
 
 def sample(logits, rows):
-    """StepOutput for logits [R, V] under SamplingRows `rows` (choose_sorted for each row)."""
+    """StepOutput for logits [R, V] under SamplingRows `rows` (token_of each row)."""
     logits = np.asarray(logits, np.float32)
     n_rows = logits.shape[0]
-    tokens = np.array([choose_sorted(allowed_logits(logits[r], rows, r), *choice_args(rows, r))
-                       for r in range(n_rows)], dtype=np.int32)
+    tokens = np.array([token_of(logits[r], rows, r) for r in range(n_rows)], dtype=np.int32)
     k = rows.n_logprobs
     if not (rows.logprobs or k):        # nobody reports them: left out (batch.SamplingRows)
         return StepOutput(tokens=tokens, logprobs=np.zeros(n_rows, np.float32),

@@ -10,6 +10,19 @@ its blocks. It holds no thread and runs nothing: the engine (engine.py) runs wha
 and says which steps it has launched (`launched`) and which have landed (`computed`, or
 `released` for a step that failed): a sequence whose step is in flight is never preempted.
 
+The n choices of one prompt (a `Fork`) compute it once: the first prefills it, and once it has,
+the fork holds the prompt's full blocks (all but the one with its last token) for the others;
+each takes them (held once more, read-only, as prefix caching shares blocks) and computes only
+the rest, 1 to block_size tokens, whose blocks are its own: copy on write, by recomputing less
+than a block instead of copying one. This needs no prefix cache. A fork's hold is the first
+thing given back when blocks run short; its waiting choices then compute the prompt themselves.
+
+A row of a step is a token whose logits are read: the last token of a sequence's computed
+tokens, to sample the next, and each prompt position whose next token's log probability the
+sequence reports (SamplingParams.prompt_logprobs), its row forced to that token. A step has at
+most max_seqs rows (what a runner's step buffers hold), so such a prompt's chunks are cut to the
+rows the others leave; it takes no cached prefix, whose positions it must score.
+
 With lanes (a pipeline's, engine/group.py) each running sequence belongs to one: newcomers join
 the lane whose turn it is, up to its share of the sequences there are.
 """
@@ -19,8 +32,12 @@ import numpy as np
 
 from poot.engine.batch import SamplingRows, StepBatch
 from poot.engine.kvcache import BlockAllocator
+from poot.engine.request import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("poot.engine")
+
+# a prompt position's row: its forced token's log probability and the k best, by k
+PROMPT_ROWS = [SamplingParams(temperature=0, logprobs=k) for k in range(MAX_LOGPROBS + 1)]
 
 
 class Scheduler:
@@ -32,13 +49,15 @@ class Scheduler:
         self.waiting = []   # by arrival (seq_id), preempted sequences included
         self.running = []   # by arrival
         self.in_flight = set()  # ids of the sequences whose steps are launched and not landed
+        self.holds = []     # forks holding their prompt's blocks for their waiting choices
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.preemptions_total = 0
 
     def add(self, seq):
         self.waiting.append(seq)
-        self.prompt_tokens_total += len(seq.prompt)
+        if seq.fork is None or seq.fork.first is seq:
+            self.prompt_tokens_total += len(seq.prompt)
 
     def find(self, seq_id):
         return next((s for s in self.waiting + self.running if s.seq_id == seq_id), None)
@@ -50,6 +69,8 @@ class Scheduler:
             if seq in queue_:
                 queue_.remove(seq)
                 self.kv.release(seq.blocks)
+                if not seq.admitted and seq.fork is not None and seq.fork.first is not seq:
+                    self._admitted_one(seq.fork)        # it will take no hold
                 return True
         return False
 
@@ -58,28 +79,30 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.in_flight.clear()
+        self.holds.clear()
         self.kv = BlockAllocator(self.kv.num_blocks, self.kv.block_size, self.kv.caching)
 
     def schedule(self, lane=0, make_room=lambda: False):
         """The lane's next step: (sequence, token count) pairs, empty when it has nothing to
         run (`build` makes its batch). Where only sequences in flight hold the blocks a
         sequence needs, `make_room()` is asked to land their steps (True if it landed any)."""
-        budget = self.step_tokens
+        budget, rows = self.step_tokens, self.max_seqs
         plan = []
         scheduled = set()
 
         def take(seq, n):
-            nonlocal budget
+            nonlocal budget, rows
             plan.append((seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
+            rows -= seq.rows(seq.num_computed, n)
 
         def fit(seq, n):
             """Grow seq's blocks for n more tokens, preempting later arrivals; the n that fits."""
             while not self.kv.grow(seq.blocks, seq.num_computed + n):
                 if self._preempt_latest(after=seq.seq_id, keep=scheduled | self.in_flight):
                     continue
-                if make_room():
+                if self._drop_hold(but=seq.fork) or make_room():
                     continue
                 room = (len(seq.blocks) + self.kv.num_free) * self.kv.block_size
                 n = min(n, room - seq.num_computed)
@@ -96,33 +119,89 @@ class Scheduler:
         for seq in [s for s in mine if s.num_uncomputed > 1]:
             if seq not in self.running or budget < 1:
                 continue
-            n = fit(seq, min(seq.num_uncomputed, budget))
+            n = fit(seq, self._within_rows(seq, min(seq.num_uncomputed, budget), rows))
             if n:
                 take(seq, n)
         # A newcomer joins only if a block per running sequence stays free for their next
         # tokens: admitting into a full cache would only preempt someone at the next step.
-        # With lanes, each takes its share of the sequences there are.
+        # With lanes, each takes its share of the sequences there are. A fork's choice waits
+        # (others pass it) until the fork's first has computed the prompt.
         share = -(-min(self.max_seqs, len(self.running) + len(self.waiting)) // self.lanes)
-        # It takes the blocks of its longest cached prefix first, and computes only the rest.
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs \
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs \
                 and sum(s.lane == lane for s in self.running) < share:
-            seq = self.waiting[0]
-            seq.blocks, seq.keys = self.kv.match(seq.tokens, seq.keys)
-            seq.num_computed = len(seq.blocks) * self.kv.block_size
+            seq = self.waiting[i]
+            if seq.waits_for_fork:
+                i += 1
+                continue
+            cached = self._start(seq)
             spare = self.kv.num_free - len(self.running)
-            want = min(seq.num_uncomputed, budget, spare * self.kv.block_size)
+            want = self._within_rows(
+                seq, min(seq.num_uncomputed, budget, spare * self.kv.block_size), rows)
             if want < 1:
                 self.kv.release(seq.blocks)
                 seq.num_computed = 0
+                if spare < 1 and self._drop_hold(but=seq.fork):
+                    continue
                 break
             if not seq.admitted:
-                seq.admitted, seq.cached_tokens = True, seq.num_computed
+                seq.admitted, seq.cached_tokens = True, cached
+                if seq.fork is not None and seq.fork.first is not seq:
+                    self._admitted_one(seq.fork)
             self.kv.grow(seq.blocks, seq.num_computed + want)
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.lane = lane
             self._insert(self.running, seq)
             take(seq, want)
         return plan
+
+    def _start(self, seq):
+        """Gives a newcomer the blocks it starts from: its fork's held ones (a choice after the
+        first), else those of its longest cached prefix, except where it reports its prompt's log
+        probabilities (it computes every position then). Returns how many of its tokens came
+        from the prefix cache."""
+        fork = seq.fork
+        if fork is not None and fork.first is not seq and fork.blocks:
+            seq.blocks = list(fork.blocks)
+            self.kv.share(seq.blocks)
+            seq.num_computed = len(seq.blocks) * self.kv.block_size
+            return 0
+        if seq.logprob_positions(0, len(seq.prompt)):
+            seq.blocks, seq.num_computed = [], 0
+            return 0
+        seq.blocks, seq.keys = self.kv.match(seq.tokens, seq.keys)
+        seq.num_computed = len(seq.blocks) * self.kv.block_size
+        return seq.num_computed
+
+    @staticmethod
+    def _within_rows(seq, n, rows):
+        """The most of seq's next n tokens whose rows (Sequence.rows) fit the `rows` left."""
+        start = seq.num_computed
+        scored = seq.logprob_positions(start, n)
+        if len(scored) > rows:          # the positions that fit, and none sampled after them
+            n = scored.start - start + rows
+        if seq.rows(start, n) > rows:   # no row left to sample after the chunk
+            n -= 1
+        return n
+
+    def _admitted_one(self, fork):
+        """One of a fork's waiting choices has been admitted (or has gone): after the last, its
+        hold is given back."""
+        fork.waiting -= 1
+        if fork.waiting == 0 and fork in self.holds:
+            self.holds.remove(fork)
+            self.kv.release(fork.blocks)
+
+    def _drop_hold(self, but=None):
+        """Gives back the latest fork's hold (other than `but`'s) where blocks run short: its
+        waiting choices will compute the prompt themselves (from the prefix cache where it
+        keeps it). True if there was one."""
+        for fork in reversed(self.holds):
+            if fork is not but:
+                self.holds.remove(fork)
+                self.kv.release(fork.blocks)
+                return True
+        return False
 
     def launched(self, plan):
         """A step of `plan` is in flight: its sequences' blocks are being written."""
@@ -134,6 +213,14 @@ class Scheduler:
         for seq, n in plan:
             seq.num_computed += n
             seq.keys = self.kv.register(seq.blocks, seq.tokens, seq.num_computed, seq.keys)
+            fork = seq.fork
+            if fork is not None and fork.first is seq and not fork.primed \
+                    and seq.num_computed >= len(seq.prompt):
+                fork.primed = True
+                if fork.waiting:
+                    fork.blocks = seq.blocks[:(len(seq.prompt) - 1) // self.kv.block_size]
+                    self.kv.share(fork.blocks)
+                    self.holds.append(fork)
         self.released(plan)
 
     def released(self, plan):
@@ -147,6 +234,12 @@ class Scheduler:
         self.generation_tokens_total += 1
         if seq.finish_reason is not None:
             self.remove(seq)
+        return output
+
+    def end_at_prompt(self, seq):
+        """A sequence of max_tokens 0 whose prompt is computed leaves; its Output."""
+        output = seq.end_at_prompt()
+        self.remove(seq)
         return output
 
     def _preempt_latest(self, after, keep):
@@ -171,19 +264,26 @@ class Scheduler:
         queue_.insert(i, seq)
 
     def build(self, plan):
-        """(StepBatch, the sequences it samples, in row order) of a plan."""
-        tokens, positions, seq_rows, sample_tokens, sampled = [], [], [], [], []
+        """(StepBatch, its rows in order) of a plan: each row (sequence, position), position
+        None where the row samples the sequence's next token, else the prompt position whose
+        next token's log probability the row reports."""
+        tokens, positions, seq_rows, sample_tokens, rows = [], [], [], [], []
         tables = np.zeros((len(plan), self.table_width), np.int32)
         for row, (seq, n) in enumerate(plan):
             start = seq.num_computed
+            for p in seq.logprob_positions(start, n):
+                sample_tokens.append(len(tokens) + p - start)
+                rows.append((seq, p))
             tokens += seq.tokens[start:start + n]
             positions += range(start, start + n)
             seq_rows += [row] * n
             tables[row, :len(seq.blocks)] = seq.blocks
-            if start + n == len(seq.tokens):
+            if seq.samples_after(start, n):
                 sample_tokens.append(len(tokens) - 1)
-                sampled.append(seq)
-        params = [s.params for s in sampled]
+                rows.append((seq, None))
+        sampled = [seq for seq, _ in rows]
+        params = [seq.params if p is None else PROMPT_ROWS[seq.params.prompt_logprobs]
+                  for seq, p in rows]
         sampling = SamplingRows(
             temperature=np.array([p.temperature for p in params], np.float32),
             # a cut past the vocabulary keeps it all (and any top_k fits int32 so)
@@ -195,31 +295,34 @@ class Scheduler:
             n_logprobs=max([p.logprobs or 0 for p in params], default=0),
             logprobs=any(p.logprobs is not None for p in params),
             reports=np.array([p.logprobs is not None for p in params], bool))
-        sampling.masks, sampling.masked = self._masks(sampled)
-        if any(p.embed for p in params):
-            sampling.hidden = np.array([p.embed for p in params], bool)
+        if any(p is not None for _, p in rows):
+            sampling.forced = np.array([-1 if p is None else seq.tokens[p + 1]
+                                        for seq, p in rows], np.int32)
+        sampling.masks, sampling.masked = self._masks(rows)
+        if any(p is None and seq.params.embed for seq, p in rows):
+            sampling.hidden = np.array([p is None and seq.params.embed for seq, p in rows], bool)
         batch = StepBatch(tokens=np.array(tokens, np.int32),
                           positions=np.array(positions, np.int32),
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,
                           sample_tokens=np.array(sample_tokens, np.int32), sampling=sampling)
-        return batch, sampled
+        return batch, rows
 
-    def _masks(self, sampled):
-        """(masks, masked) of SamplingRows for the sampled sequences: each constrained one's
-        allowed tokens now; (None, None) where none is constrained."""
+    def _masks(self, rows):
+        """(masks, masked) of SamplingRows for a step's rows: each constrained sequence's
+        allowed tokens now, on the row that samples; (None, None) where none is constrained."""
         allowed = {}
-        for r, seq in enumerate(sampled):
-            if seq.constraint is not None:
+        for r, (seq, position) in enumerate(rows):
+            if seq.constraint is not None and position is None:
                 try:
                     allowed[r] = seq.constraint.allowed()
                 except Exception as exc:    # its advance() fails it alone, after the step
                     log.error("request %d: its constraint failed", seq.seq_id, exc_info=exc)
         if not allowed:
             return None, None
-        masked = np.zeros(len(sampled), bool)
+        masked = np.zeros(len(rows), bool)
         masked[list(allowed)] = True
         words = max(len(bits) for bits in allowed.values())
-        masks = np.full((len(sampled), words), 0xFFFFFFFF, np.uint32)
+        masks = np.full((len(rows), words), 0xFFFFFFFF, np.uint32)
         for r, bits in allowed.items():
             masks[r] = 0
             masks[r, :len(bits)] = bits

@@ -154,9 +154,10 @@ class StepRunner:
     def _step_with_logprobs(self, R, rows):
         """The tokens and log probabilities (of the raw logits) of the last step's R rows, from
         their candidates: a row that reports log probabilities from candidates with sums at
-        temperature 1 (sampling.logprobs_among), a row that does not (rows.reports) from
-        candidates at its own temperature (choose_among); only the rows those cannot decide
-        are taken from the logits read back (sampling.sample_row)."""
+        temperature 1 (sampling.logprobs_among; a forced row's token among them too), a row that
+        does not (rows.reports) from candidates at its own temperature (choose_among); only
+        the rows those cannot decide are taken from the logits read back
+        (sampling.sample_row)."""
         k = rows.n_logprobs
         reports = np.ones(R, bool) if rows.reports is None else np.asarray(rows.reports, bool)
         temperature = np.where(reports | (rows.temperature <= 0), 1.0, rows.temperature)
@@ -167,7 +168,8 @@ class StepRunner:
         for r in range(R):
             part = [c[r] for c in candidates]
             if reports[r]:
-                got = logprobs_among(*part, self.vocab_size, *choice_args(rows, r), k)
+                forced = -1 if rows.forced is None else int(rows.forced[r])
+                got = logprobs_among(*part, self.vocab_size, *choice_args(rows, r), k, forced)
                 if got is not None:
                     tokens[r], chosen[r], top[r], top_lp[r] = got
             else:

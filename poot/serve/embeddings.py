@@ -21,7 +21,7 @@ MAX_INPUTS = 2048           # OpenAI's limit on inputs in one request
 class Embeddings:
     """One validated /v1/embeddings request."""
 
-    params = SamplingParams(temperature=0.0, embed=True)
+    params = SamplingParams(max_tokens=0, temperature=0.0, embed=True)
 
     def __init__(self, body, model, names):
         self.name = check_model(body, names)

@@ -4,7 +4,7 @@ One handler thread per connection (HTTP/1.1 keep-alive). A handler reads and che
 lets openai.py turn it into a request, submits that to the engine and writes what comes back:
 one JSON response, or server-sent events per token (chunked transfer encoding), which one
 writer thread writes for every stream (streams.py). It notices a client that went away, while
-waiting as well as while writing, and cancels its request so the engine frees its KV blocks.
+waiting as well as while writing, and cancels its request (every choice of it) so the engine frees its KV blocks.
 It never touches the engine's internals.
 """
 import hmac
@@ -425,7 +425,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _complete(self, request):
         try:
-            handle = self.serving.engine.submit(request.prompt_ids, request.params)
+            handle = self.serving.engine.submit_prompts(request.prompts, request.params,
+                                                        request.n)
         except InvalidRequest as exc:
             raise openai.from_invalid_request(exc) from None
         except EngineFailed as exc:
@@ -433,41 +434,39 @@ class Handler(BaseHTTPRequestHandler):
         self.serving.enter()
         try:
             if request.stream:
-                self._stream(request, [handle])
+                self._stream(request, handle)
             else:
                 outputs = self._whole(handle)
                 if isinstance(outputs[-1], EngineFailed):
                     raise APIError(500, str(outputs[-1]), "server_error", None,
                                    "engine_failed")
-                self._send_json(200, request.response(outputs))
+                self._send_json(200, request.response(outputs, handle.usage))
         finally:
             handle.cancel()          # no-op once finished; frees the blocks of a gone client
             self.serving.leave()
 
     def _whole(self, handle):
-        """Every output of a request once it ends (or the error that ended it, last): the
-        engine's thread gathers them (RequestHandle.listen) while this one looks every
-        DISCONNECT_POLL_S whether the client left (a whole answer is written only at its end,
-        so nothing else would notice)."""
+        """Every output of a request (of every choice) once it ends, or the error that ended
+        it, last: the engine's thread gathers them (RequestHandle.listen) while this one looks
+        every DISCONNECT_POLL_S whether the client left (a whole answer is written only at its
+        end, so nothing else would notice)."""
         outputs, ended = [], threading.Event()
 
-        def gather(_, item):
+        def gather(_, item):            # on the engine's thread, which accounts the handle
             outputs.append(item)
-            if isinstance(item, BaseException) or item.finish_reason is not None:
+            if handle.finished:
                 ended.set()
         handle.listen(gather)
         while not ended.wait(DISCONNECT_POLL_S):
             if self._client_gone():
                 raise ClientGone
-        first = True
+        started = set()
         for output in outputs:
-            if not isinstance(output, BaseException) and output.token_ids \
-                    and output.elapsed is not None:
-                self.serving.metrics.observe_token(first, output.elapsed)
-                first = False
+            if not isinstance(output, BaseException):
+                streams.time_token(self.serving.metrics, started, output)
         return outputs
 
-    def _stream(self, request, handles):
+    def _stream(self, request, handle):
         """Server-sent events: the first chunks from here, then the writer thread's
         (streams.py) until the request ends, this thread looking every DISCONNECT_POLL_S
         whether the client left."""
@@ -483,7 +482,7 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True
             raise ClientGone from None
-        stream = streams.Stream(self.connection, request, handles, self.serving.metrics)
+        stream = streams.Stream(self.connection, request, handle, self.serving.metrics)
         timeout = self.connection.gettimeout()
         self.connection.settimeout(0.0)             # the writer never blocks on one client
         self.serving.writer.attach(stream)

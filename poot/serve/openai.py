@@ -1,7 +1,8 @@
 """The OpenAI API's shapes: validating request bodies and shaping engine outputs into responses.
 
-A request body (already parsed JSON) becomes a `Completion`: prompt token ids, SamplingParams
-and how to shape what comes back (chat or text, streamed or whole, logprobs, tool calls). Every
+A request body (already parsed JSON) becomes a `Completion`: the token ids of its prompts (one,
+or completions' several), SamplingParams, n and how to shape what comes back (chat or text,
+streamed or whole, logprobs, echo, tool calls). Every
 refusal is an `APIError` carrying the OpenAI error body's fields. Tools and response_format are
 structured.py's. This module knows the model's tokenizer and chat template but neither sockets
 (http.py) nor the engine's internals. `names` are the names the model is served under
@@ -12,7 +13,8 @@ import math
 import time
 import uuid
 
-from poot.engine.request import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidRequest, SamplingParams
+from poot.engine.request import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, InvalidRequest,
+                                 SamplingParams, TokenLogprob)
 from poot.errors import TemplateError
 from poot.serve.structured import CallShaper, ToolUse
 from poot.serve.structured import constraint as constraint_of
@@ -81,13 +83,19 @@ def check_model(body, names):
     return name
 
 
-def _refuse_unsupported(body):
+def _choices(body):
+    """n, the choices of each prompt (1..MAX_N); best_of may only say the same."""
     n = _get(body, "n", "int", 1)
-    if n != 1:
-        raise invalid(f"'n' must be 1 (one choice per request), got {n}", "n")
-    best_of = _get(body, "best_of", "int", 1)
-    if best_of != 1:
-        raise invalid(f"'best_of' must be 1, got {best_of}", "best_of")
+    if not 1 <= n <= MAX_N:
+        raise invalid(f"'n' must be between 1 and {MAX_N}, got {n}", "n")
+    best_of = _get(body, "best_of", "int", n)
+    if best_of != n:
+        raise invalid(f"'best_of' (choosing the best of more draws than n) is not supported; "
+                      f"it may only equal n ({n}), got {best_of}", "best_of")
+    return n
+
+
+def _refuse_unsupported(body):
     for name in ("presence_penalty", "frequency_penalty"):
         if _get(body, name, "number", 0) != 0:
             raise invalid(f"'{name}' is not supported (it must be 0 or absent)", name)
@@ -96,14 +104,16 @@ def _refuse_unsupported(body):
 
 
 def _sampling(body, max_tokens_names, logprobs, max_tokens=None, constraint=None,
-              skip_special_tokens=True):
+              skip_special_tokens=True, echo=False):
     """SamplingParams of a request; `max_tokens` where the request names none (None: up to
-    the context)."""
+    the context). With completions' `echo`, max_tokens may be 0 (the prompt alone, scored where
+    logprobs asks), and logprobs scores the prompt's tokens too."""
     for name in max_tokens_names:
         given = _get(body, name, "int")
         if given is not None:
-            if given < 1:
-                raise invalid(f"'{name}' must be at least 1, got {given}", name)
+            if given < 1 and not (echo and given == 0):
+                raise invalid(f"'{name}' must be at least 1 (0 only with 'echo'), got {given}",
+                              name)
             max_tokens = given
             break
     stop = body.get("stop")
@@ -131,7 +141,8 @@ def _sampling(body, max_tokens_names, logprobs, max_tokens=None, constraint=None
             seed=None if seed is None else seed % 2 ** 64,
             stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
             ignore_eos=_get(body, "ignore_eos", "bool", False), logprobs=logprobs,
-            constraint=constraint, skip_special_tokens=skip_special_tokens)
+            constraint=constraint, skip_special_tokens=skip_special_tokens,
+            prompt_logprobs=logprobs if echo else None)
     except InvalidRequest as exc:
         raise from_invalid_request(exc) from None
 
@@ -147,24 +158,30 @@ def _stream_flags(body):
 
 # ---- prompts --------------------------------------------------------------------------------
 
-def _prompt_ids(body, tokenizer):
-    """/v1/completions' prompt: a string or a list of token ids (or a list of one of those)."""
+def _token_ids(value):
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(body, tokenizer, skip_special_tokens=True):
+    """/v1/completions' prompts, each as (token ids, text): `prompt` is a string, a list of
+    token ids, or a list of several of those. A prompt of ids has the text they decode to."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(_check_text(prompt, "prompt"), add_special=True,
-                                parse_special=True)
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(
-            isinstance(p, (str, list)) for p in prompt):
-        raise invalid("several prompts in one request are not supported; send one prompt per "
-                      "request", "prompt")
     if prompt is None:
         raise invalid("'prompt' is required", "prompt")
-    raise invalid("'prompt' must be a string or a non-empty array of token ids", "prompt")
+    several = isinstance(prompt, list) and bool(prompt) and not _token_ids(prompt)
+    out = []
+    for i, p in enumerate(prompt if several else [prompt]):
+        where = f"prompt[{i}]" if several else "prompt"
+        if isinstance(p, str):
+            out.append((tokenizer.encode(_check_text(p, where), add_special=True,
+                                         parse_special=True), p))
+        elif _token_ids(p):
+            out.append((list(p), tokenizer.decode(p, skip_special=skip_special_tokens)))
+        else:
+            raise invalid(f"'{where}' must be a string or a non-empty array of token ids"
+                          + ("" if several else ", or an array of those"), "prompt")
+    return out
 
 
 def chat_messages(body):
@@ -262,31 +279,41 @@ def chat_prompt_ids(model, messages, tool_use=None):
 # ---- requests -------------------------------------------------------------------------------
 
 class Completion:
-    """One validated /v1/completions or /v1/chat/completions request, and its response shapes."""
+    """One validated /v1/completions or /v1/chat/completions request, and its response shapes.
 
-    def __init__(self, kind, model, name, prompt_ids, params, stream, include_usage,
-                 ids_as_tokens=False, tool_use=None):
+    Its choices are n for each prompt, prompt i's choice j having index i * n + j (OpenAI's
+    order); an engine Output says by its index whose it is. With `echo` (completions) each
+    choice's text starts with its prompt's text, and its logprobs with the prompt's tokens."""
+
+    def __init__(self, kind, model, name, prompts, params, stream, include_usage,
+                 ids_as_tokens=False, tool_use=None, n=1, echo=None):
         self.kind = kind                      # "chat" or "text"
         self.name = name                      # the served name responses carry
-        # the reply is read for tool calls where tool_use has a format
-        self.calls = CallShaper(tool_use) if tool_use and tool_use.format else None
+        self.prompts = prompts                # each prompt's token ids
+        self.n = n
+        self.echo = echo                      # each prompt's text, where echoed
+        choices = len(prompts) * n
+        # each choice's reply is read for tool calls where tool_use has a format
+        self.calls = [CallShaper(tool_use) for _ in range(choices)] \
+            if tool_use and tool_use.format else None
         # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", which tells
         # apart tokens whose bytes are no whole characters
         self.ids_as_tokens = ids_as_tokens
         self.model = model
         self.tokenizer = model.tokenizer
-        self.prompt_ids = prompt_ids
         self.params = params
         self.stream = stream
         self.include_usage = include_usage
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text_offset = 0
+        self.text_offsets = [0] * choices
+        self.started = [False] * choices      # a choice's first Output has been shaped
 
     @classmethod
     def chat(cls, body, model, names):
         name = check_model(body, names)
         _refuse_unsupported(body)
+        n = _choices(body)
         logprobs = None
         if _get(body, "logprobs", "bool", False):
             logprobs = _get(body, "top_logprobs", "int", 0)
@@ -302,24 +329,26 @@ class Completion:
                            constraint=constraint_of(body, model, tool_use),
                            skip_special_tokens=not tool_use.keeps_special_tokens(
                                model.tokenizer))
-        return cls("chat", model, name, prompt_ids, params, *_stream_flags(body),
-                   _get(body, "return_tokens_as_token_ids", "bool", False), tool_use)
+        return cls("chat", model, name, [prompt_ids], params, *_stream_flags(body),
+                   _get(body, "return_tokens_as_token_ids", "bool", False), tool_use, n)
 
     @classmethod
     def text(cls, body, model, names):
         name = check_model(body, names)
         _refuse_unsupported(body)
-        if _get(body, "echo", "bool", False):
-            raise invalid("'echo' is not supported", "echo")
+        n = _choices(body)
+        echo = _get(body, "echo", "bool", False)
         if _get(body, "suffix", "str"):
             raise invalid("'suffix' is not supported", "suffix")
         logprobs = _get(body, "logprobs", "int")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise invalid(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
         params = _sampling(body, ("max_tokens",), logprobs, COMPLETION_MAX_TOKENS,
-                           constraint=constraint_of(body, model))
-        return cls("text", model, name, _prompt_ids(body, model.tokenizer), params,
-                   *_stream_flags(body), _get(body, "return_tokens_as_token_ids", "bool", False))
+                           constraint=constraint_of(body, model), echo=echo)
+        prompts = _prompts(body, model.tokenizer)
+        return cls("text", model, name, [ids for ids, _ in prompts], params,
+                   *_stream_flags(body), _get(body, "return_tokens_as_token_ids", "bool", False),
+                   n=n, echo=[text for _, text in prompts] if echo else None)
 
     # ---- shaping ----
 
@@ -330,7 +359,10 @@ class Completion:
         """A token as logprobs name it: its text, or "token_id:N"."""
         return f"token_id:{token_id}" if self.ids_as_tokens else self._text(token_id)
 
-    def _logprobs(self, entries):
+    def _logprobs(self, index, entries):
+        """Choice `index`'s logprobs of TokenLogprob entries in the route's shape (completions:
+        text offsets continue the choice's; a prompt's first token has neither logprob nor
+        top, which come as null)."""
         if entries is None:
             return None
         if self.kind == "chat":
@@ -343,12 +375,26 @@ class Completion:
                                 for e in entries]}
         offsets = []
         for e in entries:
-            offsets.append(self.text_offset)
-            self.text_offset += len(self._text(e.token_id))
+            offsets.append(self.text_offsets[index])
+            self.text_offsets[index] += len(self._text(e.token_id))
         return {"tokens": [self._token(e.token_id) for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token(i): lp for i, lp in e.top} for e in entries],
+                "top_logprobs": [None if e.top is None else {self._token(i): lp for i, lp in e.top}
+                                 for e in entries],
                 "text_offset": offsets}
+
+    def _parts(self, output):
+        """(text, logprob entries or None) of an Output; with echo, a choice's first is led by
+        its prompt's text and, where scored, its prompt's tokens (the first scored by nothing)."""
+        text, entries = output.text, output.logprobs
+        first, self.started[output.index] = not self.started[output.index], True
+        if first and self.echo is not None:
+            i = output.index // self.n
+            text = self.echo[i] + text
+            if output.prompt_logprobs is not None:
+                entries = ([TokenLogprob(self.prompts[i][0], None, None)]
+                           + output.prompt_logprobs + (entries or []))
+        return text, entries
 
     @staticmethod
     def usage(usage):
@@ -361,26 +407,30 @@ class Completion:
         return {"id": self.id, "object": object_, "created": self.created,
                 "model": self.name, "choices": choices}
 
-    def response(self, outputs):
-        """The whole (non-streamed) response from every Output of the request."""
-        text = "".join(o.text for o in outputs)
-        last = outputs[-1]
-        entries = None
+    def response(self, outputs, usage):
+        """The whole (non-streamed) response from every Output of the request and its usage
+        (RequestHandle.usage: the prompts counted once, every choice's tokens)."""
+        by_choice = [[] for _ in self.started]
+        for output in outputs:
+            by_choice[output.index].append(output)
+        body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion",
+                              [self._choice(index, outs) for index, outs in enumerate(by_choice)])
+        body["usage"] = self.usage(usage)
+        return body
+
+    def _choice(self, index, outputs):
+        parts = [self._parts(o) for o in outputs]
+        text = "".join(t for t, _ in parts)
+        logprobs = None
         if self.params.logprobs is not None:
-            entries = [e for o in outputs for e in (o.logprobs or [])]
-        logprobs = self._logprobs(entries)
+            logprobs = self._logprobs(index, [e for _, entries in parts for e in entries or []])
+        reason = outputs[-1].finish_reason
         if self.kind == "chat":
             message, called = ({"role": "assistant", "content": text}, False) \
-                if self.calls is None else self.calls.message(text)
-            choice = {"index": 0, "message": message, "logprobs": logprobs,
-                      "finish_reason": self._finish(last.finish_reason, called)}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs,
-                      "finish_reason": last.finish_reason}
-            body = self._envelope("text_completion", [choice])
-        body["usage"] = self.usage(last.usage)
-        return body
+                if self.calls is None else self.calls[index].message(text)
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": self._finish(reason, called)}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def _chunk(self, choices):
         chunk = self._envelope("chat.completion.chunk" if self.kind == "chat"
@@ -390,11 +440,12 @@ class Completion:
         return chunk
 
     def first_chunks(self):
-        """Chunks sent before any token: chat's first chunk carries the role."""
+        """Chunks sent before any token: chat's first chunk of each choice carries the role."""
         if self.kind != "chat":
             return []
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])]
+        return [self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+                for index in range(len(self.started))]
 
     @staticmethod
     def _finish(reason, called):
@@ -403,30 +454,36 @@ class Completion:
 
     def chunks(self, output):
         """The stream chunks for one Output (none while its text is held back)."""
-        has_logprobs = bool(output.logprobs)
-        content, calls = output.text, []
+        index = output.index
+        content, entries = self._parts(output)
+        has_logprobs = bool(entries)
+        calls = []
         if self.calls is not None:
-            content, calls = self.calls.push(output.text, output.finish_reason is not None)
+            content, calls = self.calls[index].push(content, output.finish_reason is not None)
         if not content and not calls and not has_logprobs and output.finish_reason is None:
             return []
-        logprobs = self._logprobs(output.logprobs) if has_logprobs else None
+        logprobs = self._logprobs(index, entries) if has_logprobs else None
         if self.kind == "chat":
             delta = {"content": content} if content or has_logprobs else {}
             if calls:
                 delta["tool_calls"] = calls
             finish = output.finish_reason
             if finish is not None and self.calls is not None:
-                finish = self._finish(finish, self.calls.count > 0)
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                finish = self._finish(finish, self.calls[index].count > 0)
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": output.text, "logprobs": logprobs,
+            choice = {"index": index, "text": content, "logprobs": logprobs,
                       "finish_reason": output.finish_reason}
-        chunks = [self._chunk([choice])]
-        if output.finish_reason is not None and self.include_usage:
-            final = self._envelope(chunks[0]["object"], [])
-            final["usage"] = self.usage(output.usage)
-            chunks.append(final)
-        return chunks
+        return [self._chunk([choice])]
+
+    def usage_chunk(self, usage):
+        """The stream's last chunk where stream_options.include_usage asks: no choices, the
+        request's usage."""
+        final = self._envelope("chat.completion.chunk" if self.kind == "chat"
+                               else "text_completion", [])
+        final["usage"] = self.usage(usage)
+        return final
 
 
 # ---- the small routes -----------------------------------------------------------------------

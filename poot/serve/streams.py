@@ -31,45 +31,57 @@ def event(obj):
 END = event(b"[DONE]") + b"0\r\n\r\n"
 
 
-class Stream:
-    """One streamed response: the outputs of `handles` (one request) encoded by `request`
-    into the socket `sock`, then [DONE]. `done` is set once all is sent, or the client is
-    gone (`gone`)."""
+def time_token(metrics, started, output):
+    """Times an Output's token: a request's first is its time to first token, the others the
+    gaps between tokens; a later choice's first (timed from the request too) is neither.
+    `started`: the choices (Output.index) that have given a token."""
+    if output.token_ids and output.elapsed is not None:
+        if output.index in started or not started:
+            metrics.observe_token(not started, output.elapsed)
+        started.add(output.index)
 
-    def __init__(self, sock, request, handles, metrics):
-        self.sock, self.request, self.handles, self.metrics = sock, request, handles, metrics
+
+class Stream:
+    """One streamed response: the outputs of `handle` (one request, each of its choices)
+    encoded by `request` into the socket `sock`, then the usage where asked and [DONE].
+    `done` is set once all is sent, or the client is gone (`gone`)."""
+
+    def __init__(self, sock, request, handle, metrics):
+        self.sock, self.request, self.handle, self.metrics = sock, request, handle, metrics
         self.out = bytearray()
-        self.open = len(handles)            # handles that have not ended
-        self.first = True
+        self.open = len(handle.seq_ids)     # choices whose last output is not encoded yet
+        self.ended = False                  # every output encoded
+        self.started = set()
         self.gone = False
         self.done = threading.Event()
         self.lock = threading.Lock()        # held while the socket is written or given up
 
     def add(self, item):
-        """Encodes one output of a handle (or the error that ended it)."""
-        if self.open == 0:
+        """Encodes one output of the request (or the error that ended it)."""
+        if self.ended:
             return
         try:
             if isinstance(item, BaseException):
                 self.out += event(APIError(500, str(item), "server_error", None,
                                            "engine_failed").body())
-                self.open = 0
+                self.ended = True
             else:
-                if item.token_ids and item.elapsed is not None:
-                    self.metrics.observe_token(self.first, item.elapsed)
-                    self.first = False
+                time_token(self.metrics, self.started, item)
                 for chunk in self.request.chunks(item):
                     self.out += event(chunk)
                 self.open -= item.finish_reason is not None
+                if self.open == 0:          # (the handle may be ahead: it is the engine's)
+                    if self.request.include_usage:
+                        self.out += event(self.request.usage_chunk(self.handle.usage))
+                    self.ended = True
         except Exception as exc:            # a bug shaping one response ends it alone
             log.error("a stream's output could not be written", exc_info=exc)
             self.out += event(APIError(500, f"{type(exc).__name__}: {exc}", "server_error",
                                        None, "server_error").body())
-            self.open = 0
-        if self.open == 0:
+            self.ended = True
+        if self.ended:
             self.out += END
-            for handle in self.handles:
-                handle.cancel()             # the others of a failed request
+            self.handle.cancel()            # the choices left of a failed request
 
     def send(self):
         """Sends what the socket takes now; False while bytes wait for a full buffer."""
@@ -84,7 +96,7 @@ class Stream:
             except OSError:
                 self.give_up()
                 return True
-            if self.open == 0:
+            if self.ended:
                 self.done.set()
             return True
 
@@ -92,8 +104,7 @@ class Stream:
         """The client is gone: nothing more is written and the request ends (call with
         `lock` held, so the writer is not writing the socket meanwhile)."""
         self.gone = True
-        for handle in self.handles:
-            handle.cancel()
+        self.handle.cancel()
         self.done.set()
 
 
@@ -113,8 +124,7 @@ class Writer:
                 self._thread = threading.Thread(target=self._run, name="poot-writer",
                                                 daemon=True)
                 self._thread.start()
-        for handle in stream.handles:
-            handle.listen(lambda _, item: self._push(stream, item))
+        stream.handle.listen(lambda _, item: self._push(stream, item))
 
     def _push(self, stream, item):
         """On the engine's thread: queue an output for the writer."""

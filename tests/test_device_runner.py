@@ -11,9 +11,10 @@ from poot.backends.select import open_device
 from poot.codegen.ptx import PTX_CAPS
 from poot.engine import kernel_choice
 from poot.engine.kernel_choice import DEQUANT_PAST_TOKENS, MMA_MIN_TOKENS, MULTIPROCESSORS
+from poot.engine import device_runner
 from poot.engine.device_runner import Allocation, DeviceRunner
-from poot.engine.batch import SamplingRows, StepBatch
-from poot.engine.sampling import choice_args, choose, sample
+from poot.engine.batch import LogitEdits, SamplingRows, StepBatch
+from poot.engine.sampling import choice_args, choose, edit_logits, sample
 from poot.errors import BackendUnavailable
 from poot.kernels import lang, matmul, ops
 from poot.kernels.quant import DEVICE_DTYPES
@@ -189,36 +190,102 @@ def test_rows_that_report_no_logprobs_are_sampled_from_their_own_candidates(devi
     assert np.allclose(got.top_logprobs[reports], want.top_logprobs[reports], rtol=0, atol=1e-4)
 
 
-def test_constrained_rows_are_sampled_on_the_host_among_their_tokens(device, monkeypatch):
-    """Rows with a mask (SamplingRows.masks) take sample()'s token of the same step's logits,
-    read back for them alone; the rows beside them keep their own way (greedy from the
-    device's argmax, sampled from candidates), with and without log probabilities."""
+def random_edits(rng, n_rows, vocab, counts, bans=None):
+    """LogitEdits of n_rows rows, {row: how many edits} of random tokens: repeats both sides of
+    1, adds of both signs, a tenth of them bans; `bans` {row: tokens} bans those tokens too."""
+    rows = {}
+    for r, count in counts.items():
+        banned = np.asarray((bans or {}).get(r, []), np.int64)
+        tokens = np.concatenate([banned, rng.choice(np.setdiff1d(np.arange(vocab), banned),
+                                                    count - len(banned), replace=False)])
+        add = rng.standard_normal(count).astype(np.float32) * 2
+        add[rng.random(count) < 0.1] = -np.inf
+        add[:len(banned)] = -np.inf
+        rows[r] = (tokens, rng.uniform(0.5, 2, count), add)
+    return LogitEdits.of(n_rows, rows)
+
+
+def random_masks(rng, masked, vocab):
+    """(masks, masked) of SamplingRows: the masked rows allow 40 random tokens each."""
+    words = -(-vocab // 32)
+    allowed = np.zeros((len(masked), words * 32), bool)
+    for r in np.flatnonzero(masked):
+        allowed[r, rng.choice(vocab, 40, replace=False)] = True
+    masks = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
+    masks[~masked] = 0xFFFFFFFF
+    return masks, masked
+
+
+def test_rows_with_masks_and_edits_are_edited_on_the_device(device, monkeypatch):
+    """Rows with a mask (SamplingRows.masks), with edits (SamplingRows.edits: penalties, biases,
+    bans), with both, beside rows with neither: the device edits the step's logits in place as
+    sampling.edit_logits defines, and each row takes sample()'s token of the edited logits,
+    with and without log probabilities (the rows at other temperatures than 1 reporting none),
+    from the device's argmax or candidates; no row reads its logits back, so a constrained row
+    costs the others nothing."""
     n = 6
     runner, rng, batch_of, read = decoding(device, n, monkeypatch)
-    words = -(-runner.vocab_size // 32)
     masked = np.array([False, True, False, True, True, False])
     for decode, logprobs in enumerate((False, True)):
-        allowed = np.zeros((n, words * 32), bool)
-        for r in np.flatnonzero(masked):
-            allowed[r, rng.choice(runner.vocab_size, 40, replace=False)] = True
-        masks = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
-        masks[~masked] = 0xFFFFFFFF
-        rows = SamplingRows(temperature=np.array([0, 0, 0.8, 1, 0, 0], np.float32),
-                            top_k=np.array([0, 0, 5, 0, 0, 0], np.int32),
+        rows = SamplingRows(temperature=np.array([0, 0, 0.8, 1, 0, 0.7], np.float32),
+                            top_k=np.array([0, 0, 5, 10, 0, 20], np.int32),
                             top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32),
                             seed=rng.integers(0, 2**63, n).astype(np.uint64),
                             step=np.arange(n, dtype=np.int64), n_logprobs=2 * logprobs,
-                            logprobs=logprobs, masks=masks, masked=masked)
+                            logprobs=logprobs, reports=np.array([1, 1, 0, 1, 1, 0], bool))
+        rows.masks, rows.masked = random_masks(rng, masked, runner.vocab_size)
         batch = batch_of(decode, rows)
+        raw = runner.logits(StepBatch(batch.tokens, batch.positions, batch.seq_rows,
+                                      batch.block_tables, batch.sample_tokens,
+                                      SamplingRows.greedy(n)))
+        top = np.argsort(-raw, axis=1)[:, :3]
+        rows.edits = random_edits(rng, n, runner.vocab_size, {2: 300, 3: 50, 5: 20},
+                                  bans={5: top[5]})
         read.clear()
         got = runner.step(batch)
-        assert read.count(runner._output_name()) >= masked.sum(), read
-        want = sample(runner.logits(batch), rows)   # the same step again: the same logits
+        assert runner._output_name() not in read, read
+        edited = runner.logits(batch)   # the same step again: the same logits, edited
+        np.testing.assert_allclose(edited, edit_logits(raw, rows), rtol=3e-7, atol=0)
+        want = sample(edited, rows)
         assert got.tokens.tolist() == want.tokens.tolist()
-        assert all(allowed[r, got.tokens[r]] for r in np.flatnonzero(masked))
+        assert all(rows.masks[r, t // 32] >> (t % 32) & 1
+                   for r, t in enumerate(got.tokens) if masked[r])
+        assert got.tokens[5] not in top[5]
         if logprobs:
-            assert np.allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
-            assert got.top_ids.tolist() == want.top_ids.tolist()
+            reports = rows.reports
+            assert np.allclose(got.logprobs[reports], want.logprobs[reports], rtol=0, atol=1e-4)
+            assert got.top_ids[reports].tolist() == want.top_ids[reports].tolist()
+
+
+def test_rows_whose_edits_do_not_fit_are_edited_and_sampled_on_the_host(device, monkeypatch):
+    """With room for 64 edits a step (4 a row), a row of 40 fits, the next row of 40 does not
+    (it and its mask are left to the host: its logits are read back, edited by the definition
+    and sampled), and a later row of 10 still fits: every row gets sample()'s token of the
+    edited logits, and runner.logits gives every row edited."""
+    n = 4
+    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    monkeypatch.setattr(device_runner, "EDITS_PER_ROW", 64 // runner.max_seqs)
+    rows = SamplingRows(temperature=np.array([0, 1, 1, 0], np.float32),
+                        top_k=np.array([0, 0, 30, 0], np.int32), top_p=np.ones(n, np.float32),
+                        min_p=np.zeros(n, np.float32),
+                        seed=rng.integers(0, 2**63, n).astype(np.uint64),
+                        step=np.arange(n, dtype=np.int64), n_logprobs=1, logprobs=True)
+    rows.masks, rows.masked = random_masks(rng, np.array([False, True, True, False]),
+                                           runner.vocab_size)
+    batch = batch_of(0, rows)
+    raw = runner.logits(StepBatch(batch.tokens, batch.positions, batch.seq_rows,
+                                  batch.block_tables, batch.sample_tokens,
+                                  SamplingRows.greedy(n)))
+    rows.edits = random_edits(rng, n, runner.vocab_size, {0: 40, 2: 40, 3: 10})
+    read.clear()
+    got = runner.step(batch)
+    assert runner._edit_state() == (True, [2])
+    assert read.count(runner._output_name()) == 1, read      # the host's row
+    edited = runner.logits(batch)
+    np.testing.assert_allclose(edited, edit_logits(raw, rows), rtol=3e-7, atol=0)
+    want = sample(edited, rows)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert np.allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
 
 
 def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):

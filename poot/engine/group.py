@@ -186,3 +186,6 @@ class GroupRunner(StepRunner):
 
     def _output_name(self):
         return self.head._output_name()
+
+    def _edit_state(self):
+        return self.head._edit_state()

@@ -7,7 +7,7 @@ scheduler's business. Device runners implement the same interface.
 import numpy as np
 
 from ..ir.reference import ReferenceInterpreter
-from .sampling import sample
+from .sampling import edit_logits, sample
 
 
 class ReferenceRunner:
@@ -24,13 +24,14 @@ class ReferenceRunner:
         self.interpreter = ReferenceInterpreter(self.graph, model.weight_array, state)
 
     def logits(self, batch):
-        """Runs the step and returns the logits of the sampled rows, float32 [R, vocab]."""
+        """Runs the step and returns the logits of the sampled rows as sampling sees them
+        (sampling.edit_logits: their edits and masks applied), float32 [R, vocab]."""
         if batch.positions.size and int(batch.positions.max()) >= self.num_blocks * self.block_size:
             raise ValueError("a position lies beyond the KV cache")
         inputs = {"tokens": batch.tokens, "positions": batch.positions,
                   "seq_rows": batch.seq_rows, "block_tables": batch.block_tables,
                   "sample_tokens": batch.sample_tokens}
-        return self.interpreter.run(inputs)["logits"]
+        return edit_logits(self.interpreter.run(inputs)["logits"], batch.sampling)
 
     def step(self, batch):
         if self.faults is not None:

@@ -389,6 +389,52 @@ def test_engine_serves_prompts_of_several_chunks(tmp_path, device):
     assert served(runner, together=True) == want
 
 
+def test_penalties_biases_and_min_tokens_give_the_reference_engines_tokens(tmp_path, device):
+    """Requests with penalties, logit biases (a ban among them) and min_tokens, greedy and
+    seeded, batched on the device (their edits applied there), give the tokens the reference
+    engine gives each alone; min_tokens holds off the end-of-sequence token that a bias of +50
+    makes the greedy choice, until its fifth token."""
+    from poot.engine.request import SamplingParams
+    from poot.engine.engine import Engine
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    rng = np.random.default_rng(8)            # a fixed draw, as in the tests above
+    prompts = [rng.integers(3, 300, n).tolist() for n in (9, 30, 5, 14)]
+    eos = min(model.tokenizer.eos_ids)
+    params = [SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.8,
+                             frequency_penalty=0.5, presence_penalty=0.4, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, logit_bias={eos: 50.0},
+                             min_tokens=5),
+              SamplingParams(max_tokens=10, temperature=0.9, seed=7, top_k=40,
+                             frequency_penalty=-1.5, logit_bias={17: 4.0, 18: -100.0},
+                             ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
+    alone = Engine(model.runner(None, num_blocks=64), model.tokenizer)
+    want = [[t for o in alone.generate(p, q) for t in o.token_ids]
+            for p, q in zip(prompts, params)]
+    assert want[1][5:] == [eos] and eos not in want[1][:5] and 18 not in want[2]
+    runner = model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4)
+    engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32)
+    launched, launch = [], device.launch
+
+    def recorded(program, kernel, grid, args):
+        launched.append(kernel.name)
+        return launch(program, kernel, grid, args)
+    device.launch = recorded
+    try:
+        plain = engine.submit(prompts[3], params[3])
+        engine.run_until_idle()
+        assert "logit_edits" not in launched        # steps without edits launch nothing more
+        assert [t for o in plain for t in o.token_ids] == want[3]
+        handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
+        engine.run_until_idle()
+    finally:
+        del device.launch
+    assert [[t for o in h for t in o.token_ids] for h in handles] == want
+    assert "logit_edits" in launched
+    if "capture" in device.features:      # a bucket's decode steps recorded with and without
+        assert {key[-1] for key in runner.graphs} == {False, True}
+
+
 def test_prompts_sharing_a_start_read_its_cached_blocks_on_the_device(tmp_path, device):
     """Prefix caching on a device: requests whose prompts share a 48-token start take its KV
     blocks (three of 16) from the one that computed it, read through their block tables, and

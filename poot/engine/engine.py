@@ -165,6 +165,10 @@ class Engine:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary "
                                  f"(0..{self.runner.vocab_size - 1})", "prompt")
+        bad = [t for t in params.logit_bias or () if t >= self.runner.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside the vocabulary "
+                                 f"(0..{self.runner.vocab_size - 1})", "logit_bias")
         room = self.context_limit - len(prompt)
         if room < 1:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this server's context "

@@ -17,8 +17,9 @@ import logging
 
 import numpy as np
 
-from poot.engine.batch import SamplingRows, StepBatch
+from poot.engine.batch import LogitEdits, SamplingRows, StepBatch
 from poot.engine.kvcache import BlockAllocator
+from poot.engine.logit_controls import LogitControls
 
 log = logging.getLogger("poot.engine")
 
@@ -37,6 +38,9 @@ class Scheduler:
         self.preemptions_total = 0
 
     def add(self, seq):
+        ends = tuple(seq.params.stop_token_ids) + (() if seq.params.ignore_eos
+                                                   else tuple(seq.eos_ids))
+        seq.controls = LogitControls.of(seq.params, seq.prompt, ends, self.vocab_size)
         self.waiting.append(seq)
         self.prompt_tokens_total += len(seq.prompt)
 
@@ -196,6 +200,10 @@ class Scheduler:
             logprobs=any(p.logprobs is not None for p in params),
             reports=np.array([p.logprobs is not None for p in params], bool))
         sampling.masks, sampling.masked = self._masks(sampled)
+        edits = {r: seq.controls.edits(seq.num_generated) for r, seq in enumerate(sampled)
+                 if seq.controls is not None}
+        if edits:
+            sampling.edits = LogitEdits.of(len(sampled), edits)
         batch = StepBatch(tokens=np.array(tokens, np.int32),
                           positions=np.array(positions, np.int32),
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,

@@ -948,7 +948,8 @@ def test_argmax(device, chunks):
 def test_logit_edits(device):
     """A step's rows edited in place as sampling.edit_logits defines: a row with edits (past a
     workgroup's worth, bans among them), one with a mask, one with both (masked tokens among
-    its edits), one with neither (left as it was); the vocabulary not a multiple of 32."""
+    its edits), one with neither (left as it was); the vocabulary not a multiple of 32; each
+    row by one workgroup and by three."""
     R, n = 5, 4999
     words = -(-n // 32)
     logits = (rng.standard_normal((R, n)) * 4).astype(np.float32)
@@ -970,10 +971,11 @@ def test_logit_edits(device):
     rows.masks = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
     rows.masks[~rows.masked] = 0xFFFFFFFF
     mask_of = np.array([-1, 0, 1, -1, -1], np.int32)
-    got = run(device, ops.logit_edits(), (R,), logits, rows.edits.row_start, rows.edits.tokens,
-              rows.edits.repeat, rows.edits.add, mask_of, rows.masks[rows.masked], n,
-              words)["logits"]
     want = edit_logits(logits, rows)
-    assert np.array_equal(got == BANNED, want == BANNED)
-    assert np.array_equal(got[3], logits[3])
-    np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)   # a division: 2.5 ulp in Vulkan
+    for parts in (1, 3):            # a row over one workgroup, over several
+        got = run(device, ops.logit_edits(), (R, parts), logits, rows.edits.row_start,
+                  rows.edits.tokens, rows.edits.repeat, rows.edits.add, mask_of,
+                  rows.masks[rows.masked], n, words)["logits"]
+        assert np.array_equal(got == BANNED, want == BANNED)
+        assert np.array_equal(got[3], logits[3])
+        np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)   # a division: 2.5 ulp (Vulkan)

@@ -33,6 +33,7 @@ from .step_runner import StepRunner
 # A step's logit edits the device holds (SamplingRows.edits): this many a row, the rows' room
 # pooled, so one row may take several rows' share; a step's rows past it are edited on the host
 EDITS_PER_ROW = 4096
+EDIT_TOKENS = 8192      # a row's tokens one logit_edits workgroup masks
 
 
 @dataclass(frozen=True)
@@ -435,7 +436,8 @@ class DeviceRunner(StepRunner):
         if not (self._edited and R):
             return
         B = self.buffers
-        self._launch(ops.logit_edits(), (R,), self._buffer(self.graph.outputs["logits"]),
+        parts = -(-self.vocab_size // EDIT_TOKENS)
+        self._launch(ops.logit_edits(), (R, parts), self._buffer(self.graph.outputs["logits"]),
                      B["edit_starts"], B["edit_tokens"], B["edit_repeat"], B["edit_add"],
                      B["edit_mask_of"], B["edit_masks"], self.vocab_size, self._mask_words())
 

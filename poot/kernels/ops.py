@@ -606,27 +606,30 @@ def logit_edits():
     is not -1, every token whose bit is 0 in row mask_of[r] of `masks` (bit t % 32 of word
     t // 32, `words` words a row) becomes LOWEST. A row names each token at most once. The
     thread that edits a token applies the mask to it too, so the two passes never race: a token
-    both touch gets LOWEST from both. A row without edits or a mask does nothing. grid (R)."""
+    both touch gets LOWEST from both. Workgroup (r, c) of grid (R, parts) takes every parts-th
+    workgroup's share of row r's edits and tokens, so a row of a large vocabulary is spread
+    over several; a row without edits or a mask does nothing."""
     k = KernelBuilder("logit_edits", (WG,))
     logits = k.buffer("logits", F32, "rw")
     row_start, tokens = k.buffer("row_start", I32), k.buffer("tokens", I32)
     repeat, add = k.buffer("repeat", F32), k.buffer("add", F32)
     mask_of, masks = k.buffer("mask_of", I32), k.buffer("masks", U32)
     n, words = k.scalar("n", I32), k.scalar("words", I32)
-    r, tid = k.block_id(), k.thread_id()
+    r, first = k.block_id(), k.block_id(1) * WG + k.thread_id()
+    stride = k.num_blocks(1) * WG
     m = mask_of[r]
     row, mask_row = r * n, k.max(m, 0) * words     # no mask: row 0 is read, and not used
 
     def banned(t):
         return (m >= 0) & ((masks[mask_row + (t >> 5)] >> (t & 31)) & 1).eq(0)
 
-    with k.for_(row_start[r] + tid, row_start[r + 1], WG) as j:
+    with k.for_(row_start[r] + first, row_start[r + 1], stride) as j:
         t = tokens[j]
         x, scale = logits[row + t], repeat[j]
         edited = k.max(k.select(x > 0.0, x / scale, x * scale) + add[j], LOWEST)
         logits[row + t] = k.select(banned(t), LOWEST, edited)
     with k.if_(m >= 0):
-        with k.for_(tid, n, WG) as t:
+        with k.for_(first, n, stride) as t:
             with k.if_(banned(t)):
                 logits[row + t] = LOWEST
     return k.build()

@@ -367,14 +367,15 @@ class DeviceRunner(StepRunner):
         parts, masked, room = [], [], self.max_seqs * EDITS_PER_ROW
         for r in range(R):
             count = 0 if edits is None else edits.count(r)
+            starts[r + 1] = starts[r]
             if count > room:
                 self._host_edits.append(r)
-                count = 0
-            elif count:
+                continue
+            if count:
                 parts.append(edits.row(r))
+                starts[r + 1] += count
                 room -= count
-            starts[r + 1] = starts[r] + count
-            if rows.masked is not None and rows.masked[r] and r not in self._host_edits:
+            if rows.masked is not None and rows.masked[r]:
                 mask_of[r] = len(masked)
                 masked.append(r)
         starts[R + 1:] = starts[R]

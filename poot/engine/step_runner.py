@@ -159,8 +159,8 @@ class StepRunner:
         return _tokens_only(np.array(tokens, np.int32))
 
     def _step_with_logprobs(self, R, rows):
-        """The tokens and log probabilities (of the edited logits) of the last step's R rows, from
-        their candidates: a row that reports log probabilities from candidates with sums at
+        """The tokens and log probabilities (of the edited logits) of the last step's R rows,
+        from their candidates: a row that reports log probabilities from candidates with sums at
         temperature 1 (sampling.logprobs_among), a row that does not (rows.reports) from
         candidates at its own temperature (choose_among); only the rows those cannot decide
         are taken from the logits read back (sampling.sample_row)."""

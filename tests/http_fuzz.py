@@ -31,7 +31,8 @@ RAW_VALUES = [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e400", b"7" * 500
 COMPLETION_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "logprobs", "n", "best_of",
                      "echo", "stream", "stream_options", "presence_penalty",
-                     "frequency_penalty", "logit_bias", "suffix", "model", "user")
+                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                     "suffix", "model", "user")
 CHAT_FIELDS = COMPLETION_FIELDS[1:] + ("messages", "max_completion_tokens", "top_logprobs",
                                        "tools", "tool_choice", "response_format")
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")

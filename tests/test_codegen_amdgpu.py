@@ -47,7 +47,7 @@ def runner_kernels(wavefront):
                 ops.attention_split(wavefront, 64), ops.attention_split(wavefront, 128),
             ops.attention(wavefront, 128, 4), ops.attention_split(wavefront, 128, 4),
                 ops.attention_combine(64), ops.attention_combine(128), ops.argmax(wavefront),
-                ops.argmax_chunks(wavefront), ops.top_candidates(wavefront)]
+                ops.argmax_chunks(wavefront), ops.top_candidates(wavefront), ops.logit_edits()]
     kernels += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     kernels += [ops.all_gather(w) for w in (2, 8)]
     return kernels

@@ -11,9 +11,10 @@ from poot.backends.select import open_device
 from poot.codegen.ptx import PTX_CAPS
 from poot.engine import kernel_choice
 from poot.engine.kernel_choice import DEQUANT_PAST_TOKENS, MMA_MIN_TOKENS, MULTIPROCESSORS
+from poot.engine import device_runner
 from poot.engine.device_runner import Allocation, DeviceRunner
-from poot.engine.batch import SamplingRows, StepBatch
-from poot.engine.sampling import choice_args, choose, sample
+from poot.engine.batch import LogitEdits, SamplingRows, StepBatch
+from poot.engine.sampling import choice_args, choose, edit_logits, sample
 from poot.errors import BackendUnavailable
 from poot.kernels import lang, matmul, ops
 from poot.kernels.quant import DEVICE_DTYPES
@@ -189,67 +190,102 @@ def test_rows_that_report_no_logprobs_are_sampled_from_their_own_candidates(devi
     assert np.allclose(got.top_logprobs[reports], want.top_logprobs[reports], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("k", [5, 20])
-def test_forced_rows_score_their_token_from_candidates_or_the_row_read_back(device,
-                                                                             monkeypatch, k):
-    """Rows forced to a token (a prompt position scored: SamplingRows.forced) give sample()'s
-    output on the same step's full logits, the k best alternatives up to 20 (OpenAI's most):
-    from the candidates where the token is one of them (its best), from the row read back
-    where it is not (a token of the worst); rows beside them sample as ever."""
-    n = 6
-    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
-    rows = SamplingRows(temperature=np.array([0, 0, 1, 0, 0, 0.8], np.float32),
-                        top_k=np.array([0, 0, 5, 0, 0, 3], np.int32),
-                        top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32),
-                        seed=rng.integers(0, 2**63, n).astype(np.uint64),
-                        step=np.arange(n, dtype=np.int64), n_logprobs=k, logprobs=True,
-                        reports=np.array([True, True, True, True, True, False]))
-    batch = batch_of(0, rows)
-    logits = runner.logits(batch)           # the step once: its logits, for tokens to force
-    best_ones, worst = np.argmax(logits, axis=1), np.argmin(logits, axis=1)
-    rows.forced = np.array([best_ones[0], worst[1], -1, best_ones[3], worst[4], -1], np.int32)
-    read.clear()
-    got = runner.step(batch)
-    assert read.count(runner._output_name()) == 2, read         # the two worst, alone
-    want = sample(runner.logits(batch), rows)   # the same step again: the same logits
-    assert got.tokens.tolist() == want.tokens.tolist()
-    assert got.tokens[[0, 1, 3, 4]].tolist() == rows.forced[[0, 1, 3, 4]].tolist()
-    reports = rows.reports
-    assert got.top_ids[reports].tolist() == want.top_ids[reports].tolist()
-    assert np.allclose(got.logprobs[reports], want.logprobs[reports], rtol=0, atol=1e-4)
-    assert np.allclose(got.top_logprobs[reports], want.top_logprobs[reports], rtol=0, atol=1e-4)
+def random_edits(rng, n_rows, vocab, counts, bans=None):
+    """LogitEdits of n_rows rows, {row: how many edits} of random tokens: repeats both sides of
+    1, adds of both signs, a tenth of them bans; `bans` {row: tokens} bans those tokens too."""
+    rows = {}
+    for r, count in counts.items():
+        banned = np.asarray((bans or {}).get(r, []), np.int64)
+        tokens = np.concatenate([banned, rng.choice(np.setdiff1d(np.arange(vocab), banned),
+                                                    count - len(banned), replace=False)])
+        add = rng.standard_normal(count).astype(np.float32) * 2
+        add[rng.random(count) < 0.1] = -np.inf
+        add[:len(banned)] = -np.inf
+        rows[r] = (tokens, rng.uniform(0.5, 2, count), add)
+    return LogitEdits.of(n_rows, rows)
 
 
-def test_constrained_rows_are_sampled_on_the_host_among_their_tokens(device, monkeypatch):
-    """Rows with a mask (SamplingRows.masks) take sample()'s token of the same step's logits,
-    read back for them alone; the rows beside them keep their own way (greedy from the
-    device's argmax, sampled from candidates), with and without log probabilities."""
+def random_masks(rng, masked, vocab):
+    """(masks, masked) of SamplingRows: the masked rows allow 40 random tokens each."""
+    words = -(-vocab // 32)
+    allowed = np.zeros((len(masked), words * 32), bool)
+    for r in np.flatnonzero(masked):
+        allowed[r, rng.choice(vocab, 40, replace=False)] = True
+    masks = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
+    masks[~masked] = 0xFFFFFFFF
+    return masks, masked
+
+
+def test_rows_with_masks_and_edits_are_edited_on_the_device(device, monkeypatch):
+    """Rows with a mask (SamplingRows.masks), with edits (SamplingRows.edits: penalties, biases,
+    bans), with both, beside rows with neither: the device edits the step's logits in place as
+    sampling.edit_logits defines, and each row takes sample()'s token of the edited logits,
+    with and without log probabilities (the rows at other temperatures than 1 reporting none),
+    from the device's argmax or candidates; no row reads its logits back, so a constrained row
+    costs the others nothing."""
     n = 6
     runner, rng, batch_of, read = decoding(device, n, monkeypatch)
-    words = -(-runner.vocab_size // 32)
     masked = np.array([False, True, False, True, True, False])
     for decode, logprobs in enumerate((False, True)):
-        allowed = np.zeros((n, words * 32), bool)
-        for r in np.flatnonzero(masked):
-            allowed[r, rng.choice(runner.vocab_size, 40, replace=False)] = True
-        masks = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
-        masks[~masked] = 0xFFFFFFFF
-        rows = SamplingRows(temperature=np.array([0, 0, 0.8, 1, 0, 0], np.float32),
-                            top_k=np.array([0, 0, 5, 0, 0, 0], np.int32),
+        rows = SamplingRows(temperature=np.array([0, 0, 0.8, 1, 0, 0.7], np.float32),
+                            top_k=np.array([0, 0, 5, 10, 0, 20], np.int32),
                             top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32),
                             seed=rng.integers(0, 2**63, n).astype(np.uint64),
                             step=np.arange(n, dtype=np.int64), n_logprobs=2 * logprobs,
-                            logprobs=logprobs, masks=masks, masked=masked)
+                            logprobs=logprobs, reports=np.array([1, 1, 0, 1, 1, 0], bool))
+        rows.masks, rows.masked = random_masks(rng, masked, runner.vocab_size)
         batch = batch_of(decode, rows)
+        raw = runner.logits(StepBatch(batch.tokens, batch.positions, batch.seq_rows,
+                                      batch.block_tables, batch.sample_tokens,
+                                      SamplingRows.greedy(n)))
+        top = np.argsort(-raw, axis=1)[:, :3]
+        rows.edits = random_edits(rng, n, runner.vocab_size, {2: 300, 3: 50, 5: 20},
+                                  bans={5: top[5]})
         read.clear()
         got = runner.step(batch)
-        assert read.count(runner._output_name()) >= masked.sum(), read
-        want = sample(runner.logits(batch), rows)   # the same step again: the same logits
+        assert runner._output_name() not in read, read
+        edited = runner.logits(batch)   # the same step again: the same logits, edited
+        np.testing.assert_allclose(edited, edit_logits(raw, rows), rtol=3e-7, atol=0)
+        want = sample(edited, rows)
         assert got.tokens.tolist() == want.tokens.tolist()
-        assert all(allowed[r, got.tokens[r]] for r in np.flatnonzero(masked))
+        assert all(rows.masks[r, t // 32] >> (t % 32) & 1
+                   for r, t in enumerate(got.tokens) if masked[r])
+        assert got.tokens[5] not in top[5]
         if logprobs:
-            assert np.allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
-            assert got.top_ids.tolist() == want.top_ids.tolist()
+            reports = rows.reports
+            assert np.allclose(got.logprobs[reports], want.logprobs[reports], rtol=0, atol=1e-4)
+            assert got.top_ids[reports].tolist() == want.top_ids[reports].tolist()
+
+
+def test_rows_whose_edits_do_not_fit_are_edited_and_sampled_on_the_host(device, monkeypatch):
+    """With room for 64 edits a step (4 a row), a row of 40 fits, the next row of 40 does not
+    (it and its mask are left to the host: its logits are read back, edited by the definition
+    and sampled), and a later row of 10 still fits: every row gets sample()'s token of the
+    edited logits, and runner.logits gives every row edited."""
+    n = 4
+    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    monkeypatch.setattr(device_runner, "EDITS_PER_ROW", 64 // runner.max_seqs)
+    rows = SamplingRows(temperature=np.array([0, 1, 1, 0], np.float32),
+                        top_k=np.array([0, 0, 30, 0], np.int32), top_p=np.ones(n, np.float32),
+                        min_p=np.zeros(n, np.float32),
+                        seed=rng.integers(0, 2**63, n).astype(np.uint64),
+                        step=np.arange(n, dtype=np.int64), n_logprobs=1, logprobs=True)
+    rows.masks, rows.masked = random_masks(rng, np.array([False, True, True, False]),
+                                           runner.vocab_size)
+    batch = batch_of(0, rows)
+    raw = runner.logits(StepBatch(batch.tokens, batch.positions, batch.seq_rows,
+                                  batch.block_tables, batch.sample_tokens,
+                                  SamplingRows.greedy(n)))
+    rows.edits = random_edits(rng, n, runner.vocab_size, {0: 40, 2: 40, 3: 10})
+    read.clear()
+    got = runner.step(batch)
+    assert runner._edit_state() == (True, [2])
+    assert read.count(runner._output_name()) == 1, read      # the host's row
+    edited = runner.logits(batch)
+    np.testing.assert_allclose(edited, edit_logits(raw, rows), rtol=3e-7, atol=0)
+    want = sample(edited, rows)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert np.allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-4)
 
 
 def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):
@@ -353,6 +389,52 @@ def test_engine_serves_prompts_of_several_chunks(tmp_path, device):
     assert served(runner, together=True) == want
 
 
+def test_penalties_biases_and_min_tokens_give_the_reference_engines_tokens(tmp_path, device):
+    """Requests with penalties, logit biases (a ban among them) and min_tokens, greedy and
+    seeded, batched on the device (their edits applied there), give the tokens the reference
+    engine gives each alone; min_tokens holds off the end-of-sequence token that a bias of +50
+    makes the greedy choice, until its fifth token."""
+    from poot.engine.request import SamplingParams
+    from poot.engine.engine import Engine
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    rng = np.random.default_rng(8)            # a fixed draw, as in the tests above
+    prompts = [rng.integers(3, 300, n).tolist() for n in (9, 30, 5, 14)]
+    eos = min(model.tokenizer.eos_ids)
+    params = [SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.8,
+                             frequency_penalty=0.5, presence_penalty=0.4, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, logit_bias={eos: 50.0},
+                             min_tokens=5),
+              SamplingParams(max_tokens=10, temperature=0.9, seed=7, top_k=40,
+                             frequency_penalty=-1.5, logit_bias={17: 4.0, 18: -100.0},
+                             ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
+    alone = Engine(model.runner(None, num_blocks=64), model.tokenizer)
+    want = [[t for o in alone.generate(p, q) for t in o.token_ids]
+            for p, q in zip(prompts, params)]
+    assert want[1][5:] == [eos] and eos not in want[1][:5] and 18 not in want[2]
+    runner = model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4)
+    engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32)
+    launched, launch = [], device.launch
+
+    def recorded(program, kernel, grid, args):
+        launched.append(kernel.name)
+        return launch(program, kernel, grid, args)
+    device.launch = recorded
+    try:
+        plain = engine.submit(prompts[3], params[3])
+        engine.run_until_idle()
+        assert "logit_edits" not in launched        # steps without edits launch nothing more
+        assert [t for o in plain for t in o.token_ids] == want[3]
+        handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
+        engine.run_until_idle()
+    finally:
+        del device.launch
+    assert [[t for o in h for t in o.token_ids] for h in handles] == want
+    assert "logit_edits" in launched
+    if "capture" in device.features:      # a bucket's decode steps recorded with and without
+        assert {key[-1] for key in runner.graphs} == {False, True}
+
+
 def test_prompts_sharing_a_start_read_its_cached_blocks_on_the_device(tmp_path, device):
     """Prefix caching on a device: requests whose prompts share a 48-token start take its KV
     blocks (three of 16) from the one that computed it, read through their block tables, and
@@ -375,39 +457,6 @@ def test_prompts_sharing_a_start_read_its_cached_blocks_on_the_device(tmp_path, 
     assert [first] + [[t for o in out for t in o.token_ids] for out in outs] == want
     assert all(out[-1].usage.cached_tokens == 48 for out in outs)
     assert engine.stats().prefix_cache_hit_tokens_total == 3 * 48
-
-
-def test_n_choices_and_prompt_logprobs_on_the_device(tmp_path, device):
-    """A request of 3 choices whose prompt (three chunks of a 32-token step) is scored: the
-    choices after the first read its blocks through their block tables and compute the rest,
-    and each gives the reference engine's greedy tokens; the prompt's log probabilities (rows
-    of a runner of 4, forced to the prompt's tokens) are the reference's within what an f16
-    KV cache moves them."""
-    from poot.engine.engine import Engine
-    from poot.engine.request import SamplingParams
-    model = poot.load(tiny_model(tmp_path, dtype="F16"))
-    rng = np.random.default_rng(7)        # a fixed draw, as in the tests above
-    prompt = rng.integers(3, 300, 70).tolist()
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=3)
-
-    def served(runner):
-        engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32,
-                        prefix_caching=False)
-        outs = list(engine.submit(prompt, params, n=3))
-        assert engine.kv.num_used == 0
-        return outs
-
-    want, got = served(model.runner(None, num_blocks=64)), served(
-        model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4))
-    for j in range(3):
-        assert [t for o in got if o.index == j for t in o.token_ids] == \
-            [t for o in want if o.index == 0 for t in o.token_ids]
-    scored = [next(o for o in outs if o.index == 0).prompt_logprobs for outs in (want, got)]
-    assert [e.token_id for e in scored[1]] == prompt[1:]
-    assert np.allclose([e.logprob for e in scored[1]], [e.logprob for e in scored[0]],
-                       atol=5e-3)
-    assert np.mean([[i for i, _ in a.top] == [i for i, _ in b.top]
-                    for a, b in zip(*scored)]) > 0.9
 
 
 def test_steps_that_fail_on_the_device_fail_only_their_requests(tmp_path, device):
@@ -813,6 +862,70 @@ def test_mixed_dtypes_fuse_what_shares_a_dtype(tmp_path, device):
     got_ids, got = greedy(runner, [5, 80, 9, 41], 12, table)
     assert got_ids == want_ids
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+@pytest.mark.parametrize("k", [5, 20])
+def test_forced_rows_score_their_token_from_candidates_or_the_row_read_back(device,
+                                                                             monkeypatch, k):
+    """Rows forced to a token (a prompt position scored: SamplingRows.forced) give sample()'s
+    output on the same step's full logits, the k best alternatives up to 20 (OpenAI's most):
+    from the candidates where the token is one of them (its best), from the row read back
+    where it is not (a token of the worst); rows beside them sample as ever."""
+    n = 6
+    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    rows = SamplingRows(temperature=np.array([0, 0, 1, 0, 0, 0.8], np.float32),
+                        top_k=np.array([0, 0, 5, 0, 0, 3], np.int32),
+                        top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32),
+                        seed=rng.integers(0, 2**63, n).astype(np.uint64),
+                        step=np.arange(n, dtype=np.int64), n_logprobs=k, logprobs=True,
+                        reports=np.array([True, True, True, True, True, False]))
+    batch = batch_of(0, rows)
+    logits = runner.logits(batch)           # the step once: its logits, for tokens to force
+    best_ones, worst = np.argmax(logits, axis=1), np.argmin(logits, axis=1)
+    rows.forced = np.array([best_ones[0], worst[1], -1, best_ones[3], worst[4], -1], np.int32)
+    read.clear()
+    got = runner.step(batch)
+    assert read.count(runner._output_name()) == 2, read         # the two worst, alone
+    want = sample(runner.logits(batch), rows)   # the same step again: the same logits
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert got.tokens[[0, 1, 3, 4]].tolist() == rows.forced[[0, 1, 3, 4]].tolist()
+    reports = rows.reports
+    assert got.top_ids[reports].tolist() == want.top_ids[reports].tolist()
+    assert np.allclose(got.logprobs[reports], want.logprobs[reports], rtol=0, atol=1e-4)
+    assert np.allclose(got.top_logprobs[reports], want.top_logprobs[reports], rtol=0, atol=1e-4)
+
+
+def test_n_choices_and_prompt_logprobs_on_the_device(tmp_path, device):
+    """A request of 3 choices whose prompt (three chunks of a 32-token step) is scored: the
+    choices after the first read its blocks through their block tables and compute the rest,
+    and each gives the reference engine's greedy tokens; the prompt's log probabilities (rows
+    of a runner of 4, forced to the prompt's tokens) are the reference's within what an f16
+    KV cache moves them."""
+    from poot.engine.engine import Engine
+    from poot.engine.request import SamplingParams
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    rng = np.random.default_rng(7)        # a fixed draw, as in the tests above
+    prompt = rng.integers(3, 300, 70).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=3)
+
+    def served(runner):
+        engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32,
+                        prefix_caching=False)
+        outs = list(engine.submit(prompt, params, n=3))
+        assert engine.kv.num_used == 0
+        return outs
+
+    want, got = served(model.runner(None, num_blocks=64)), served(
+        model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4))
+    for j in range(3):
+        assert [t for o in got if o.index == j for t in o.token_ids] == \
+            [t for o in want if o.index == 0 for t in o.token_ids]
+    scored = [next(o for o in outs if o.index == 0).prompt_logprobs for outs in (want, got)]
+    assert [e.token_id for e in scored[1]] == prompt[1:]
+    assert np.allclose([e.logprob for e in scored[1]], [e.logprob for e in scored[0]],
+                       atol=5e-3)
+    assert np.mean([[i for i, _ in a.top] == [i for i, _ in b.top]
+                    for a, b in zip(*scored)]) > 0.9
 
 
 def test_embeddings_on_a_device_equal_the_reference(tmp_path, device):

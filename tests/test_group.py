@@ -272,6 +272,52 @@ def test_tensor_ranks_share_kv_heads_in_long_steps(tmp_path, one_device, monkeyp
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
+EDITED = [dict(max_tokens=10, temperature=0, repetition_penalty=1.8, frequency_penalty=0.5,
+               presence_penalty=0.4, ignore_eos=True),
+          dict(max_tokens=10, temperature=0, logit_bias={2: 50.0}, min_tokens=4),
+          dict(max_tokens=8, temperature=0.9, seed=7, top_k=40, frequency_penalty=-1.5,
+               logit_bias={17: 4.0, 18: -100.0}, ignore_eos=True),
+          dict(max_tokens=8, temperature=0, ignore_eos=True)]
+
+
+def edited_tokens(runner, model):
+    """The tokens of four requests with penalties, logit biases (a ban) and min_tokens, run
+    together by an Engine over `runner`."""
+    from poot.engine.request import SamplingParams
+    from poot.engine.engine import Engine
+    rng = np.random.default_rng(8)
+    engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32)
+    handles = [engine.submit(rng.integers(3, 300, n).tolist(), SamplingParams(**params))
+               for n, params in zip((9, 30, 5, 14), EDITED)]
+    engine.run_until_idle()
+    return [[t for out in h for t in out.token_ids] for h in handles]
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_edits_over_two_devices_give_the_one_devices_tokens(tmp_path, group, kind):
+    """Penalties, logit biases and min_tokens over two CUDA devices (decode steps replayed from
+    graphs that launch the edits on the device that holds the logits), as on one."""
+    model = load(tmp_path, CASES[0])
+    one, two = runners(model, group, kind, 64, max_tokens=32, max_seqs=4)
+    assert edited_tokens(two, model) == edited_tokens(one, model)
+    assert any(key[-1] for lane in two.lanes for key in lane.graphs), "no graph edits"
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_a_groups_logits_are_edited_on_the_device_that_holds_them(tmp_path, one_device, kind):
+    """Penalties, logit biases and min_tokens over a group (a pipeline's lanes too): only the
+    runner that holds the logits (a tensor group's rank 0, a pipeline's last stage) has edit
+    buffers and applies the edits, and the tokens are the one device's."""
+    model = load(tmp_path, CASES[0])
+    two = GroupRunner(model, one_device, kind, 64, max_tokens=32, max_seqs=4)
+    two.allocate()
+    two.upload()
+    assert [any(a.name.startswith("edit_") for a in r.allocations()) for r in two.runners] \
+        == [r.has_logits for r in two.runners] == [kind == "tensor", kind == "pipeline"]
+    one = model.runner(one_device.devices[0], num_blocks=64, max_tokens=32, max_seqs=4)
+    assert edited_tokens(two, model) == edited_tokens(one, model)
+
+
 def engine_tokens(runner, model, requests, **kw):
     """The greedy tokens of each (prompt, max_tokens) request, run together by an Engine over
     `runner`."""

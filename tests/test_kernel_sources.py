@@ -49,7 +49,8 @@ def runner_kernels(subgroup_size):
             ops.attention(subgroup_size, 128, 4), ops.attention_split(subgroup_size, 128, 4),
             ops.attention(subgroup_size, 128, 4, untiled=True),
             ops.attention_combine(64), ops.attention_combine(128), ops.argmax(subgroup_size),
-            ops.argmax_chunks(subgroup_size), ops.top_candidates(subgroup_size)]
+            ops.argmax_chunks(subgroup_size), ops.top_candidates(subgroup_size),
+            ops.logit_edits()]
     out += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     out += [ops.all_gather(w) for w in (2, 8)]
     return out

@@ -7,6 +7,8 @@ skip with their reason; on a CUDA machine `python -m pytest tests/test_kernels.p
 import numpy as np
 import pytest
 
+from poot.engine.batch import LogitEdits, SamplingRows
+from poot.engine.sampling import BANNED, edit_logits
 from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
 from poot.kernels import matmul, mma_vec, ops
@@ -941,3 +943,39 @@ def test_argmax(device, chunks):
     got = run(device, ops.argmax(sg), (5,), part["values"], part["indices"],
               np.full(5, -1, np.int32), chunks)["token"]
     assert got.tolist() == [int(np.argmax(r)) for r in logits]
+
+
+def test_logit_edits(device):
+    """A step's rows edited in place as sampling.edit_logits defines: a row with edits (past a
+    workgroup's worth, bans among them), one with a mask, one with both (masked tokens among
+    its edits), one with neither (left as it was); the vocabulary not a multiple of 32; each
+    row by one workgroup and by three."""
+    R, n = 5, 4999
+    words = -(-n // 32)
+    logits = (rng.standard_normal((R, n)) * 4).astype(np.float32)
+    logits[:, :50] = np.abs(logits[:, :50]) + 0.5       # both signs of x among the edits
+    logits[:, 50:100] = -np.abs(logits[:, 50:100]) - 0.5
+
+    def edits(count):
+        tokens = np.concatenate([rng.choice(100, min(count, 60), replace=False),
+                                 100 + rng.choice(n - 100, max(count - 60, 0), replace=False)])
+        add = rng.standard_normal(count).astype(np.float32)
+        add[rng.random(count) < 0.1] = -np.inf
+        return tokens, rng.uniform(0.3, 2.5, count).astype(np.float32), add
+
+    rows = SamplingRows.greedy(R)
+    rows.edits = LogitEdits.of(R, {0: edits(700), 2: edits(90), 4: edits(1)})
+    allowed = rng.random((R, words * 32)) < 0.3
+    allowed[:, n:] = False
+    rows.masked = np.array([False, True, True, False, False])
+    rows.masks = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
+    rows.masks[~rows.masked] = 0xFFFFFFFF
+    mask_of = np.array([-1, 0, 1, -1, -1], np.int32)
+    want = edit_logits(logits, rows)
+    for parts in (1, 3):            # a row over one workgroup, over several
+        got = run(device, ops.logit_edits(), (R, parts), logits, rows.edits.row_start,
+                  rows.edits.tokens, rows.edits.repeat, rows.edits.add, mask_of,
+                  rows.masks[rows.masked], n, words)["logits"]
+        assert np.array_equal(got == BANNED, want == BANNED)
+        assert np.array_equal(got[3], logits[3])
+        np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)   # a division: 2.5 ulp (Vulkan)

@@ -1,8 +1,9 @@
 import numpy as np
 
-from poot.engine.batch import SamplingRows
-from poot.engine.sampling import (SUM_MARGIN, best, choice_args, choose, choose_among,
-                                  choose_sorted, log_softmax, logprobs_among, sample, uniform)
+from poot.engine.batch import LogitEdits, SamplingRows
+from poot.engine.sampling import (BANNED, SUM_MARGIN, best, choice_args, choose, choose_among,
+                                  choose_sorted, edit_logits, log_softmax, logprobs_among, sample,
+                                  uniform)
 
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7, n_logprobs=0):
@@ -218,7 +219,10 @@ def with_masks(r, allowed):
     return r
 
 
-def test_constrained_rows_choose_among_their_tokens_and_report_raw_logprobs():
+def test_constrained_rows_choose_among_their_tokens_and_report_edited_logprobs():
+    """A mask bans the tokens it leaves out (BANNED): the row chooses among the others, and its
+    log probabilities are those of the edited logits, so every allowed token's is higher than
+    the raw one and the banned tokens' are ~-3.4e38; rows without a mask are as they were."""
     rng = np.random.default_rng(3)
     V = 100                                 # not a multiple of 32: the last word is partial
     logits = rng.standard_normal((4, V)).astype(np.float32)
@@ -226,22 +230,45 @@ def test_constrained_rows_choose_among_their_tokens_and_report_raw_logprobs():
                (np.arange(V) >= 10) & (np.arange(V) < 20)]
     for temperature in (0.0, 1.0):
         free = sample(logits, rows(4, temperature=temperature, n_logprobs=3))
-        got = sample(logits, with_masks(rows(4, temperature=temperature, n_logprobs=3),
-                                        allowed))
+        masked = with_masks(rows(4, temperature=temperature, n_logprobs=3), allowed)
+        edited = edit_logits(logits, masked)
+        got = sample(edited, masked)
         assert got.tokens[0] == free.tokens[0]
         assert got.tokens[2] == 99 and got.tokens[1] in (3, 50) and 10 <= got.tokens[3] < 20
         if temperature == 0:
             assert got.tokens[1] == [3, 50][int(logits[1, 50] > logits[1, 3])]
-        expected = log_softmax(logits.astype(np.float64))
+        expected = log_softmax(edited.astype(np.float64))
         assert np.allclose(got.logprobs, expected[np.arange(4), got.tokens], atol=1e-5)
-        assert got.top_ids.tolist() == free.top_ids.tolist()    # of the raw logits
+        assert got.logprobs[2] == 0 and np.all(got.logprobs[1:] >= free.logprobs[1:])
+        assert got.top_ids[0].tolist() == free.top_ids[0].tolist()
+        assert got.top_ids[1, :2].tolist() == sorted([3, 50], key=lambda t: -logits[1, t])
+        assert got.top_logprobs[1, 2] < -1e38           # a banned token's, past the two
 
 
 def test_a_constrained_row_draws_by_its_renormalised_distribution():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05] + [1e-3] * 28, np.float32))
     allowed = np.zeros(32, bool)
     allowed[[1, 2]] = True                  # 0.3 : 0.15 -> 2/3 : 1/3
-    draws = [sample(logits[None], with_masks(rows(1, seed=s), [allowed])).tokens[0]
-             for s in range(3000)]
+    draws = []
+    for s in range(3000):
+        r = with_masks(rows(1, seed=s), [allowed])
+        draws.append(sample(edit_logits(logits[None], r), r).tokens[0])
     assert set(draws) == {1, 2}
     assert abs(np.mean(np.array(draws) == 1) - 2 / 3) < 0.03
+
+
+def test_edits_divide_positive_logits_multiply_negative_ones_then_add():
+    """x / repeat where x > 0, x * repeat where not, then + add; -inf bans (BANNED, never
+    below it); tokens without an edit and rows without edits are as they were; a mask comes
+    after the edits."""
+    logits = np.array([[2.0, -2.0, 0.0, 1.0, 3.0, -1.0],
+                       [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]], np.float32)
+    r = rows(2)
+    r.edits = LogitEdits.of(2, {0: (np.array([0, 1, 2, 4, 5]), np.array([2, 2, 2, 1, 1.5]),
+                                    np.array([0, 0, 0.5, -np.inf, -0.25]))})
+    edited = edit_logits(logits, r)
+    assert edited[0].tolist() == [1.0, -4.0, 0.5, 1.0, BANNED, -1.75]
+    assert edited[1].tolist() == logits[1].tolist()
+    masked = with_masks(r, [np.array([1, 1, 1, 0, 1, 1], bool), None])
+    assert edit_logits(logits, masked)[0].tolist() == [1.0, -4.0, 0.5, BANNED, BANNED, -1.75]
+    assert sample(edited, r).tokens[0] != 4 and edited.dtype == np.float32

@@ -383,6 +383,86 @@ def test_a_client_leaving_a_stream_of_n_choices_ends_them_all(server):
     assert wait_for_free_blocks(server)
 
 
+def greedy_ids(client, tiny, prompt, max_tokens, logprobs=1, **fields):
+    """(token ids, the response) of a greedy completion, its tokens named by id (vLLM's
+    return_tokens_as_token_ids); `fields` go in the body, penalties and all."""
+    r = client.completions.create(model=tiny.name, prompt=prompt, max_tokens=max_tokens,
+                                  temperature=0, logprobs=logprobs, extra_body={
+                                      "ignore_eos": True, "return_tokens_as_token_ids": True,
+                                      **fields})
+    return [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens], r
+
+
+def test_logit_bias_bans_and_forces_tokens(client, tiny):
+    """-100 bans a token (a greedy reply whose tokens are all banned takes none of them, on
+    either route), 100 makes it the choice; a reply equals the engine's run of it alone."""
+    plain, _ = greedy_ids(client, tiny, "Biases", 8)
+    ban = {str(t): -100 for t in set(plain)}
+    banned, _ = greedy_ids(client, tiny, "Biases", 8, logit_bias=ban)
+    assert banned and not set(banned) & set(plain)
+    _, ids, _ = engine_alone(tiny, tiny.tokenizer.encode("Biases"), max_tokens=8,
+                             temperature=0, ignore_eos=True,
+                             logit_bias={int(t): b for t, b in ban.items()})
+    assert ids == banned
+    assert greedy_ids(client, tiny, "Biases", 8, logit_bias={"77": 100})[0] == [77] * 8
+    ask = [{"role": "user", "content": "Say something."}]
+    chat = client.chat.completions.create(model=tiny.name, messages=ask, max_tokens=6,
+                                          temperature=0, logprobs=True, extra_body={
+                                              "ignore_eos": True,
+                                              "return_tokens_as_token_ids": True})
+    said = {int(t.token.removeprefix("token_id:")) for t in chat.choices[0].logprobs.content}
+    again = client.chat.completions.create(model=tiny.name, messages=ask, max_tokens=6,
+                                           temperature=0, logprobs=True,
+                                           logit_bias={str(t): -100 for t in said},
+                                           extra_body={"ignore_eos": True,
+                                                       "return_tokens_as_token_ids": True})
+    assert not said & {int(t.token.removeprefix("token_id:"))
+                       for t in again.choices[0].logprobs.content}
+
+
+def test_banned_tokens_log_probabilities_are_reported_as_minus_9999(client, tiny):
+    """Log probabilities are those of the edited logits: with every token but three banned,
+    the three share the whole probability and the banned ones among the top five read -9999,
+    vLLM's floor (a number JSON carries)."""
+    keep = [40, 41, 42]
+    ban = {str(t): -100 for t in range(tiny.config.vocab_size) if t not in keep}
+    ids, r = greedy_ids(client, tiny, "Three", 3, logprobs=5, logit_bias=ban)
+    lp = r.choices[0].logprobs
+    assert set(ids) <= set(keep)
+    for top in lp.top_logprobs:
+        assert sorted(int(t.removeprefix("token_id:")) for t, v in top.items()
+                      if v > -9999) == keep
+        assert sorted(top.values())[:2] == [-9999.0, -9999.0]
+        assert np.logaddexp.reduce([v for v in top.values() if v > -9999]) == \
+            pytest.approx(0, abs=1e-4)
+
+
+def test_min_tokens_holds_off_the_end_of_sequence(client, tiny):
+    """An end-of-sequence token biased to be the choice ends the reply at once, unless
+    min_tokens bans it until that many tokens are generated."""
+    eos = str(min(tiny.tokenizer.eos_ids))
+    args = dict(model=tiny.name, prompt="End", max_tokens=10, temperature=0,
+                logit_bias={eos: 100})
+    r = client.completions.create(**args)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (1, "stop")
+    r = client.completions.create(**args, extra_body={"min_tokens": 4})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (5, "stop")
+
+
+def test_penalties_reduce_repeats(client, tiny):
+    """The tiny model's greedy reply repeats itself; presence and frequency penalties, and
+    vLLM's repetition_penalty, each take the repeats away, as the engine alone does."""
+    plain, _ = greedy_ids(client, tiny, "Again and again", 48)
+    assert len(plain) - len(set(plain)) > 10
+    prompt = tiny.tokenizer.encode("Again and again")
+    for fields in (dict(presence_penalty=2.0, frequency_penalty=2.0),
+                   dict(repetition_penalty=2.0)):
+        ids, _ = greedy_ids(client, tiny, "Again and again", 48, **fields)
+        assert len(ids) - len(set(ids)) < (len(plain) - len(set(plain))) // 4, fields
+        assert ids == engine_alone(tiny, prompt, max_tokens=48, temperature=0, ignore_eos=True,
+                                   **fields)[1]
+
+
 def test_tokenize_and_detokenize_round_trip(server, tiny):
     status, _, body = call(server, "POST", "/tokenize", {"prompt": "Hello world"})
     assert status == 200 and body["tokens"] == tiny.tokenizer.encode("Hello world")

@@ -15,6 +15,38 @@ import numpy as np
 
 
 @dataclass
+class LogitEdits:
+    """Per row r, edits of its logits at tokens[row_start[r]:row_start[r + 1]] (each token at
+    most once a row): logit x becomes (x / repeat if x > 0 else x * repeat) + add, add -inf a
+    ban (engine/sampling.py: edit_logits). Rows without edits have an empty range."""
+    row_start: np.ndarray     # int32 [R + 1]
+    tokens: np.ndarray        # int32 [E]
+    repeat: np.ndarray        # float32 [E]
+    add: np.ndarray           # float32 [E]
+
+    @classmethod
+    def of(cls, n_rows, rows):
+        """The edits of `n_rows` rows from {row: (tokens, repeat, add)} of the rows that have
+        some."""
+        counts = np.zeros(n_rows + 1, np.int32)
+        for r, (tokens, _, _) in rows.items():
+            counts[r + 1] = len(tokens)
+        order = sorted(rows)
+        parts = [np.concatenate([rows[r][i] for r in order]) if order else np.zeros(0)
+                 for i in range(3)]
+        return cls(np.cumsum(counts, dtype=np.int32), parts[0].astype(np.int32),
+                   parts[1].astype(np.float32), parts[2].astype(np.float32))
+
+    def row(self, r):
+        """(tokens, repeat, add) of row r."""
+        at = slice(self.row_start[r], self.row_start[r + 1])
+        return self.tokens[at], self.repeat[at], self.add[at]
+
+    def count(self, r):
+        return int(self.row_start[r + 1] - self.row_start[r])
+
+
+@dataclass
 class SamplingRows:
     """Per sampled row: the sampling parameters, as arrays (one entry per row).
 
@@ -34,6 +66,9 @@ class SamplingRows:
     row's output is that token, its log probability and the best alternatives, as a sampled
     row's; such a row reports (logprobs set; reports, where given, true for it). None: every
     row samples.
+    edits, where a row has penalties, a logit bias or a min_tokens ban, holds each such row's
+    edits of its logits (LogitEdits). None: no row has any. Masks and edits are applied to the
+    logits before everything else (engine/sampling.py: edit_logits).
     """
     temperature: np.ndarray   # float32 [R]
     top_k: np.ndarray         # int32 [R]
@@ -48,6 +83,7 @@ class SamplingRows:
     masked: np.ndarray | None = None    # bool [R]
     hidden: np.ndarray | None = None    # bool [R]: rows whose last_hidden the step reads back
     forced: np.ndarray | None = None    # int32 [R]
+    edits: LogitEdits | None = None
 
     @classmethod
     def greedy(cls, rows):

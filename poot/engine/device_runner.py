@@ -30,6 +30,11 @@ from .lowering import assign_slots, lower, next_matmul, normed_after, shared_buf
 from . import placement
 from .step_runner import StepRunner
 
+# A step's logit edits the device holds (SamplingRows.edits): this many a row, the rows' room
+# pooled, so one row may take several rows' share; a step's rows past it are edited on the host
+EDITS_PER_ROW = 4096
+EDIT_TOKENS = 8192      # a row's tokens one logit_edits workgroup masks
+
 
 @dataclass(frozen=True)
 class Allocation:
@@ -80,6 +85,8 @@ class DeviceRunner(StepRunner):
             self._check_supported()
         self.buffers, self.graphs = {}, {}
         self._host = {}             # staged: step input or output -> its host_array int32s
+        self._edited = False        # the uploaded step has logit edits on the device
+        self._host_edits = []       # ... and rows whose edits did not fit, edited on the host
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
 
     def lane(self):
@@ -104,7 +111,7 @@ class DeviceRunner(StepRunner):
     def _kernels(self):
         """Every kernel the runner may launch (its programs, built once): each step's by its
         kind's entry of STEPS, for short steps and (on the tensor cores) long ones, and the
-        greedy choice and candidates of the logits."""
+        logits' edits, greedy choice and candidates."""
         sg = self.device.subgroup_size
         seen = {}
         for long, steps in ((False, self.steps), (True, self.steps if self.mma else ())):
@@ -115,6 +122,7 @@ class DeviceRunner(StepRunner):
                 for kernel in STEPS[step.kind].kernels(self, steps, i, long):
                     seen.setdefault(kernel.name, kernel)
         if self.has_logits:
+            seen.setdefault("logit_edits", ops.logit_edits())
             seen.setdefault("argmax_chunks", ops.argmax_chunks(sg))
             seen.setdefault("argmax", ops.argmax(sg))
             seen.setdefault("top_candidates", ops.top_candidates(sg))
@@ -177,6 +185,11 @@ class DeviceRunner(StepRunner):
             step += [("top_temperature", self.max_seqs), ("top_values", chunks * ops.TOP_KEEP),
                      ("top_indices", chunks * ops.TOP_KEEP), ("top_maxima", chunks),
                      ("top_sums", chunks)]
+            edits = self.max_seqs * EDITS_PER_ROW
+            step += [("edit_starts", self.max_seqs + 1), ("edit_tokens", edits),
+                     ("edit_repeat", edits), ("edit_add", edits),
+                     ("edit_mask_of", self.max_seqs),
+                     ("edit_masks", self.max_seqs * self._mask_words())]
         if "hidden" in self.graph.inputs:   # a pipeline stage's input, copied from the last
             step.append(("hidden", self.max_tokens * self.model.config.d_model))
         shared = {}
@@ -317,6 +330,7 @@ class DeviceRunner(StepRunner):
             raise ValueError(f"step of {T} tokens / {R} rows exceeds the runner's "
                              f"{self.max_tokens} / {self.max_seqs}")
         self._step_rows, self._step_tiles = batch.seq_rows, None
+        self._upload_edits(batch.sampling)
         dev = self.device
         if self._staged():
             # the previous step's copies read this memory: they are done before it is rewritten
@@ -334,6 +348,49 @@ class DeviceRunner(StepRunner):
         for name in ("tokens", "positions", "seq_rows", "sample_tokens"):
             dev.write(self.buffers[name], np.ascontiguousarray(getattr(batch, name), np.int32))
         dev.write(self.buffers["block_tables"], tables)
+
+    def _mask_words(self):
+        return -(-self.vocab_size // 32)
+
+    def _upload_edits(self, rows):
+        """The step's logit edits and masks (SamplingRows.edits and masks) into the edit_
+        buffers, which logit_edits applies after the output head: each row's, in row order,
+        while the room for edits (EDITS_PER_ROW a row, pooled) lasts. A row whose edits do not
+        fit has nothing applied on the device, its mask neither: collect() reads its logits
+        back and edits them on the host (_host_edits)."""
+        self._edited, self._host_edits = False, []
+        if not self.has_logits or (rows.edits is None and rows.masked is None):
+            return
+        R, edits = len(rows.temperature), rows.edits
+        starts = np.zeros(self.max_seqs + 1, np.int32)
+        mask_of = np.full(self.max_seqs, -1, np.int32)
+        parts, masked, room = [], [], self.max_seqs * EDITS_PER_ROW
+        for r in range(R):
+            count = 0 if edits is None else edits.count(r)
+            starts[r + 1] = starts[r]
+            if count > room:
+                self._host_edits.append(r)
+                continue
+            if count:
+                parts.append(edits.row(r))
+                starts[r + 1] += count
+                room -= count
+            if rows.masked is not None and rows.masked[r]:
+                mask_of[r] = len(masked)
+                masked.append(r)
+        starts[R + 1:] = starts[R]
+        dev, B = self.device, self.buffers
+        dev.write(B["edit_starts"], starts)
+        dev.write(B["edit_mask_of"], mask_of)
+        for i, name in enumerate(("edit_tokens", "edit_repeat", "edit_add")):
+            if parts:
+                dev.write(B[name], np.concatenate([part[i] for part in parts]))
+        if masked:
+            words = min(self._mask_words(), rows.masks.shape[1])
+            masks = np.zeros((len(masked), self._mask_words()), np.uint32)
+            masks[:, :words] = rows.masks[masked, :words]    # words past a mask: none allowed
+            dev.write(B["edit_masks"], masks)
+        self._edited = bool(parts or masked)
 
     def _issue(self, T, R):
         """Issues every launch of a step of T tokens and R sampled rows, in graph order."""
@@ -356,6 +413,7 @@ class DeviceRunner(StepRunner):
             issued = STEPS[op.kind].issue(self, op, T, R, i, long)
             if issued is not None:
                 yield from issued
+        self._edit(R)
         self._greedy(R)
 
     def _stage_inputs(self, T):
@@ -372,6 +430,17 @@ class DeviceRunner(StepRunner):
             if name != "argmax":
                 words = rows * self.table_width if name == "block_tables" else None
                 self.device.write(self.buffers[name], host[:words])
+
+    def _edit(self, R):
+        """The step's logit edits (_upload_edits), in place, before anything reads the logits:
+        launched only in steps that have some (StepRunner.run records those apart)."""
+        if not (self._edited and R):
+            return
+        B = self.buffers
+        parts = -(-self.vocab_size // EDIT_TOKENS)
+        self._launch(ops.logit_edits(), (R, parts), self._buffer(self.graph.outputs["logits"]),
+                     B["edit_starts"], B["edit_tokens"], B["edit_repeat"], B["edit_add"],
+                     B["edit_mask_of"], B["edit_masks"], self.vocab_size, self._mask_words())
 
     def _greedy(self, R):
         """The greedy choice of every row, so greedy steps read back tokens, not logits."""
@@ -706,6 +775,9 @@ class DeviceRunner(StepRunner):
 
     def _has_candidates(self):
         return self.has_logits
+
+    def _edit_state(self):
+        return self._edited, self._host_edits
 
     def _candidate_chunks(self):
         return -(-self.vocab_size // ops.TOP_CHUNK)

@@ -214,6 +214,10 @@ class Engine:
                                  f"{MAX_CHOICES} choices", "prompt")
         checked = [self._check_prompt(p, params, f"prompt {i}: " if len(prompts) > 1 else "")
                    for i, p in enumerate(prompts)]
+        bad = [t for t in params.logit_bias or () if t >= self.runner.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias names token id {bad[0]}, outside the vocabulary "
+                                 f"(0..{self.runner.vocab_size - 1})", "logit_bias")
         with self._wake:
             seq_id = self._next_id
             self._next_id += len(prompts) * n

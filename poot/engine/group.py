@@ -193,3 +193,5 @@ class GroupRunner(StepRunner):
     @property
     def hidden_size(self):
         return self.head.hidden_size
+    def _edit_state(self):
+        return self.head._edit_state()

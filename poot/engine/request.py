@@ -17,6 +17,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_N = 16                      # choices of one prompt
 MAX_CHOICES = 1024              # choices of one request: its prompts times n
+MAX_LOGIT_BIAS = 1024           # tokens one request may bias
 
 
 class InvalidRequest(ValueError):
@@ -43,6 +44,11 @@ class SamplingParams:
     the first: its log probability after the tokens before it (vLLM's field of that name).
     skip_special_tokens leaves control tokens out of the text (as vLLM's field of that name).
 
+    presence_penalty and frequency_penalty (OpenAI's, -2..2), repetition_penalty (vLLM's, > 0;
+    1 is none), logit_bias ({token id: -100..100}; -100 bans the token) and min_tokens (the
+    end-of-sequence and stop_token_ids are banned until that many tokens are generated) edit
+    the logits before sampling: engine/logit_controls.py says how.
+
     constraint, where given, limits what may be sampled: an object whose `start()` gives each
     sequence its own state, with `allowed()` (a packed bitmask of the vocabulary: bit t % 32 of
     uint32 word t // 32 set where token t may come next; end-of-sequence tokens included where
@@ -66,6 +72,11 @@ class SamplingParams:
     constraint: object = None
     embed: bool = False
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None
+    min_tokens: int = 0
 
     def __post_init__(self):
         def bad(param, message):
@@ -96,6 +107,30 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and not 0 <= n <= MAX_LOGPROBS:
                 bad(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            bad("repetition_penalty", "repetition_penalty must be a positive number, got "
+                f"{self.repetition_penalty}")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        for token, value in bias.items():
+            if not isinstance(token, int) or token < 0:
+                bad("logit_bias", f"logit_bias keys must be token ids, got {token!r:.40}")
+            if not -100.0 <= value <= 100.0:
+                bad("logit_bias", f"logit_bias values must be between -100 and 100, got {value} "
+                    f"for token {token}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"min_tokens must be 0 or more, got {self.min_tokens}")
+        if self.min_tokens and self.constraint is not None:
+            bad("min_tokens", "min_tokens together with a constraint (response_format, forced "
+                "tool calls, guided_regex) is not supported: the grammar decides where the "
+                "output may end")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                f"({self.max_tokens})")
 
 
 @dataclass
@@ -211,6 +246,7 @@ class Sequence:
     cached_tokens: int = 0  # of its prompt, taken from the prefix cache when first admitted
     admitted: bool = False
     constraint: object = None   # params.constraint's state for this sequence
+    controls: object = None     # its LogitControls (engine/logit_controls.py), if any
     last_token_time: float | None = None
     finish_reason: str | None = None
     index: int = 0              # Output.index
@@ -279,6 +315,8 @@ class Sequence:
     def accept(self, token_id, logprob, now, context_limit):
         """Append a sampled token, check every stop condition, and return this step's Output."""
         self.tokens.append(token_id)
+        if self.controls is not None:
+            self.controls.accept(token_id)
         elapsed = now - self.last_token_time
         self.last_token_time = now
         stops_here = (token_id in self.params.stop_token_ids

@@ -7,7 +7,7 @@ scheduler's business. Device runners implement the same interface.
 import numpy as np
 
 from ..ir.reference import ReferenceInterpreter
-from .sampling import sample
+from .sampling import edit_logits, sample
 
 
 class ReferenceRunner:
@@ -24,10 +24,12 @@ class ReferenceRunner:
         self.interpreter = ReferenceInterpreter(self.graph, model.weight_array, state)
 
     def logits(self, batch):
-        """Runs the step and returns the logits of the sampled rows, float32 [R, vocab]."""
-        return self._run(batch)["logits"]
+        """Runs the step and returns the logits of the sampled rows as sampling sees them
+        (sampling.edit_logits: their edits and masks applied), float32 [R, vocab]."""
+        return edit_logits(self._run(batch)["logits"], batch.sampling)
 
     def _run(self, batch):
+        """The step graph's outputs for a batch, as computed."""
         if batch.positions.size and int(batch.positions.max()) >= self.num_blocks * self.block_size:
             raise ValueError("a position lies beyond the KV cache")
         inputs = {"tokens": batch.tokens, "positions": batch.positions,
@@ -40,7 +42,7 @@ class ReferenceRunner:
             self.faults.begin_step()
             self.faults.end_step()
         values = self._run(batch)
-        out = sample(values["logits"], batch.sampling)
+        out = sample(edit_logits(values["logits"], batch.sampling), batch.sampling)
         if batch.sampling.hidden is not None:
             out.hidden = {int(r): np.asarray(values["last_hidden"][r], np.float32)
                           for r in np.flatnonzero(batch.sampling.hidden)}

@@ -1,28 +1,41 @@
 """Choosing the next token from logits: the numpy definition every runner must match.
 
-Per row: log probabilities of the raw logits are what `logprobs` report. Temperature 0 takes the
-argmax (lowest id on ties). Otherwise the logits are divided by the temperature, sorted (highest
-first, lower id first on ties), cut to the top k, then to the smallest prefix whose probability
-reaches top_p, then to tokens with probability at least min_p times the highest; the survivors
-are renormalised and one is drawn by inverse CDF with the row's uniform number u(seed, step). The
-draw depends only on (seed, step), so a seeded request gives the same tokens alone or batched,
-on any backend that follows this definition. A constrained row (SamplingRows.masks) chooses
-among the tokens its mask allows: the others' logits are -inf before any of this. Log
-probabilities stay those of the raw logits (as vLLM reports them): how likely the model found
-the token, not how it was picked, like the temperature and the cuts. A forced row
-(SamplingRows.forced) samples nothing: its token is the one given, scored as a chosen one.
+Per row, the logits are first edited (`edit_logits`). A row with edits (SamplingRows.edits:
+its repetition penalty, then its frequency and presence penalties, then its logit_bias and
+min_tokens' bans, folded into one edit a token by engine/logit_controls.py) has each edited
+token's logit x become (x / repeat if x > 0 else x * repeat) + add, never below BANNED (a ban
+adds -inf); then a constrained row (SamplingRows.masks) has every token its mask leaves out
+become BANNED. All that follows sees the edited logits, on every runner (the device runners
+edit them in place, before their greedy choice and candidates): log probabilities too, so
+`logprobs` report how likely each token was under the row's edited logits (where a request has
+no edits, the model's raw logits), before the temperature and the cuts, which shape only the
+choice. Temperature 0 takes the argmax (lowest id on ties). Otherwise the logits are divided by
+the temperature, sorted (highest first, lower id first on ties), cut to the top k, then to the
+smallest prefix whose probability reaches top_p, then to tokens with probability at least
+min_p times the highest; the survivors are renormalised and one is drawn by inverse CDF with
+the row's uniform number u(seed, step). The draw depends only on (seed, step), so a seeded
+request gives the same tokens alone or batched, on any backend that follows this definition. A forced
+row (SamplingRows.forced) samples nothing: its token is the one given, scored as a chosen one
+(a forced row has no edits: it scores the model's own logits).
 
-`choose` is that definition as written; `sample` takes each row's token from `choose_sorted`,
+`choose` is that choice as written; `sample` takes each row's token from `choose_sorted`,
 which gives the same token from a plain sort of the values instead of a stable argsort of the
 ids, and the top log probabilities from a partial sort (`best`). `choose_among` takes it from a
 row's candidates alone (a device's best few of each chunk of the row, with each chunk's sum),
-where they decide it.
+where they decide it. `sample`, `sample_row` and the candidates take edited logits: the
+reference runner edits with `edit_logits` first, a device runner reads back rows it edited.
 """
 import numpy as np
 
+from ..kernels.ops import LOWEST
 from .batch import StepOutput
 
 _MASK64 = (1 << 64) - 1
+# The logit of a banned token: the lowest finite float32. Not -inf: a device's chunk of a row
+# whose tokens are all banned still sums exp(0)s rather than NaNs (ops.top_candidates), and
+# every log probability stays a number; under any token that is not banned its probability is
+# exactly 0 (the exponential underflows).
+BANNED = np.float32(LOWEST)
 
 
 def splitmix64(x):
@@ -165,10 +178,11 @@ def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, 
                    forced=-1):
     """sample()'s row from a device's candidates (choose_among's arguments, sums at temperature
     1): (token, its log probability, the n best ids and theirs), the log probabilities those of
-    the raw logits, log(sum of exp) from the chunks' sums. None where choose_among cannot decide
-    the token, where the row samples at another temperature (its sums would be another's), or
-    where n is more than a chunk keeps (a row's best n are among its chunks' best n). A forced
-    row's token is `forced` (>= 0): None where it is no candidate (its logit is not known)."""
+    the (edited) logits, log(sum of exp) from the chunks' sums. None where choose_among cannot
+    decide the token, where the row samples at another temperature (its sums would be
+    another's), or where n is more than a chunk keeps (a row's best n are among its chunks' best
+    n). A forced row's token is `forced` (>= 0): None where it is no candidate (its logit is
+    not known)."""
     if n > values.shape[1]:
         return None
     if forced >= 0:
@@ -191,16 +205,31 @@ def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, 
     return token, values[ids == token][0] - norm, ids[order], values[order] - norm
 
 
-def allowed_logits(logits, rows, r):
-    """Row r's logits [V] for choosing: -inf where its mask (SamplingRows.masks) leaves a token
-    out; the row as it is when it has no mask."""
-    if rows.masked is None or not rows.masked[r]:
+def edit_row(logits, rows, r):
+    """Row r of SamplingRows `rows` as sampling sees its logits [V] (the module's first
+    paragraph): a new array where the row has edits or a mask, else the row itself."""
+    edits, masked = rows.edits, rows.masked
+    if edits is not None and edits.count(r):
+        tokens, repeat, add = edits.row(r)
+        logits = np.array(logits, np.float32)
+        x = logits[tokens]
+        logits[tokens] = np.maximum(np.where(x > 0, x / repeat, x * repeat) + add, BANNED)
+    if masked is not None and masked[r]:
+        bits = np.unpackbits(np.ascontiguousarray(rows.masks[r]).view(np.uint8),
+                             bitorder="little")
+        allowed = np.zeros(len(logits), bool)
+        n = min(len(bits), len(logits))
+        allowed[:n] = bits[:n]
+        logits = np.where(allowed, logits, BANNED).astype(np.float32)
+    return logits
+
+
+def edit_logits(logits, rows):
+    """The logits [R, V] of SamplingRows `rows` as sampling sees them (edit_row of each row;
+    the logits themselves where no row has edits or a mask)."""
+    if rows.edits is None and rows.masked is None:
         return logits
-    bits = np.unpackbits(np.ascontiguousarray(rows.masks[r]).view(np.uint8), bitorder="little")
-    allowed = np.zeros(len(logits), bool)
-    n = min(len(bits), len(logits))
-    allowed[:n] = bits[:n]
-    return np.where(allowed, logits, np.float32(-np.inf))
+    return np.stack([edit_row(logits[r], rows, r) for r in range(len(logits))])
 
 
 def choice_args(rows, r):
@@ -210,16 +239,16 @@ def choice_args(rows, r):
 
 
 def token_of(logits, rows, r):
-    """Row r's token from its logits [V]: its forced token (SamplingRows.forced), or the one
-    choose_sorted draws among those its mask allows."""
+    """Row r's token from its edited logits [V]: its forced token (SamplingRows.forced), or the
+    one choose_sorted draws."""
     if rows.forced is not None and rows.forced[r] >= 0:
         return int(rows.forced[r])
-    return choose_sorted(allowed_logits(logits, rows, r), *choice_args(rows, r))
+    return choose_sorted(logits, *choice_args(rows, r))
 
 
 def sample_row(logits, rows, r, k):
-    """sample()'s row r of SamplingRows `rows` alone, from its logits [V]: (token, its log
-    probability, the k best ids and theirs)."""
+    """sample()'s row r of SamplingRows `rows` alone, from its edited logits [V]: (token, its
+    log probability, the k best ids and theirs)."""
     token = token_of(logits, rows, r)
     logprobs = log_softmax(np.asarray(logits, np.float32))
     top = best(logprobs, k) if k else np.zeros(0, np.int64)
@@ -227,7 +256,8 @@ def sample_row(logits, rows, r, k):
 
 
 def sample(logits, rows):
-    """StepOutput for logits [R, V] under SamplingRows `rows` (token_of each row)."""
+    """StepOutput for edited logits [R, V] (edit_logits) under SamplingRows `rows` (token_of
+    each row)."""
     logits = np.asarray(logits, np.float32)
     n_rows = logits.shape[0]
     tokens = np.array([token_of(logits[r], rows, r) for r in range(n_rows)], dtype=np.int32)

@@ -30,9 +30,10 @@ import logging
 
 import numpy as np
 
-from poot.engine.batch import SamplingRows, StepBatch
+from poot.engine.batch import LogitEdits, SamplingRows, StepBatch
 from poot.engine.kvcache import BlockAllocator
 from poot.engine.request import MAX_LOGPROBS, SamplingParams
+from poot.engine.logit_controls import LogitControls
 
 log = logging.getLogger("poot.engine")
 
@@ -55,6 +56,9 @@ class Scheduler:
         self.preemptions_total = 0
 
     def add(self, seq):
+        ends = tuple(seq.params.stop_token_ids) + (() if seq.params.ignore_eos
+                                                   else tuple(seq.eos_ids))
+        seq.controls = LogitControls.of(seq.params, seq.prompt, ends, self.vocab_size)
         self.waiting.append(seq)
         if seq.fork is None or seq.fork.first is seq:
             self.prompt_tokens_total += len(seq.prompt)
@@ -301,6 +305,10 @@ class Scheduler:
         sampling.masks, sampling.masked = self._masks(rows)
         if any(p is None and seq.params.embed for seq, p in rows):
             sampling.hidden = np.array([p is None and seq.params.embed for seq, p in rows], bool)
+        edits = {r: seq.controls.edits(seq.num_generated) for r, (seq, p) in enumerate(rows)
+                 if p is None and seq.controls is not None}
+        if edits:
+            sampling.edits = LogitEdits.of(len(rows), edits)
         batch = StepBatch(tokens=np.array(tokens, np.int32),
                           positions=np.array(positions, np.int32),
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,

@@ -2,15 +2,17 @@
 
 `StepRunner` runs a step over the hooks its subclass gives (DeviceRunner for one device,
 GroupRunner in group.py for a device group): pure decode steps replay a recording of their
-bucket's launches, other steps issue them one by one; the step's tokens come from the device's
-greedy choice or its candidates (sampling.choose_among), and only rows those cannot decide are
-read back and sampled on the host (engine/sampling.py, the definition every runner matches).
+bucket's launches, other steps issue them one by one; the device edits the logits in place
+where rows have penalties, biases or masks (ops.logit_edits); the step's tokens come from the
+device's greedy choice or its candidates (sampling.choose_among), and only rows those cannot
+decide, or whose edits the device had no room for, are read back and sampled on the host
+(engine/sampling.py, the definition every runner matches).
 """
 import numpy as np
 
 from .batch import StepBatch, StepOutput
-from .sampling import (choice_args, choose_among, choose_sorted, logprobs_among, sample,
-                       sample_row)
+from .sampling import (choice_args, choose_among, choose_sorted, edit_row, logprobs_among,
+                       sample, sample_row)
 
 
 class StepRunner:
@@ -21,11 +23,13 @@ class StepRunner:
     faults = None               # engine/faults.py: steps made to fail, for tests
 
     def run(self, batch, record=True):
-        """Runs a step on the device, leaving logits and greedy tokens there.
+        """Runs a step on the device, leaving logits (edited) and greedy tokens there.
 
         A pure decode step (every token sampled) runs as one replay of the launches recorded
         for its bucket, the next power of two of its size; the batch is padded to the bucket by
-        repeating its last token, which rewrites the same cache slot with the same values.
+        repeating its last token, which rewrites the same cache slot with the same values. A
+        bucket has a recording with the logits' edits and one without, so steps without any
+        launch nothing for them.
         `record=False` issues every launch one by one instead (per-kernel device timing).
         A step whose longest sequence spans more than one attention split runs (and records)
         attention split along the context; shorter ones keep the one-pass kernel.
@@ -55,10 +59,10 @@ class StepRunner:
                 np.concatenate([batch.sample_tokens, T - 1 + np.zeros(pad, np.int32)]),
                 batch.sampling)
             self._upload(padded)
-            graph = self.graphs.get((bucket, long))
+            key = (bucket, long, self._edit_state()[0])
+            graph = self.graphs.get(key)
             if graph is None:
-                graph = self.graphs[bucket, long] = self._capture(
-                    lambda: self._issue(bucket, bucket))
+                graph = self.graphs[key] = self._capture(lambda: self._issue(bucket, bucket))
             if faults is not None:
                 faults.end_step()
             self._replay(graph)
@@ -81,8 +85,15 @@ class StepRunner:
         self._synchronize()
 
     def logits(self, batch):
-        """Runs a step; the logits of its sampled rows, float32 [R, vocab]."""
-        return self._logits_of(self.run(batch))
+        """Runs a step; the logits of its sampled rows as sampling sees them (edited:
+        sampling.edit_row), float32 [R, vocab]."""
+        logits = self._logits_of(self.run(batch))
+        host = self._edit_state()[1]
+        if host:
+            logits = logits.copy()
+            for r in host:
+                logits[r] = edit_row(logits[r], batch.sampling, r)
+        return logits
 
     def _logits_of(self, R):
         """The last step's R rows of logits, read back."""
@@ -104,7 +115,8 @@ class StepRunner:
     def launch(self, batch):
         """Issues a step without waiting for it; collect() returns its tokens. A pipeline's
         lanes (engine/group.py) each have a step in flight this way."""
-        self._launched = (batch, self.run(batch))
+        R = self.run(batch)
+        self._launched = (batch, R, self._edit_state()[1])
 
     def collect(self):
         """The tokens of the step launch() issued, once the device has done it.
@@ -113,16 +125,16 @@ class StepRunner:
         row's candidates (ops.top_candidates: each chunk's best logits and sum), from which
         sampling.choose_among takes the definition's token; steps that report logprobs, the
         candidates with sums at temperature 1 (_step_with_logprobs); a row they cannot decide
-        reads the logits and samples on the host (engine/sampling.py). So does every
-        constrained row (SamplingRows.masks): no kernel applies masks yet."""
-        batch, R = self._launched
+        reads the logits and samples on the host (engine/sampling.py). The logits are edited
+        on the device (constrained rows too) but for the rows whose edits it had no room for:
+        those read their logits back and are edited and sampled on the host."""
+        batch, R, host = self._launched
         self._launched = None
         out = self._tokens(batch.sampling, R)
         rows = batch.sampling
-        if rows.masked is not None:
-            for r, logits in self._logit_rows(np.flatnonzero(rows.masked)).items():
-                out.tokens[r], out.logprobs[r], out.top_ids[r], out.top_logprobs[r] = \
-                    sample_row(logits, rows, r, rows.n_logprobs)
+        for r, logits in self._logit_rows(host).items():
+            out.tokens[r], out.logprobs[r], out.top_ids[r], out.top_logprobs[r] = \
+                sample_row(edit_row(logits, rows, r), rows, r, rows.n_logprobs)
         if rows.hidden is not None:
             size = self.hidden_size * 4
             out.hidden = {int(r): np.frombuffer(self._read(self._hidden_name(), size, r * size),
@@ -131,7 +143,7 @@ class StepRunner:
         return out
 
     def _tokens(self, rows, R):
-        """collect()'s StepOutput of the last step's R rows, masks aside."""
+        """collect()'s StepOutput of the last step's R rows, rows edited on the host aside."""
         if R == 0:
             return _tokens_only(np.zeros(0, np.int32))
         if not self._has_candidates() and (rows.logprobs or rows.n_logprobs
@@ -152,12 +164,11 @@ class StepRunner:
         return _tokens_only(np.array(tokens, np.int32))
 
     def _step_with_logprobs(self, R, rows):
-        """The tokens and log probabilities (of the raw logits) of the last step's R rows, from
-        their candidates: a row that reports log probabilities from candidates with sums at
+        """The tokens and log probabilities (of the edited logits) of the last step's R rows,
+        from their candidates: a row that reports log probabilities from candidates with sums at
         temperature 1 (sampling.logprobs_among; a forced row's token among them too), a row that
-        does not (rows.reports) from candidates at its own temperature (choose_among); only
-        the rows those cannot decide are taken from the logits read back
-        (sampling.sample_row)."""
+        does not (rows.reports) from candidates at its own temperature (choose_among); only the
+        rows those cannot decide are taken from the logits read back (sampling.sample_row)."""
         k = rows.n_logprobs
         reports = np.ones(R, bool) if rows.reports is None else np.asarray(rows.reports, bool)
         temperature = np.where(reports | (rows.temperature <= 0), 1.0, rows.temperature)
@@ -185,6 +196,11 @@ class StepRunner:
     def _has_candidates(self):
         """Whether the runner leaves its rows' top_candidates on the device (_candidates)."""
         return False
+
+    def _edit_state(self):
+        """(whether the uploaded step edits logits on the device, the rows it leaves to the
+        host to edit) of the runner that computes the logits."""
+        raise NotImplementedError
 
 
 def _tokens_only(tokens):

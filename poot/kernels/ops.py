@@ -1,8 +1,8 @@
 """The step's small kernels: embedding, RMSNorm, RoPE, KV store, attention (in one pass, or split
-along the context and combined), SwiGLU, add, gather, argmax, and a device group's all_reduce
-and all_gather. Each function returns a Kernel for a subgroup size; the numpy meaning of each is
-the op of the same name in poot/ir/reference.py (argmax: the greedy choice of
-engine/sampling.py).
+along the context and combined), SwiGLU, add, gather, the logits' edits, argmax, and a device
+group's all_reduce and all_gather. Each function returns a Kernel for a subgroup size; the
+numpy meaning of each is the op of the same name in poot/ir/reference.py (argmax: the greedy
+choice of engine/sampling.py; logit_edits: its edit_logits).
 
 Activations are f32 [tokens, features]; the KV cache holds f16 pairs in u32 words,
 [blocks, block_size, kv_heads, head_dim / 2].
@@ -595,6 +595,43 @@ def attention_combine(head_dim):
             num.set(k.fma(w, partials[base + d], num.get()))
             den.set(k.fma(w, partials[base + head_dim + 1], den.get()))
         out[th * head_dim + d] = num.get() / den.get()
+    return k.build()
+
+
+@cache
+def logit_edits():
+    """The logits of a step's rows edited in place (engine/sampling.py's edit_logits): for row
+    r, edit j of row_start[r] <= j < row_start[r + 1] sets the logit x of token tokens[j] to
+    max((x / repeat[j] if x > 0 else x * repeat[j]) + add[j], LOWEST); then, where mask_of[r]
+    is not -1, every token whose bit is 0 in row mask_of[r] of `masks` (bit t % 32 of word
+    t // 32, `words` words a row) becomes LOWEST. A row names each token at most once. The
+    thread that edits a token applies the mask to it too, so the two passes never race: a token
+    both touch gets LOWEST from both. Workgroup (r, c) of grid (R, parts) takes every parts-th
+    workgroup's share of row r's edits and tokens, so a row of a large vocabulary is spread
+    over several; a row without edits or a mask does nothing."""
+    k = KernelBuilder("logit_edits", (WG,))
+    logits = k.buffer("logits", F32, "rw")
+    row_start, tokens = k.buffer("row_start", I32), k.buffer("tokens", I32)
+    repeat, add = k.buffer("repeat", F32), k.buffer("add", F32)
+    mask_of, masks = k.buffer("mask_of", I32), k.buffer("masks", U32)
+    n, words = k.scalar("n", I32), k.scalar("words", I32)
+    r, first = k.block_id(), k.block_id(1) * WG + k.thread_id()
+    stride = k.num_blocks(1) * WG
+    m = mask_of[r]
+    row, mask_row = r * n, k.max(m, 0) * words     # no mask: row 0 is read, and not used
+
+    def banned(t):
+        return (m >= 0) & ((masks[mask_row + (t >> 5)] >> (t & 31)) & 1).eq(0)
+
+    with k.for_(row_start[r] + first, row_start[r + 1], stride) as j:
+        t = tokens[j]
+        x, scale = logits[row + t], repeat[j]
+        edited = k.max(k.select(x > 0.0, x / scale, x * scale) + add[j], LOWEST)
+        logits[row + t] = k.select(banned(t), LOWEST, edited)
+    with k.if_(m >= 0):
+        with k.for_(first, n, stride) as t:
+            with k.if_(banned(t)):
+                logits[row + t] = LOWEST
     return k.build()
 
 

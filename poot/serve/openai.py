@@ -23,6 +23,7 @@ from poot.serve.errors import APIError, invalid
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # OpenAI's default for /v1/completions without max_tokens (chat's is the rest of the context)
 COMPLETION_MAX_TOKENS = 16
+LOGPROB_FLOOR = -9999.0
 
 
 def from_invalid_request(exc):
@@ -95,14 +96,6 @@ def _choices(body):
     return n
 
 
-def _refuse_unsupported(body):
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _get(body, name, "number", 0) != 0:
-            raise invalid(f"'{name}' is not supported (it must be 0 or absent)", name)
-    if _get(body, "logit_bias", "dict"):
-        raise invalid("'logit_bias' is not supported", "logit_bias")
-
-
 def _sampling(body, max_tokens_names, logprobs, max_tokens=None, constraint=None,
               skip_special_tokens=True, echo=False):
     """SamplingParams of a request; `max_tokens` where the request names none (None: up to
@@ -131,6 +124,16 @@ def _sampling(body, max_tokens_names, logprobs, max_tokens=None, constraint=None
         raise invalid("'stop_token_ids' must be an array of integers", "stop_token_ids")
     top_k = _get(body, "top_k", "int", 0)
     seed = _get(body, "seed", "int")
+    logit_bias = {}
+    for key, value in _get(body, "logit_bias", "dict", {}).items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise invalid(f"'logit_bias' keys must be token ids (integers, as strings), got "
+                          f"{key!r:.40}", "logit_bias")
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and _finite(value)):
+            raise invalid(f"'logit_bias' values must be numbers, got {value!r:.40} for "
+                          f"token {key}", "logit_bias")
+        logit_bias[int(key)] = float(value)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -142,7 +145,11 @@ def _sampling(body, max_tokens_names, logprobs, max_tokens=None, constraint=None
             stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
             ignore_eos=_get(body, "ignore_eos", "bool", False), logprobs=logprobs,
             constraint=constraint, skip_special_tokens=skip_special_tokens,
-            prompt_logprobs=logprobs if echo else None)
+            prompt_logprobs=logprobs if echo else None,
+            presence_penalty=float(_get(body, "presence_penalty", "number", 0.0)),
+            frequency_penalty=float(_get(body, "frequency_penalty", "number", 0.0)),
+            repetition_penalty=float(_get(body, "repetition_penalty", "number", 1.0)),
+            logit_bias=logit_bias or None, min_tokens=_get(body, "min_tokens", "int", 0))
     except InvalidRequest as exc:
         raise from_invalid_request(exc) from None
 
@@ -154,6 +161,12 @@ def _stream_flags(body):
     if not isinstance(include_usage, bool):
         raise invalid("'stream_options.include_usage' must be a boolean", "stream_options")
     return stream, stream and include_usage
+
+
+def _floored(logprob):
+    """A log probability as responses carry it: a banned token's (logit_bias -100, min_tokens, a
+    constraint's mask: about -3.4e38) as -9999, vLLM's floor."""
+    return max(logprob, LOGPROB_FLOOR)
 
 
 # ---- prompts --------------------------------------------------------------------------------
@@ -312,7 +325,6 @@ class Completion:
     @classmethod
     def chat(cls, body, model, names):
         name = check_model(body, names)
-        _refuse_unsupported(body)
         n = _choices(body)
         logprobs = None
         if _get(body, "logprobs", "bool", False):
@@ -335,7 +347,6 @@ class Completion:
     @classmethod
     def text(cls, body, model, names):
         name = check_model(body, names)
-        _refuse_unsupported(body)
         n = _choices(body)
         echo = _get(body, "echo", "bool", False)
         if _get(body, "suffix", "str"):
@@ -368,7 +379,7 @@ class Completion:
         if self.kind == "chat":
             def one(token_id, logprob):
                 raw = self.tokenizer.token_bytes(token_id)
-                return {"token": self._token(token_id), "logprob": logprob,
+                return {"token": self._token(token_id), "logprob": _floored(logprob),
                         "bytes": list(raw)}
             return {"content": [dict(one(e.token_id, e.logprob),
                                      top_logprobs=[one(i, lp) for i, lp in e.top])
@@ -378,8 +389,10 @@ class Completion:
             offsets.append(self.text_offsets[index])
             self.text_offsets[index] += len(self._text(e.token_id))
         return {"tokens": [self._token(e.token_id) for e in entries],
-                "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [None if e.top is None else {self._token(i): lp for i, lp in e.top}
+                "token_logprobs": [None if e.logprob is None else _floored(e.logprob)
+                                   for e in entries],
+                "top_logprobs": [None if e.top is None else {self._token(i): _floored(lp)
+                                                             for i, lp in e.top}
                                  for e in entries],
                 "text_offset": offsets}
 

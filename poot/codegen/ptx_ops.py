@@ -360,8 +360,9 @@ class Instructions:
         elif src.kind in floats:
             x = a if src.kind == "f" else self.to_f32(a, src)
             ftype = "f16" if src == F16 else "f32"
+            itype = int_type(dst, dst.bits if dst.bits == 8 else None)
             # Saturates to the range of the destination type, 8-bit ones included.
-            self.emit(f"cvt.rzi.{int_type(dst, dst.bits if dst.bits == 8 else None)}.{ftype} {d}, {x};")
+            self.emit(f"cvt.rzi.{itype}.{ftype} {d}, {x};")
             self.narrow8(d, dst)
         elif dst.kind in floats:
             if dst == BF16:

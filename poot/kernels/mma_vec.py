@@ -1,8 +1,8 @@
 """mma_vec: the decode matmul on the tensor cores, y[t, m] = x[t, :] . W[m, :] for steps of up
 to 8 tokens a token tile, 1, 2 or 4 token tiles a launch (further launches along grid y for
-more), with matmul.matvec's buffers, scalars and
-fused variants (stacked outputs, a gated unit, residual; a norm is norm_x16's, launched before), for
-devices with mma and f16x2 arithmetic (ptx).
+more), with matvec.matvec's buffers, scalars and fused variants (stacked outputs, a gated unit,
+residual; a norm is norm_x16's, launched before), for devices with mma and f16x2 arithmetic
+(ptx).
 
 Why: matvec's lanes each take whole weight units (a 32-value quant block), so the x values of
 neighbouring lanes lie 128 bytes apart and each 16-byte load of x touches as many cache lines as
@@ -41,7 +41,8 @@ quants, 8 for floats): the last group's missing units weigh zero.
 from functools import cache
 
 from .lang import F32, I32, U32, KernelBuilder
-from .matmul import WORKGROUP, _pack, matvec_params, mma_operand, store_row, variant_name
+from .matmul import _pack, mma_operand
+from .matvec import WORKGROUP, matvec_params, store_row, variant_name
 from .ops import block_reduce
 from .quant import _small_int, reader
 
@@ -69,7 +70,7 @@ def grid(rows, n_tokens, tiles=1, split=1, token_tiles=1):
 
 
 def least_tokens(dtype):
-    """The shortest step a device that runs mma_vec should give it rather than matmul.matvec:
+    """The shortest step a device that runs mma_vec should give it rather than matvec.matvec:
     one token for Q4_0 and the K quants, whose one-token matvec decodes too slowly; two for F16,
     BF16 and Q4_1, whose one-token matvec is ahead, and Q8_0, where mma_vec gains little and the
     default model's output head (Q8_0) keeps the f32 x its greedy tokens were checked with
@@ -225,7 +226,7 @@ def _load(buffer, index, n):
 def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, split=1,
             unroll=1, pipeline=False, chains=1, x16=False, token_tiles=1):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split, token_tiles). Buffers and
-    scalars as matmul.matvec's of the same variant but norm: a norm comes before, from
+    scalars as matvec.matvec's of the same variant but norm: a norm comes before, from
     norm_x16, and `x16` reads its words (u32 [T, cols / 2]: x normed, rounded and paired as the
     B operand takes it) for x. `tiles`: 16-row tiles a subgroup computes; `split`: subgroups
     sharing a tile's columns; `unroll`: 128-column groups a round; `pipeline`: the next round's

@@ -259,7 +259,6 @@ hsa_status_t hsa_signal_create(hsa_signal_value_t initial_value, uint32_t num_co
                                const hsa_agent_t *consumers, hsa_signal_t *signal);
 hsa_status_t hsa_signal_destroy(hsa_signal_t signal);
 hsa_signal_value_t hsa_signal_load_scacquire(hsa_signal_t signal);
-hsa_signal_value_t hsa_signal_load_relaxed(hsa_signal_t signal);
 void hsa_signal_store_relaxed(hsa_signal_t signal, hsa_signal_value_t value);
 void hsa_signal_store_screlease(hsa_signal_t signal, hsa_signal_value_t value);
 hsa_signal_value_t hsa_signal_wait_scacquire(hsa_signal_t signal,
@@ -275,10 +274,6 @@ hsa_status_t hsa_queue_create(hsa_agent_t agent, uint32_t size, hsa_queue_type32
                               uint32_t group_segment_size, hsa_queue_t **queue);
 hsa_status_t hsa_queue_destroy(hsa_queue_t *queue);
 uint64_t hsa_queue_load_read_index_scacquire(const hsa_queue_t *queue);
-uint64_t hsa_queue_load_write_index_relaxed(const hsa_queue_t *queue);
-uint64_t hsa_queue_load_write_index_scacquire(const hsa_queue_t *queue);
-void hsa_queue_store_write_index_relaxed(const hsa_queue_t *queue, uint64_t value);
-void hsa_queue_store_write_index_screlease(const hsa_queue_t *queue, uint64_t value);
 uint64_t hsa_queue_add_write_index_scacq_screl(const hsa_queue_t *queue, uint64_t value);
 
 hsa_status_t hsa_code_object_reader_create_from_memory(
@@ -385,14 +380,6 @@ def publish_packet(slot, header, setup=0):
     ffi.cast("uint32_t *", slot)[0] = header | setup << 16
 
 
-def _to_python(value, ctype):
-    if ctype.startswith("char["):
-        return ffi.string(value).decode()
-    if "[" in ctype:
-        return list(value)
-    return value[0]
-
-
 def _pointer(address):
     """A void * for an int address, a cdata pointer, or a writable buffer (numpy array, ...)."""
     if isinstance(address, int):
@@ -436,11 +423,18 @@ class Runtime:
     def shut_down(self):
         self._check("hsa_shut_down", self.lib.hsa_shut_down())
 
+    def _get_info(self, call, types, attribute, *handle):
+        """hsa_*_get_info of one attribute, of the C type `types` gives it, as Python: str for
+        names, list for arrays, int otherwise."""
+        ctype = types[attribute]
+        value = ffi.new(ctype) if "[" in ctype else ffi.new(ctype + " *")
+        self._check(f"{call}({attribute:#x})", getattr(self.lib, call)(*handle, attribute, value))
+        if ctype.startswith("char["):
+            return ffi.string(value).decode()
+        return list(value) if "[" in ctype else value[0]
+
     def system_get_info(self, attribute):
-        ctype = SYSTEM_INFO_TYPES[attribute]
-        value = ffi.new(ctype + " *")
-        self._check("hsa_system_get_info", self.lib.hsa_system_get_info(attribute, value))
-        return value[0]
+        return self._get_info("hsa_system_get_info", SYSTEM_INFO_TYPES, attribute)
 
     # Agents and their ISAs.
     def _collect(self, call, iterate, handle_type, *leading):
@@ -459,12 +453,7 @@ class Runtime:
         return self._collect("hsa_iterate_agents", self.lib.hsa_iterate_agents, "hsa_agent_t")
 
     def agent_get_info(self, agent, attribute):
-        """The attribute's value as Python: str for names, list for arrays, int otherwise."""
-        ctype = AGENT_INFO_TYPES[attribute]
-        value = ffi.new(ctype) if "[" in ctype else ffi.new(ctype + " *")
-        self._check(f"hsa_agent_get_info({attribute:#x})",
-                    self.lib.hsa_agent_get_info(agent, attribute, value))
-        return _to_python(value, ctype)
+        return self._get_info("hsa_agent_get_info", AGENT_INFO_TYPES, attribute, agent)
 
     def agent_isas(self, agent):
         return self._collect("hsa_agent_iterate_isas", self.lib.hsa_agent_iterate_isas,
@@ -486,11 +475,8 @@ class Runtime:
                              agent)
 
     def memory_pool_get_info(self, pool, attribute):
-        ctype = MEMORY_POOL_INFO_TYPES[attribute]
-        value = ffi.new(ctype + " *")
-        self._check("hsa_amd_memory_pool_get_info",
-                    self.lib.hsa_amd_memory_pool_get_info(pool, attribute, value))
-        return value[0]
+        return self._get_info("hsa_amd_memory_pool_get_info", MEMORY_POOL_INFO_TYPES, attribute,
+                              pool)
 
     def memory_pool_allocate(self, pool, size, flags=0):
         """Allocate from the pool; return the address as an int."""
@@ -563,12 +549,6 @@ class Runtime:
     def queue_load_read_index(self, queue):
         return self.lib.hsa_queue_load_read_index_scacquire(queue)
 
-    def queue_load_write_index(self, queue):
-        return self.lib.hsa_queue_load_write_index_scacquire(queue)
-
-    def queue_store_write_index(self, queue, value):
-        self.lib.hsa_queue_store_write_index_screlease(queue, value)
-
     def queue_add_write_index(self, queue, count):
         """Reserve `count` slots; return the index of the first."""
         return self.lib.hsa_queue_add_write_index_scacq_screl(queue, count)
@@ -618,11 +598,8 @@ class Runtime:
         return symbol[0]
 
     def executable_symbol_get_info(self, symbol, attribute):
-        ctype = SYMBOL_INFO_TYPES[attribute]
-        value = ffi.new(ctype + " *")
-        self._check("hsa_executable_symbol_get_info",
-                    self.lib.hsa_executable_symbol_get_info(symbol, attribute, value))
-        return value[0]
+        return self._get_info("hsa_executable_symbol_get_info", SYMBOL_INFO_TYPES, attribute,
+                              symbol)
 
     # Profiling.
     def profiling_set_profiler_enabled(self, queue, enable):

@@ -133,26 +133,13 @@ def quant_pairs(dtype):
 def norm_x16(dtype, subgroup_size=SUBGROUP):
     """x16[t] (u32 [T, cols / 2]) = x[t] / sqrt(mean(x[t]^2) + eps) * gain, rounded to the
     operand of dtype's mma and paired as mma_vec's B words take them (quant_pairs): the RMSNorm
-    before an mma_vec, made once a step instead of in each of its subgroups (8B Q4_0, one token:
-    the 28,672 x 4,096 gate/up with the norm folded in 53.0 us, without it 34.1 us). One
-    workgroup a token; grid (T). cols a multiple of 8."""
+    before an mma_vec, made once a step instead of in each of its subgroups. One workgroup a
+    token; grid (T). cols a multiple of 8."""
     operand, pairs = mma_operand(dtype), quant_pairs(dtype)
     k = KernelBuilder(f"norm_x16_{operand.name}" + "_pairs" * pairs, (WORKGROUP,))
     x, gain, x16 = k.buffer("x", F32), k.buffer("norm", F32), k.buffer("x16", U32, "w")
-    cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
-    scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
-    base, first = k.block_id() * cols, k.thread_id() * 4
-    square = k.var(F32, 0.0)
-    with k.for_(first, cols, WORKGROUP * 4) as i:
-        for v in x.load(base + i, 4):
-            square.set(k.fma(v, v, square.get()))
-    total = block_reduce(k, square.get(), subgroup_size, scratch)
-    scale = k.rsqrt(total / cols.to(F32) + eps)
-    with k.for_(first, cols, WORKGROUP * 4) as i:
-        a, b, c, d = [v * scale * w for v, w in zip(x.load(base + i, 4), gain.load(i, 4))]
-        lo, hi = ((a, c), (b, d)) if pairs else ((a, b), (c, d))
-        x16.store((base + i) >> 1, _pack(k, operand, *lo), _pack(k, operand, *hi))
-    return k.build()
+    load = lambda base, i: x.load(base + i, 4)  # noqa: E731
+    return _normed_pairs(k, dtype, subgroup_size, gain, x16, load, load)
 
 
 @cache
@@ -168,22 +155,34 @@ def reduce_norm_x16(dtype, world, subgroup_size=SUBGROUP):
     parts = [k.buffer(f"part{j}", F32) for j in range(world)]
     residual, out = k.buffer("residual", F32), k.buffer("out", F32, "rw")
     gain, x16 = k.buffer("norm", F32), k.buffer("x16", U32, "w")
-    cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
-    scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
-    base, first = k.block_id() * cols, k.thread_id() * 4
-    square = k.var(F32, 0.0)
-    with k.for_(first, cols, WORKGROUP * 4) as i:
+
+    def reduce(base, i):
         total = parts[0].load(base + i, 4)
         for part in parts[1:]:
             total = [a + b for a, b in zip(total, part.load(base + i, 4))]
         total = [a + b for a, b in zip(residual.load(base + i, 4), total)]
         out.store(base + i, *total)
-        for v in total:
+        return total
+
+    return _normed_pairs(k, dtype, subgroup_size, gain, x16, reduce,     # then what it stored
+                         lambda base, i: out.load(base + i, 4))
+
+
+def _normed_pairs(k, dtype, subgroup_size, gain, x16, first_read, second_read):
+    """The rest of norm_x16 and reduce_norm_x16 after their buffers: a token's row read 4
+    values at a time by `first_read` to sum its squares, by `second_read` to norm it."""
+    operand, pairs = mma_operand(dtype), quant_pairs(dtype)
+    cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
+    scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
+    base, first = k.block_id() * cols, k.thread_id() * 4
+    square = k.var(F32, 0.0)
+    with k.for_(first, cols, WORKGROUP * 4) as i:
+        for v in first_read(base, i):
             square.set(k.fma(v, v, square.get()))
     total = block_reduce(k, square.get(), subgroup_size, scratch)
     scale = k.rsqrt(total / cols.to(F32) + eps)
-    with k.for_(first, cols, WORKGROUP * 4) as i:      # what this thread stored above
-        a, b, c, d = [v * scale * w for v, w in zip(out.load(base + i, 4), gain.load(i, 4))]
+    with k.for_(first, cols, WORKGROUP * 4) as i:
+        a, b, c, d = [v * scale * w for v, w in zip(second_read(base, i), gain.load(i, 4))]
         lo, hi = ((a, c), (b, d)) if pairs else ((a, b), (c, d))
         x16.store((base + i) >> 1, _pack(k, operand, *lo), _pack(k, operand, *hi))
     return k.build()

@@ -5,6 +5,7 @@ module. It knows the kernel only for its buffers' widths and the capabilities it
 """
 import struct
 
+from poot.codegen import f16_bits, f32_bits
 from poot.kernels.lang import F32, U16, U32
 
 MAGIC, VERSION_1_3 = 0x07230203, 0x00010300
@@ -89,13 +90,7 @@ def spv_dtype(dtype):
 def literal_words(value, dtype):
     """The words of a constant: the low-order bits first, narrow integers sign- or zero-extended."""
     if dtype.kind == "f":
-        code = "<e" if dtype.bits == 16 else "<f"
-        try:
-            bits = struct.unpack("<H" if dtype.bits == 16 else "<I", struct.pack(code, value))[0]
-        except OverflowError:
-            bits = struct.unpack("<H" if dtype.bits == 16 else "<I",
-                                 struct.pack(code, float("inf") if value > 0 else float("-inf")))[0]
-        return [bits]
+        return [f16_bits(value) if dtype.bits == 16 else f32_bits(value)]
     value = int(value) & ((1 << dtype.bits) - 1)
     if dtype.kind == "i" and dtype.bits < 32 and value >> (dtype.bits - 1):
         value |= 0xFFFFFFFF ^ ((1 << dtype.bits) - 1)

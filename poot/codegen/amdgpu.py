@@ -75,7 +75,6 @@ typedef unsigned int uint;
 typedef unsigned long ulong;
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
 #pragma OPENCL FP_CONTRACT OFF"""
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _RESERVED = re.compile(r"v\d+(_\d+)?\Z|sh_|poot_")     # the renderer's own names
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/", "rem": "%", "and": "&", "or": "|",
           "xor": "^"}
@@ -289,17 +288,10 @@ class _Renderer:
         if wx * wy * wz > MAX_WORKGROUP:
             raise ValueError(f"kernel {kernel.name}: workgroup {kernel.workgroup} exceeds "
                              f"{MAX_WORKGROUP} work-items")
-        names = [kernel.name] + [p.name for p in kernel.params] + [s.name for s in kernel.shared]
-        for name in names:
-            if not _IDENTIFIER.match(name):
-                raise ValueError(f"{name!r} is not a C identifier")
         for p in kernel.params:
             if _RESERVED.match(p.name):
                 raise ValueError(f"parameter {p.name!r}: names v<N>, sh_* and poot_* are the "
                                  f"renderer's own")
-        for array in [p for p in kernel.params if p.kind == "buffer"] + list(kernel.shared):
-            if array.dtype.kind == "b":
-                raise TypeError(f"{array.name}: bool has no memory layout")
         self.kernel, self.wave = kernel, wavefront
         self.lines, self.depth = [], 1
         self.vector_types, self.declarations, self.helpers = {}, {}, {}

@@ -29,8 +29,6 @@ one `.extern .shared` array, whose size the launch passes (dynamic_shared_bytes)
 function is allowed it (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), up to the target's
 SHARED_LIMIT.
 """
-import re
-
 from poot.codegen.ptx_ops import Instructions, int_type, reg_bits, reg_class
 from poot.errors import ModelRefused
 from poot.kernels.lang import (ASYNC_COPY, BINARY, BOOL, COMPARE, F32, HALF2_ARITH, I32, SPECIAL,
@@ -68,7 +66,6 @@ SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90
                 120: 99 * 1024, 121: 99 * 1024}
 DYNAMIC_SHARED = "sh_dynamic"
 
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _PREFIX = {"pred": "p", "b16": "h", "b32": "r", "b64": "rd"}
 _SCALAR_PARAM = {"i32": "s32", "u32": "u32", "f32": "f32"}
 
@@ -116,14 +113,6 @@ class _Renderer(Instructions):
         if dynamic_shared_bytes(kernel) > SHARED_LIMIT[sm]:
             raise ModelRefused(f"kernel {kernel.name} needs {kernel.shared_bytes} bytes of shared "
                                f"memory; a workgroup of sm_{sm} has at most {SHARED_LIMIT[sm]}")
-        names = [kernel.name] + [p.name for p in kernel.params] + [s.name for s in kernel.shared]
-        for name in names:
-            if not _IDENTIFIER.match(name):
-                raise ValueError(f"{name!r} is not a PTX identifier")
-        arrays = [p for p in kernel.params if p.kind == "buffer"] + list(kernel.shared)
-        for array in arrays:
-            if array.dtype.kind == "b":
-                raise TypeError(f"{array.name}: bool has no memory layout")
         self.kernel, self.sm = kernel, sm
         self.registers = {}      # name -> class, in order of first use
         self.lines = []

@@ -92,8 +92,6 @@ def binding_layout(kernel):
     buffers, scalars = [], []
     for param in kernel.params:
         if param.kind == "buffer":
-            if param.dtype.kind == "b":
-                raise TypeError(f"buffer {param.name}: bool has no memory layout")
             buffers.append(BufferBinding(param.name, param.dtype, param.access, 0, len(buffers)))
         else:
             scalars.append(PushConstant(param.name, param.dtype, 4 * len(scalars)))

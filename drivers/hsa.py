@@ -404,6 +404,13 @@ class Runtime:
             text += " (/dev/kfd, the ROCm kernel driver's device, is absent on this machine)"
         raise DriverError(LIBRARY, call, status, name, text)
 
+    def _out(self, ctype, call, *args, label=None):
+        """Runtime call `call` with `args` and a new `ctype` out-parameter last, checked (an
+        error names `label`, else the call); the value it wrote."""
+        value = ffi.new(ctype + " *")
+        self._check(label or call, getattr(self.lib, call)(*args, value))
+        return value[0]
+
     def _status_parts(self, status):
         """hsa_status_string's "HSA_STATUS_ERROR_X: meaning", split into name and meaning."""
         string = ffi.new("const char **")
@@ -509,11 +516,8 @@ class Runtime:
 
     # Signals.
     def signal_create(self, initial_value, consumers=()):
-        signal = ffi.new("hsa_signal_t *")
         array = ffi.new("hsa_agent_t[]", list(consumers)) if consumers else ffi.NULL
-        self._check("hsa_signal_create",
-                    self.lib.hsa_signal_create(initial_value, len(consumers), array, signal))
-        return signal[0]
+        return self._out("hsa_signal_t", "hsa_signal_create", initial_value, len(consumers), array)
 
     def signal_destroy(self, signal):
         self._check("hsa_signal_destroy", self.lib.hsa_signal_destroy(signal))
@@ -537,11 +541,8 @@ class Runtime:
     def queue_create(self, agent, size, queue_type=HSA_QUEUE_TYPE_MULTI,
                      private_segment_size=UINT32_MAX, group_segment_size=UINT32_MAX):
         """A user-mode AQL queue of `size` packets (a power of two); UINT32_MAX means no hint."""
-        queue = ffi.new("hsa_queue_t **")
-        self._check("hsa_queue_create",
-                    self.lib.hsa_queue_create(agent, size, queue_type, ffi.NULL, ffi.NULL,
-                                              private_segment_size, group_segment_size, queue))
-        return queue[0]
+        return self._out("hsa_queue_t *", "hsa_queue_create", agent, size, queue_type, ffi.NULL,
+                         ffi.NULL, private_segment_size, group_segment_size)
 
     def queue_destroy(self, queue):
         self._check("hsa_queue_destroy", self.lib.hsa_queue_destroy(queue))
@@ -560,11 +561,10 @@ class Runtime:
     # Code objects.
     def code_object_reader_create_from_memory(self, image):
         image = bytes(image)
-        reader = ffi.new("hsa_code_object_reader_t *")
-        self._check("hsa_code_object_reader_create_from_memory",
-                    self.lib.hsa_code_object_reader_create_from_memory(image, len(image), reader))
-        self._reader_images[reader[0].handle] = image
-        return reader[0]
+        reader = self._out("hsa_code_object_reader_t", "hsa_code_object_reader_create_from_memory",
+                           image, len(image))
+        self._reader_images[reader.handle] = image
+        return reader
 
     def code_object_reader_destroy(self, reader):
         self._check("hsa_code_object_reader_destroy",
@@ -572,30 +572,23 @@ class Runtime:
         self._reader_images.pop(reader.handle, None)
 
     def executable_create(self, profile, rounding=HSA_DEFAULT_FLOAT_ROUNDING_MODE_DEFAULT):
-        executable = ffi.new("hsa_executable_t *")
-        self._check("hsa_executable_create_alt",
-                    self.lib.hsa_executable_create_alt(profile, rounding, ffi.NULL, executable))
-        return executable[0]
+        return self._out("hsa_executable_t", "hsa_executable_create_alt", profile, rounding,
+                         ffi.NULL)
 
     def executable_destroy(self, executable):
         self._check("hsa_executable_destroy", self.lib.hsa_executable_destroy(executable))
 
     def executable_load_agent_code_object(self, executable, agent, reader):
-        loaded = ffi.new("hsa_loaded_code_object_t *")
-        self._check("hsa_executable_load_agent_code_object",
-                    self.lib.hsa_executable_load_agent_code_object(executable, agent, reader,
-                                                                   ffi.NULL, loaded))
-        return loaded[0]
+        return self._out("hsa_loaded_code_object_t", "hsa_executable_load_agent_code_object",
+                         executable, agent, reader, ffi.NULL)
 
     def executable_freeze(self, executable):
         self._check("hsa_executable_freeze", self.lib.hsa_executable_freeze(executable, ffi.NULL))
 
     def executable_get_symbol_by_name(self, executable, name, agent):
-        symbol = ffi.new("hsa_executable_symbol_t *")
-        self._check(f"hsa_executable_get_symbol_by_name({name!r})",
-                    self.lib.hsa_executable_get_symbol_by_name(
-                        executable, name.encode(), ffi.new("hsa_agent_t *", agent), symbol))
-        return symbol[0]
+        return self._out("hsa_executable_symbol_t", "hsa_executable_get_symbol_by_name",
+                         executable, name.encode(), ffi.new("hsa_agent_t *", agent),
+                         label=f"hsa_executable_get_symbol_by_name({name!r})")
 
     def executable_symbol_get_info(self, symbol, attribute):
         return self._get_info("hsa_executable_symbol_get_info", SYMBOL_INFO_TYPES, attribute,

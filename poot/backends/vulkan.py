@@ -31,9 +31,8 @@ ffi = vk.ffi
 VALIDATION_ENV = "POOT_VULKAN_VALIDATION"
 STAGING_BYTES = 64 << 20
 # Poll a fence this long before sleeping in vkWaitForFences. On a GPU the host has nothing else
-# to do while a step runs, and waking from the sleep took about 140 us a step on the H200 (a 1B
-# decode step is 1.6 ms); on a CPU device (lavapipe) the polling thread would take a core from
-# the device's own threads.
+# to do while a step runs, and waking from the sleep costs a decode step much of its time; on a
+# CPU device (lavapipe) the polling thread would take a core from the device's own threads.
 SPIN_SECONDS = {"gpu": 0.05, "cpu": 100e-6}
 SETS_PER_POOL = 256
 TIMED_LAUNCHES = 4096         # launches one start_timing/stop_timing may time

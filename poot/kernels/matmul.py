@@ -127,12 +127,11 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     and v), each part's rows stored to its own output y0, y1, ... as matvec's stacked outputs
     are (store_row; scalars split_1.. after n_tokens: the first row of each part but the first).
 
-    Pipelines (MMA_VARIANTS; kernel_choice.mma_choice names a device's). Decode steps
-    stream W once and are bound by how many of its bytes are in flight: by Little's law, 4.2 TB/s
-    over ~0.8 us of loaded latency needs ~3.4 MB in flight, ~25 KB a multiprocessor. The
-    default holds one step (16 KB of W) a workgroup in registers, and only from its loads, after
-    the second barrier of a step, to its stores, after the first barrier of the next: the wait
-    at a barrier for the slowest subgroup is time with nothing of its own in flight.
+    Pipelines (MMA_VARIANTS; kernel_choice.mma_choice names a device's). Decode steps stream W
+    once and are bound by how many of its bytes are in flight. The default holds one step (16 KB
+    of W) a workgroup in registers, and only from its loads, after the second barrier of a step,
+    to its stores, after the first barrier of the next: the wait at a barrier for the slowest
+    subgroup is time with nothing of its own in flight.
     - `stages` S (2 or more; F16 and BF16 weights, whose words are operands as they are): W
       goes straight into shared memory by copy_async (cp.async) into a ring of S tiles, S - 1
       steps ahead of the mma: (S - 1) x 16 KB of W in flight a workgroup all the time, in no
@@ -144,9 +143,8 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
       allow at 256 threads and 65-128 each) fit while it is at most ~113 KiB.
     - `x16`: the buffer is `x16`, u32 [T, cols / 2], x already rounded to the operand pairwise
       (mma_x16, once per matmul input, which q, k and v share). A workgroup reads 2 bytes of x
-      a value instead of 4 (for 64 tokens, half as many bytes as of W instead of as many; for
-      prefill's 128 tokens x was 2/3 of what a step read), converts nothing, and with `stages`
-      copies x by copy_async too, so no register waits for memory.
+      a value instead of 4, converts nothing, and with `stages` copies x by copy_async too, so
+      no register waits for memory.
     - `depth` 128: a step reads 256 contiguous bytes of each W row instead of 128 and has half
       the barriers per byte; its tiles are twice the size (51 KiB a stage for 64 tokens).
     - `wgmma` (with `stages` and `x16`; F16 and BF16; sm_90a): the products run on the

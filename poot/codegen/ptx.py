@@ -68,6 +68,12 @@ DYNAMIC_SHARED = "sh_dynamic"
 
 _PREFIX = {"pred": "p", "b16": "h", "b32": "r", "b64": "rd"}
 _SCALAR_PARAM = {"i32": "s32", "u32": "u32", "f32": "f32"}
+# The statements that are one instruction whatever they hold (their fields formatted in).
+_ONE_INSTRUCTION = {
+    Barrier: "bar.sync 0;", CopyCommit: "cp.async.commit_group;",
+    CopyWait: "cp.async.wait_group {0.pending};", AsyncProxyFence: "fence.proxy.async.shared::cta;",
+    WgmmaFence: "wgmma.fence.sync.aligned;", WgmmaCommit: "wgmma.commit_group.sync.aligned;",
+    WgmmaWait: "wgmma.wait_group.sync.aligned {0.pending};"}
 
 
 def kernel_params(kernel):
@@ -187,7 +193,9 @@ class _Renderer(Instructions):
     # -- statements ------------------------------------------------------------------------------
     def block(self, body):
         for stmt in body:
-            if isinstance(stmt, Let):
+            if type(stmt) in _ONE_INSTRUCTION:
+                self.emit(_ONE_INSTRUCTION[type(stmt)].format(stmt))
+            elif isinstance(stmt, Let):
                 start = len(self.lines)
                 self.let(stmt)
                 if len(self.lines) > start:
@@ -203,26 +211,12 @@ class _Renderer(Instructions):
                 self.if_(stmt)
             elif isinstance(stmt, For):
                 self.for_(stmt)
-            elif isinstance(stmt, Barrier):
-                self.emit("bar.sync 0;")
             elif isinstance(stmt, CopyAsync):
                 self.copy_async(stmt)
-            elif isinstance(stmt, CopyCommit):
-                self.emit("cp.async.commit_group;")
-            elif isinstance(stmt, CopyWait):
-                self.emit(f"cp.async.wait_group {stmt.pending};")
             elif isinstance(stmt, Return):
                 self.ret()
-            elif isinstance(stmt, AsyncProxyFence):
-                self.emit("fence.proxy.async.shared::cta;")
-            elif isinstance(stmt, WgmmaFence):
-                self.emit("wgmma.fence.sync.aligned;")
             elif isinstance(stmt, Wgmma):
                 self.wgmma(stmt)
-            elif isinstance(stmt, WgmmaCommit):
-                self.emit("wgmma.commit_group.sync.aligned;")
-            elif isinstance(stmt, WgmmaWait):
-                self.emit(f"wgmma.wait_group.sync.aligned {stmt.pending};")
             else:
                 raise TypeError(f"unknown statement {stmt!r}")
 

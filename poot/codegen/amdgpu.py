@@ -374,15 +374,10 @@ class _Renderer:
             elif isinstance(stmt, Store):
                 self.store(stmt)
             elif isinstance(stmt, VarDecl):
-                if stmt.init.dtype != stmt.dtype:
-                    raise TypeError(f"var %{stmt.id} is {stmt.dtype}, initialised with a "
-                                    f"{stmt.init.dtype}")
                 self.vars[stmt.id] = stmt.dtype
                 self.emit(f"{_ctype(stmt.dtype)} v{stmt.id} = {self.name(stmt.init)};")
             elif isinstance(stmt, Assign):
-                dtype = self.var(stmt.var)
-                if stmt.value.dtype != dtype:
-                    raise TypeError(f"var %{stmt.var} is {dtype}, assigned a {stmt.value.dtype}")
+                self.var(stmt.var)
                 self.emit(f"v{stmt.var} = {self.name(stmt.value)};")
             elif isinstance(stmt, If):
                 self.emit(f"if ({self.truth(stmt.cond)}) {{")
@@ -414,12 +409,7 @@ class _Renderer:
 
     def for_(self, stmt):
         index = self.name(stmt.index)
-        if isinstance(stmt.step, int):
-            step = str(stmt.step)
-        elif stmt.step.dtype.name == "i32":
-            step = self.name(stmt.step)
-        else:
-            raise TypeError(f"for step of {stmt.step.dtype}: i32")
+        step = str(stmt.step) if isinstance(stmt.step, int) else self.name(stmt.step)
         # `unroll` adds nothing: LLVM unrolls counted loops as it judges.
         self.emit(f"for (int {index} = {self.name(stmt.start)}; {index} < {self.name(stmt.stop)}; "
                   f"{index} += {step}) {{")

@@ -31,8 +31,8 @@ SHARED_LIMIT.
 """
 from poot.codegen.ptx_ops import Instructions, int_type, reg_bits, reg_class
 from poot.errors import ModelRefused
-from poot.kernels.lang import (ASYNC_COPY, BINARY, BOOL, COMPARE, F32, HALF2_ARITH, I32, SPECIAL,
-                               UNARY, WGMMA, AsyncProxyFence, Assign, Barrier, CopyAsync,
+from poot.kernels.lang import (ASYNC_COPY, BINARY, BOOL, COMPARE, F32, HALF2_ARITH, SPECIAL, UNARY,
+                               WGMMA, AsyncProxyFence, Assign, Barrier, CopyAsync,
                                CopyCommit, CopyWait, For, If, Let, Return, Store, VarDecl, Wgmma,
                                WgmmaCommit, WgmmaFence, WgmmaWait)
 
@@ -237,8 +237,6 @@ class _Renderer(Instructions):
 
     def assign(self, var, value):
         dtype = self.var(var)
-        if value.dtype != dtype:
-            raise TypeError(f"var %{var} is {dtype}, assigned a {value.dtype}")
         self.mov(self.named(var, dtype), self.val(value), dtype)
 
     def if_(self, stmt):
@@ -263,12 +261,7 @@ class _Renderer(Instructions):
         self.labels += 1
         n = self.labels
         index, stop = self.val(stmt.index), self.val(stmt.stop)
-        if isinstance(stmt.step, int):
-            step = str(stmt.step)
-        elif stmt.step.dtype == I32:
-            step = self.val(stmt.step)
-        else:
-            raise TypeError(f"for step of {stmt.step.dtype}: i32")
+        step = str(stmt.step) if isinstance(stmt.step, int) else self.val(stmt.step)
         self.emit(f"mov.b32 {index}, {self.val(stmt.start)};")
         self.label(f"$L{n}_loop")
         done = self.temp("pred")

@@ -274,7 +274,10 @@ class Var:
         return self.b.let("var_get", self.dtype, (), var=self.id)
 
     def set(self, value):
-        self.b.emit(Assign(self.id, self.b.coerce(value, self.dtype)))
+        value = self.b.coerce(value, self.dtype)
+        if value.dtype != self.dtype:
+            raise TypeError(f"var %{self.id} is {self.dtype}, assigned a {value.dtype}")
+        self.b.emit(Assign(self.id, value))
 
 
 class Buffer:
@@ -449,6 +452,8 @@ class KernelBuilder:
 
     def var(self, dtype, init):
         init = self.coerce(init, dtype)
+        if init.dtype != dtype:
+            raise TypeError(f"a var of {dtype} initialised with a {init.dtype}")
         self._next += 1
         self.emit(VarDecl(self._next, dtype, init))
         return Var(self, self._next, dtype)
@@ -691,6 +696,8 @@ class KernelBuilder:
     def for_(self, start, stop, step=1, unroll=False):
         if isinstance(step, int) and step < 1:
             raise ValueError("for_: step must be positive")
+        if isinstance(step, Value) and step.dtype != I32:
+            raise TypeError(f"for_: step of {step.dtype}, not i32")
         start, stop = self.coerce(start, I32), self.coerce(stop, I32)
         self._next += 1
         stmt = For(Value(self, self._next, I32), start, stop, step, [], unroll)

@@ -1,4 +1,5 @@
-"""The decode matmul against weights in their device layout (quant.py): y[t, m] = x[t, :] . W[m, :].
+"""The decode matmul against weights in their device layout (quant.py):
+y[t, m] = x[t, :] . W[m, :].
 
 `matvec`: a subgroup streams a weight row (or a few: `rows_per`; or a share of its columns:
 `split`) once for all of the step's few tokens (bandwidth-bound: each weight byte is read once

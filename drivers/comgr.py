@@ -170,6 +170,13 @@ class Comgr:
         name = ffi.typeof("amd_comgr_status_t").elements.get(status, f"amd_comgr_status_t {status}")
         raise DriverError(LIBRARY, call, status, name, f"{words}: {log}" if log else words)
 
+    def _out(self, ctype, call, *args, label=None):
+        """Library call `call` with `args` and a new `ctype` out-parameter last, checked (an
+        error names `label`, else the call); the value it wrote."""
+        value = ffi.new(ctype + " *")
+        self._check(label or call, getattr(self.lib, call)(*args, value))
+        return value[0]
+
     def status_string(self, status):
         text = ffi.new("const char **")
         self._check("amd_comgr_status_string", self.lib.amd_comgr_status_string(status, text))
@@ -188,17 +195,13 @@ class Comgr:
 
     # Data objects.
     def create_data(self, kind):
-        data = ffi.new("amd_comgr_data_t *")
-        self._check("amd_comgr_create_data", self.lib.amd_comgr_create_data(kind, data))
-        return data[0]
+        return self._out("amd_comgr_data_t", "amd_comgr_create_data", kind)
 
     def release_data(self, data):
         self._check("amd_comgr_release_data", self.lib.amd_comgr_release_data(data))
 
     def get_data_kind(self, data):
-        kind = ffi.new("amd_comgr_data_kind_t *")
-        self._check("amd_comgr_get_data_kind", self.lib.amd_comgr_get_data_kind(data, kind))
-        return kind[0]
+        return self._out("amd_comgr_data_kind_t", "amd_comgr_get_data_kind", data)
 
     def set_data(self, data, content):
         content = content.encode() if isinstance(content, str) else bytes(content)
@@ -225,9 +228,7 @@ class Comgr:
 
     # Data sets.
     def create_data_set(self):
-        data_set = ffi.new("amd_comgr_data_set_t *")
-        self._check("amd_comgr_create_data_set", self.lib.amd_comgr_create_data_set(data_set))
-        return data_set[0]
+        return self._out("amd_comgr_data_set_t", "amd_comgr_create_data_set")
 
     def destroy_data_set(self, data_set):
         self._check("amd_comgr_destroy_data_set", self.lib.amd_comgr_destroy_data_set(data_set))
@@ -236,23 +237,16 @@ class Comgr:
         self._check("amd_comgr_data_set_add", self.lib.amd_comgr_data_set_add(data_set, data))
 
     def action_data_count(self, data_set, kind):
-        count = ffi.new("size_t *")
-        self._check("amd_comgr_action_data_count",
-                    self.lib.amd_comgr_action_data_count(data_set, kind, count))
-        return count[0]
+        return self._out("size_t", "amd_comgr_action_data_count", data_set, kind)
 
     def action_data_get_data(self, data_set, kind, index):
         """The index-th data object of `kind` in the set; the caller releases it."""
-        data = ffi.new("amd_comgr_data_t *")
-        self._check("amd_comgr_action_data_get_data",
-                    self.lib.amd_comgr_action_data_get_data(data_set, kind, index, data))
-        return data[0]
+        return self._out("amd_comgr_data_t", "amd_comgr_action_data_get_data", data_set, kind,
+                         index)
 
     # Action info and actions.
     def create_action_info(self):
-        info = ffi.new("amd_comgr_action_info_t *")
-        self._check("amd_comgr_create_action_info", self.lib.amd_comgr_create_action_info(info))
-        return info[0]
+        return self._out("amd_comgr_action_info_t", "amd_comgr_create_action_info")
 
     def destroy_action_info(self, info):
         self._check("amd_comgr_destroy_action_info", self.lib.amd_comgr_destroy_action_info(info))
@@ -299,17 +293,13 @@ class Comgr:
 
     # Metadata.
     def get_data_metadata(self, data):
-        node = ffi.new("amd_comgr_metadata_node_t *")
-        self._check("amd_comgr_get_data_metadata", self.lib.amd_comgr_get_data_metadata(data, node))
-        return node[0]
+        return self._out("amd_comgr_metadata_node_t", "amd_comgr_get_data_metadata", data)
 
     def destroy_metadata(self, node):
         self._check("amd_comgr_destroy_metadata", self.lib.amd_comgr_destroy_metadata(node))
 
     def get_metadata_kind(self, node):
-        kind = ffi.new("amd_comgr_metadata_kind_t *")
-        self._check("amd_comgr_get_metadata_kind", self.lib.amd_comgr_get_metadata_kind(node, kind))
-        return kind[0]
+        return self._out("amd_comgr_metadata_kind_t", "amd_comgr_get_metadata_kind", node)
 
     def get_metadata_string(self, node):
         text = self._sized_bytes("amd_comgr_get_metadata_string",
@@ -317,27 +307,16 @@ class Comgr:
         return text.rstrip(b"\0").decode()
 
     def get_metadata_map_size(self, node):
-        size = ffi.new("size_t *")
-        self._check("amd_comgr_get_metadata_map_size",
-                    self.lib.amd_comgr_get_metadata_map_size(node, size))
-        return size[0]
+        return self._out("size_t", "amd_comgr_get_metadata_map_size", node)
 
     def metadata_lookup(self, node, key):
         """The value under `key` in a map node; the caller destroys it."""
-        value = ffi.new("amd_comgr_metadata_node_t *")
-        self._check(f"amd_comgr_metadata_lookup({key!r})",
-                    self.lib.amd_comgr_metadata_lookup(node, key.encode(), value))
-        return value[0]
+        return self._out("amd_comgr_metadata_node_t", "amd_comgr_metadata_lookup", node,
+                         key.encode(), label=f"amd_comgr_metadata_lookup({key!r})")
 
     def get_metadata_list_size(self, node):
-        size = ffi.new("size_t *")
-        self._check("amd_comgr_get_metadata_list_size",
-                    self.lib.amd_comgr_get_metadata_list_size(node, size))
-        return size[0]
+        return self._out("size_t", "amd_comgr_get_metadata_list_size", node)
 
     def index_list_metadata(self, node, index):
         """The index-th element of a list node; the caller destroys it."""
-        value = ffi.new("amd_comgr_metadata_node_t *")
-        self._check("amd_comgr_index_list_metadata",
-                    self.lib.amd_comgr_index_list_metadata(node, index, value))
-        return value[0]
+        return self._out("amd_comgr_metadata_node_t", "amd_comgr_index_list_metadata", node, index)

@@ -37,76 +37,35 @@ typedef struct CUgraphExec_st *CUgraphExec;
 
 typedef enum CUdevice_attribute_enum {
     CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 1,
-    CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X = 2,
-    CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y = 3,
-    CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z = 4,
-    CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X = 5,
-    CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y = 6,
-    CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z = 7,
     CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK = 8,
-    CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY = 9,
     CU_DEVICE_ATTRIBUTE_WARP_SIZE = 10,
-    CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK = 12,
-    CU_DEVICE_ATTRIBUTE_CLOCK_RATE = 13,
     CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
-    CU_DEVICE_ATTRIBUTE_INTEGRATED = 18,
-    CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY = 19,
-    CU_DEVICE_ATTRIBUTE_COMPUTE_MODE = 20,
-    CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS = 31,
-    CU_DEVICE_ATTRIBUTE_ECC_ENABLED = 32,
-    CU_DEVICE_ATTRIBUTE_PCI_BUS_ID = 33,
-    CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID = 34,
     CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE = 36,
     CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH = 37,
     CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38,
     CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR = 39,
-    CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT = 40,
     CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41,
-    CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID = 50,
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76,
     CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81,
     CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR = 82,
-    CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY = 83,
-    CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD = 84,
-    CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH = 95,
     CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97,
-    CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR = 106,
-    CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108,
     CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK = 111,
-    CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED = 115,
-    CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH = 120,
 } CUdevice_attribute;
 
 typedef enum CUjit_option_enum {
-    CU_JIT_MAX_REGISTERS = 0,
-    CU_JIT_THREADS_PER_BLOCK = 1,
-    CU_JIT_WALL_TIME = 2,
     CU_JIT_INFO_LOG_BUFFER = 3,
     CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES = 4,
     CU_JIT_ERROR_LOG_BUFFER = 5,
     CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6,
-    CU_JIT_OPTIMIZATION_LEVEL = 7,
-    CU_JIT_TARGET_FROM_CUCONTEXT = 8,
-    CU_JIT_TARGET = 9,
-    CU_JIT_FALLBACK_STRATEGY = 10,
-    CU_JIT_GENERATE_DEBUG_INFO = 11,
     CU_JIT_LOG_VERBOSE = 12,
-    CU_JIT_GENERATE_LINE_INFO = 13,
-    CU_JIT_CACHE_MODE = 14,
 } CUjit_option;
 
 typedef enum CUfunction_attribute_enum {
     CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0,
-    CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1,
-    CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES = 2,
-    CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3,
     CU_FUNC_ATTRIBUTE_NUM_REGS = 4,
     CU_FUNC_ATTRIBUTE_PTX_VERSION = 5,
-    CU_FUNC_ATTRIBUTE_BINARY_VERSION = 6,
-    CU_FUNC_ATTRIBUTE_CACHE_MODE_CA = 7,
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8,
-    CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9,
 } CUfunction_attribute;
 
 typedef enum CUstream_flags_enum {
@@ -284,6 +243,13 @@ class Driver:
         name, text = self.error_name(result), self.error_string(result)
         raise DriverError(LIBRARY, call, result, name, f"{text}; JIT log: {log}" if log else text)
 
+    def _out(self, ctype, call, *args, label=None):
+        """Driver call `call` with a new `ctype` out-parameter before `args`, checked (an
+        error names `label`, else the call); the value it wrote."""
+        value = ffi.new(ctype + " *")
+        self._check(label or call, getattr(self.lib, call)(value, *args))
+        return value[0]
+
     def error_name(self, result):
         string = ffi.new("const char **")
         if self.lib.cuGetErrorName(result, string) != 0 or not string[0]:
@@ -300,20 +266,14 @@ class Driver:
         self._check("cuInit", self.lib.cuInit(flags))
 
     def driver_get_version(self):
-        version = ffi.new("int *")
-        self._check("cuDriverGetVersion", self.lib.cuDriverGetVersion(version))
-        return version[0]
+        return self._out("int", "cuDriverGetVersion")
 
     # Devices.
     def device_get_count(self):
-        count = ffi.new("int *")
-        self._check("cuDeviceGetCount", self.lib.cuDeviceGetCount(count))
-        return count[0]
+        return self._out("int", "cuDeviceGetCount")
 
     def device_get(self, ordinal):
-        device = ffi.new("CUdevice *")
-        self._check("cuDeviceGet", self.lib.cuDeviceGet(device, ordinal))
-        return device[0]
+        return self._out("CUdevice", "cuDeviceGet", ordinal)
 
     def device_get_name(self, device):
         name = ffi.new("char[256]")
@@ -321,15 +281,11 @@ class Driver:
         return ffi.string(name).decode()
 
     def device_get_attribute(self, attribute, device):
-        value = ffi.new("int *")
-        self._check(f"cuDeviceGetAttribute({attribute})",
-                    self.lib.cuDeviceGetAttribute(value, attribute, device))
-        return value[0]
+        return self._out("int", "cuDeviceGetAttribute", attribute, device,
+                         label=f"cuDeviceGetAttribute({attribute})")
 
     def device_total_mem(self, device):
-        size = ffi.new("size_t *")
-        self._check("cuDeviceTotalMem_v2", self.lib.cuDeviceTotalMem_v2(size, device))
-        return size[0]
+        return self._out("size_t", "cuDeviceTotalMem_v2", device)
 
     def device_can_access_peer(self, device, peer):
         can = ffi.new("int *")
@@ -338,9 +294,7 @@ class Driver:
 
     # Contexts.
     def device_primary_ctx_retain(self, device):
-        context = ffi.new("CUcontext *")
-        self._check("cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(context, device))
-        return context[0]
+        return self._out("CUcontext", "cuDevicePrimaryCtxRetain", device)
 
     def device_primary_ctx_release(self, device):
         self._check("cuDevicePrimaryCtxRelease_v2", self.lib.cuDevicePrimaryCtxRelease_v2(device))
@@ -349,9 +303,7 @@ class Driver:
         self._check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(context))
 
     def ctx_get_current(self):
-        context = ffi.new("CUcontext *")
-        self._check("cuCtxGetCurrent", self.lib.cuCtxGetCurrent(context))
-        return context[0]
+        return self._out("CUcontext", "cuCtxGetCurrent")
 
     def ctx_synchronize(self):
         self._check("cuCtxSynchronize", self.lib.cuCtxSynchronize())
@@ -367,9 +319,7 @@ class Driver:
         return free[0], total[0]
 
     def mem_alloc(self, size):
-        pointer = ffi.new("CUdeviceptr *")
-        self._check("cuMemAlloc_v2", self.lib.cuMemAlloc_v2(pointer, size))
-        return pointer[0]
+        return self._out("CUdeviceptr", "cuMemAlloc_v2", size)
 
     def mem_free(self, pointer):
         self._check("cuMemFree_v2", self.lib.cuMemFree_v2(pointer))
@@ -445,19 +395,15 @@ class Driver:
         return module[0], ffi.string(info_log).decode(errors="replace")
 
     def module_get_function(self, module, name):
-        function = ffi.new("CUfunction *")
-        self._check(f"cuModuleGetFunction({name!r})",
-                    self.lib.cuModuleGetFunction(function, module, name.encode()))
-        return function[0]
+        return self._out("CUfunction", "cuModuleGetFunction", module, name.encode(),
+                         label=f"cuModuleGetFunction({name!r})")
 
     def module_unload(self, module):
         self._check("cuModuleUnload", self.lib.cuModuleUnload(module))
 
     def func_get_attribute(self, attribute, function):
-        value = ffi.new("int *")
-        self._check(f"cuFuncGetAttribute({attribute})",
-                    self.lib.cuFuncGetAttribute(value, attribute, function))
-        return value[0]
+        return self._out("int", "cuFuncGetAttribute", attribute, function,
+                         label=f"cuFuncGetAttribute({attribute})")
 
     def func_set_attribute(self, function, attribute, value):
         self._check(f"cuFuncSetAttribute({attribute})",
@@ -489,9 +435,7 @@ class Driver:
 
     # Streams and events.
     def stream_create(self, flags=CU_STREAM_DEFAULT):
-        stream = ffi.new("CUstream *")
-        self._check("cuStreamCreate", self.lib.cuStreamCreate(stream, flags))
-        return stream[0]
+        return self._out("CUstream", "cuStreamCreate", flags)
 
     def stream_destroy(self, stream):
         self._check("cuStreamDestroy_v2", self.lib.cuStreamDestroy_v2(stream))
@@ -500,9 +444,7 @@ class Driver:
         self._check("cuStreamSynchronize", self.lib.cuStreamSynchronize(_stream(stream)))
 
     def event_create(self, flags=CU_EVENT_DEFAULT):
-        event = ffi.new("CUevent *")
-        self._check("cuEventCreate", self.lib.cuEventCreate(event, flags))
-        return event[0]
+        return self._out("CUevent", "cuEventCreate", flags)
 
     def event_record(self, event, stream=None):
         self._check("cuEventRecord", self.lib.cuEventRecord(event, _stream(stream)))
@@ -533,10 +475,7 @@ class Driver:
         return graph[0]
 
     def graph_instantiate(self, graph, flags=0):
-        executable = ffi.new("CUgraphExec *")
-        self._check("cuGraphInstantiateWithFlags",
-                    self.lib.cuGraphInstantiateWithFlags(executable, graph, flags))
-        return executable[0]
+        return self._out("CUgraphExec", "cuGraphInstantiateWithFlags", graph, flags)
 
     def graph_launch(self, executable, stream=None):
         self._check("cuGraphLaunch", self.lib.cuGraphLaunch(executable, _stream(stream)))

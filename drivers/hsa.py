@@ -57,49 +57,20 @@ typedef enum {
 typedef enum {
   HSA_SYSTEM_INFO_VERSION_MAJOR = 0,
   HSA_SYSTEM_INFO_VERSION_MINOR = 1,
-  HSA_SYSTEM_INFO_TIMESTAMP = 2,
   HSA_SYSTEM_INFO_TIMESTAMP_FREQUENCY = 3,
-  HSA_SYSTEM_INFO_SIGNAL_MAX_WAIT = 4,
 } hsa_system_info_t;
 
 typedef enum {
   HSA_AGENT_INFO_NAME = 0,
-  HSA_AGENT_INFO_VENDOR_NAME = 1,
-  HSA_AGENT_INFO_FEATURE = 2,
   HSA_AGENT_INFO_PROFILE = 4,
   HSA_AGENT_INFO_WAVEFRONT_SIZE = 6,
-  HSA_AGENT_INFO_WORKGROUP_MAX_DIM = 7,
   HSA_AGENT_INFO_WORKGROUP_MAX_SIZE = 8,
-  HSA_AGENT_INFO_GRID_MAX_DIM = 9,
-  HSA_AGENT_INFO_GRID_MAX_SIZE = 10,
-  HSA_AGENT_INFO_QUEUES_MAX = 12,
-  HSA_AGENT_INFO_QUEUE_MIN_SIZE = 13,
   HSA_AGENT_INFO_QUEUE_MAX_SIZE = 14,
-  HSA_AGENT_INFO_NODE = 16,
   HSA_AGENT_INFO_DEVICE = 17,
-  HSA_AGENT_INFO_CACHE_SIZE = 18,
-  HSA_AGENT_INFO_ISA = 19,
-  HSA_AGENT_INFO_VERSION_MAJOR = 21,
-  HSA_AGENT_INFO_VERSION_MINOR = 22,
   /* hsa_amd_agent_info_t (hsa_ext_amd.h), queried through the same call */
-  HSA_AMD_AGENT_INFO_CHIP_ID = 0xA000,
-  HSA_AMD_AGENT_INFO_CACHELINE_SIZE = 0xA001,
   HSA_AMD_AGENT_INFO_COMPUTE_UNIT_COUNT = 0xA002,
-  HSA_AMD_AGENT_INFO_MAX_CLOCK_FREQUENCY = 0xA003,
-  HSA_AMD_AGENT_INFO_DRIVER_NODE_ID = 0xA004,
-  HSA_AMD_AGENT_INFO_BDFID = 0xA006,
-  HSA_AMD_AGENT_INFO_MEMORY_WIDTH = 0xA007,
-  HSA_AMD_AGENT_INFO_MEMORY_MAX_FREQUENCY = 0xA008,
   HSA_AMD_AGENT_INFO_PRODUCT_NAME = 0xA009,
-  HSA_AMD_AGENT_INFO_MAX_WAVES_PER_CU = 0xA00A,
-  HSA_AMD_AGENT_INFO_NUM_SIMDS_PER_CU = 0xA00B,
-  HSA_AMD_AGENT_INFO_NUM_SHADER_ENGINES = 0xA00C,
-  HSA_AMD_AGENT_INFO_NUM_SHADER_ARRAYS_PER_SE = 0xA00D,
-  HSA_AMD_AGENT_INFO_DOMAIN = 0xA00F,
-  HSA_AMD_AGENT_INFO_COOPERATIVE_QUEUES = 0xA010,
-  HSA_AMD_AGENT_INFO_ASIC_REVISION = 0xA012,
   HSA_AMD_AGENT_INFO_MEMORY_AVAIL = 0xA015,         /* newer runtimes only (not 5.2) */
-  HSA_AMD_AGENT_INFO_TIMESTAMP_FREQUENCY = 0xA016,  /* newer runtimes only (not 5.2) */
 } hsa_agent_info_t;
 
 typedef enum {
@@ -124,9 +95,6 @@ typedef enum {
   HSA_AMD_MEMORY_POOL_INFO_SIZE = 2,
   HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_ALLOWED = 5,
   HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_GRANULE = 6,
-  HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_ALIGNMENT = 7,
-  HSA_AMD_MEMORY_POOL_INFO_ACCESSIBLE_BY_ALL = 15,
-  HSA_AMD_MEMORY_POOL_INFO_ALLOC_MAX_SIZE = 16,
 } hsa_amd_memory_pool_info_t;
 
 typedef enum {
@@ -210,14 +178,9 @@ typedef struct hsa_barrier_and_packet_s {
 } hsa_barrier_and_packet_t;
 
 typedef enum {
-  HSA_EXECUTABLE_SYMBOL_INFO_TYPE = 0,
-  HSA_EXECUTABLE_SYMBOL_INFO_NAME_LENGTH = 1,
-  HSA_EXECUTABLE_SYMBOL_INFO_NAME = 2,
   HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_KERNARG_SEGMENT_SIZE = 11,
-  HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_KERNARG_SEGMENT_ALIGNMENT = 12,
   HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_GROUP_SEGMENT_SIZE = 13,
   HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_PRIVATE_SEGMENT_SIZE = 14,
-  HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_DYNAMIC_CALLSTACK = 15,
   HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_OBJECT = 22,
 } hsa_executable_symbol_info_t;
 
@@ -259,7 +222,6 @@ hsa_status_t hsa_signal_create(hsa_signal_value_t initial_value, uint32_t num_co
                                const hsa_agent_t *consumers, hsa_signal_t *signal);
 hsa_status_t hsa_signal_destroy(hsa_signal_t signal);
 hsa_signal_value_t hsa_signal_load_scacquire(hsa_signal_t signal);
-hsa_signal_value_t hsa_signal_load_relaxed(hsa_signal_t signal);
 void hsa_signal_store_relaxed(hsa_signal_t signal, hsa_signal_value_t value);
 void hsa_signal_store_screlease(hsa_signal_t signal, hsa_signal_value_t value);
 hsa_signal_value_t hsa_signal_wait_scacquire(hsa_signal_t signal,
@@ -275,10 +237,6 @@ hsa_status_t hsa_queue_create(hsa_agent_t agent, uint32_t size, hsa_queue_type32
                               uint32_t group_segment_size, hsa_queue_t **queue);
 hsa_status_t hsa_queue_destroy(hsa_queue_t *queue);
 uint64_t hsa_queue_load_read_index_scacquire(const hsa_queue_t *queue);
-uint64_t hsa_queue_load_write_index_relaxed(const hsa_queue_t *queue);
-uint64_t hsa_queue_load_write_index_scacquire(const hsa_queue_t *queue);
-void hsa_queue_store_write_index_relaxed(const hsa_queue_t *queue, uint64_t value);
-void hsa_queue_store_write_index_screlease(const hsa_queue_t *queue, uint64_t value);
 uint64_t hsa_queue_add_write_index_scacq_screl(const hsa_queue_t *queue, uint64_t value);
 
 hsa_status_t hsa_code_object_reader_create_from_memory(
@@ -318,50 +276,26 @@ UINT32_MAX, UINT64_MAX = 2**32 - 1, 2**64 - 1
 
 # The C type each attribute's value has, as the headers document it.
 AGENT_INFO_TYPES = {
-    HSA_AGENT_INFO_NAME: "char[64]", HSA_AGENT_INFO_VENDOR_NAME: "char[64]",
-    HSA_AGENT_INFO_FEATURE: "uint32_t", HSA_AGENT_INFO_PROFILE: "uint32_t",
-    HSA_AGENT_INFO_WAVEFRONT_SIZE: "uint32_t", HSA_AGENT_INFO_WORKGROUP_MAX_DIM: "uint16_t[3]",
-    HSA_AGENT_INFO_WORKGROUP_MAX_SIZE: "uint32_t", HSA_AGENT_INFO_GRID_MAX_DIM: "uint32_t[3]",
-    HSA_AGENT_INFO_GRID_MAX_SIZE: "uint32_t", HSA_AGENT_INFO_QUEUES_MAX: "uint32_t",
-    HSA_AGENT_INFO_QUEUE_MIN_SIZE: "uint32_t", HSA_AGENT_INFO_QUEUE_MAX_SIZE: "uint32_t",
-    HSA_AGENT_INFO_NODE: "uint32_t", HSA_AGENT_INFO_DEVICE: "uint32_t",
-    HSA_AGENT_INFO_CACHE_SIZE: "uint32_t[4]", HSA_AGENT_INFO_VERSION_MAJOR: "uint16_t",
-    HSA_AGENT_INFO_VERSION_MINOR: "uint16_t",
-    HSA_AMD_AGENT_INFO_CHIP_ID: "uint32_t", HSA_AMD_AGENT_INFO_CACHELINE_SIZE: "uint32_t",
-    HSA_AMD_AGENT_INFO_COMPUTE_UNIT_COUNT: "uint32_t",
-    HSA_AMD_AGENT_INFO_MAX_CLOCK_FREQUENCY: "uint32_t",
-    HSA_AMD_AGENT_INFO_DRIVER_NODE_ID: "uint32_t", HSA_AMD_AGENT_INFO_BDFID: "uint32_t",
-    HSA_AMD_AGENT_INFO_MEMORY_WIDTH: "uint32_t",
-    HSA_AMD_AGENT_INFO_MEMORY_MAX_FREQUENCY: "uint32_t",
-    HSA_AMD_AGENT_INFO_PRODUCT_NAME: "char[64]", HSA_AMD_AGENT_INFO_MAX_WAVES_PER_CU: "uint32_t",
-    HSA_AMD_AGENT_INFO_NUM_SIMDS_PER_CU: "uint32_t",
-    HSA_AMD_AGENT_INFO_NUM_SHADER_ENGINES: "uint32_t",
-    HSA_AMD_AGENT_INFO_NUM_SHADER_ARRAYS_PER_SE: "uint32_t",
-    HSA_AMD_AGENT_INFO_DOMAIN: "uint32_t", HSA_AMD_AGENT_INFO_COOPERATIVE_QUEUES: "bool",
-    HSA_AMD_AGENT_INFO_ASIC_REVISION: "uint32_t", HSA_AMD_AGENT_INFO_MEMORY_AVAIL: "uint64_t",
-    HSA_AMD_AGENT_INFO_TIMESTAMP_FREQUENCY: "uint64_t",
+    HSA_AGENT_INFO_NAME: "char[64]", HSA_AGENT_INFO_PROFILE: "uint32_t",
+    HSA_AGENT_INFO_WAVEFRONT_SIZE: "uint32_t", HSA_AGENT_INFO_WORKGROUP_MAX_SIZE: "uint32_t",
+    HSA_AGENT_INFO_QUEUE_MAX_SIZE: "uint32_t", HSA_AGENT_INFO_DEVICE: "uint32_t",
+    HSA_AMD_AGENT_INFO_COMPUTE_UNIT_COUNT: "uint32_t", HSA_AMD_AGENT_INFO_PRODUCT_NAME: "char[64]",
+    HSA_AMD_AGENT_INFO_MEMORY_AVAIL: "uint64_t",
 }
 MEMORY_POOL_INFO_TYPES = {
     HSA_AMD_MEMORY_POOL_INFO_SEGMENT: "uint32_t", HSA_AMD_MEMORY_POOL_INFO_GLOBAL_FLAGS: "uint32_t",
     HSA_AMD_MEMORY_POOL_INFO_SIZE: "size_t", HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_ALLOWED: "bool",
     HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_GRANULE: "size_t",
-    HSA_AMD_MEMORY_POOL_INFO_RUNTIME_ALLOC_ALIGNMENT: "size_t",
-    HSA_AMD_MEMORY_POOL_INFO_ACCESSIBLE_BY_ALL: "bool",
-    HSA_AMD_MEMORY_POOL_INFO_ALLOC_MAX_SIZE: "size_t",
 }
 SYMBOL_INFO_TYPES = {
-    HSA_EXECUTABLE_SYMBOL_INFO_TYPE: "uint32_t", HSA_EXECUTABLE_SYMBOL_INFO_NAME_LENGTH: "uint32_t",
     HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_KERNARG_SEGMENT_SIZE: "uint32_t",
-    HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_KERNARG_SEGMENT_ALIGNMENT: "uint32_t",
     HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_GROUP_SEGMENT_SIZE: "uint32_t",
     HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_PRIVATE_SEGMENT_SIZE: "uint32_t",
-    HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_DYNAMIC_CALLSTACK: "bool",
     HSA_EXECUTABLE_SYMBOL_INFO_KERNEL_OBJECT: "uint64_t",
 }
 SYSTEM_INFO_TYPES = {
     HSA_SYSTEM_INFO_VERSION_MAJOR: "uint16_t", HSA_SYSTEM_INFO_VERSION_MINOR: "uint16_t",
-    HSA_SYSTEM_INFO_TIMESTAMP: "uint64_t", HSA_SYSTEM_INFO_TIMESTAMP_FREQUENCY: "uint64_t",
-    HSA_SYSTEM_INFO_SIGNAL_MAX_WAIT: "uint64_t",
+    HSA_SYSTEM_INFO_TIMESTAMP_FREQUENCY: "uint64_t",
 }
 
 
@@ -383,14 +317,6 @@ def queue_slot(queue, index, packet_type="hsa_kernel_dispatch_packet_t"):
 def publish_packet(slot, header, setup=0):
     """Write header and setup in one aligned 32-bit store, after the body (x86 keeps the order)."""
     ffi.cast("uint32_t *", slot)[0] = header | setup << 16
-
-
-def _to_python(value, ctype):
-    if ctype.startswith("char["):
-        return ffi.string(value).decode()
-    if "[" in ctype:
-        return list(value)
-    return value[0]
 
 
 def _pointer(address):
@@ -417,6 +343,13 @@ class Runtime:
             text += " (/dev/kfd, the ROCm kernel driver's device, is absent on this machine)"
         raise DriverError(LIBRARY, call, status, name, text)
 
+    def _out(self, ctype, call, *args, label=None):
+        """Runtime call `call` with `args` and a new `ctype` out-parameter last, checked (an
+        error names `label`, else the call); the value it wrote."""
+        value = ffi.new(ctype + " *")
+        self._check(label or call, getattr(self.lib, call)(*args, value))
+        return value[0]
+
     def _status_parts(self, status):
         """hsa_status_string's "HSA_STATUS_ERROR_X: meaning", split into name and meaning."""
         string = ffi.new("const char **")
@@ -436,11 +369,18 @@ class Runtime:
     def shut_down(self):
         self._check("hsa_shut_down", self.lib.hsa_shut_down())
 
+    def _get_info(self, call, types, attribute, *handle):
+        """hsa_*_get_info of one attribute, of the C type `types` gives it, as Python: str for
+        names, list for arrays, int otherwise."""
+        ctype = types[attribute]
+        value = ffi.new(ctype) if "[" in ctype else ffi.new(ctype + " *")
+        self._check(f"{call}({attribute:#x})", getattr(self.lib, call)(*handle, attribute, value))
+        if ctype.startswith("char["):
+            return ffi.string(value).decode()
+        return list(value) if "[" in ctype else value[0]
+
     def system_get_info(self, attribute):
-        ctype = SYSTEM_INFO_TYPES[attribute]
-        value = ffi.new(ctype + " *")
-        self._check("hsa_system_get_info", self.lib.hsa_system_get_info(attribute, value))
-        return value[0]
+        return self._get_info("hsa_system_get_info", SYSTEM_INFO_TYPES, attribute)
 
     # Agents and their ISAs.
     def _collect(self, call, iterate, handle_type, *leading):
@@ -459,12 +399,7 @@ class Runtime:
         return self._collect("hsa_iterate_agents", self.lib.hsa_iterate_agents, "hsa_agent_t")
 
     def agent_get_info(self, agent, attribute):
-        """The attribute's value as Python: str for names, list for arrays, int otherwise."""
-        ctype = AGENT_INFO_TYPES[attribute]
-        value = ffi.new(ctype) if "[" in ctype else ffi.new(ctype + " *")
-        self._check(f"hsa_agent_get_info({attribute:#x})",
-                    self.lib.hsa_agent_get_info(agent, attribute, value))
-        return _to_python(value, ctype)
+        return self._get_info("hsa_agent_get_info", AGENT_INFO_TYPES, attribute, agent)
 
     def agent_isas(self, agent):
         return self._collect("hsa_agent_iterate_isas", self.lib.hsa_agent_iterate_isas,
@@ -486,11 +421,8 @@ class Runtime:
                              agent)
 
     def memory_pool_get_info(self, pool, attribute):
-        ctype = MEMORY_POOL_INFO_TYPES[attribute]
-        value = ffi.new(ctype + " *")
-        self._check("hsa_amd_memory_pool_get_info",
-                    self.lib.hsa_amd_memory_pool_get_info(pool, attribute, value))
-        return value[0]
+        return self._get_info("hsa_amd_memory_pool_get_info", MEMORY_POOL_INFO_TYPES, attribute,
+                              pool)
 
     def memory_pool_allocate(self, pool, size, flags=0):
         """Allocate from the pool; return the address as an int."""
@@ -523,11 +455,8 @@ class Runtime:
 
     # Signals.
     def signal_create(self, initial_value, consumers=()):
-        signal = ffi.new("hsa_signal_t *")
         array = ffi.new("hsa_agent_t[]", list(consumers)) if consumers else ffi.NULL
-        self._check("hsa_signal_create",
-                    self.lib.hsa_signal_create(initial_value, len(consumers), array, signal))
-        return signal[0]
+        return self._out("hsa_signal_t", "hsa_signal_create", initial_value, len(consumers), array)
 
     def signal_destroy(self, signal):
         self._check("hsa_signal_destroy", self.lib.hsa_signal_destroy(signal))
@@ -551,23 +480,14 @@ class Runtime:
     def queue_create(self, agent, size, queue_type=HSA_QUEUE_TYPE_MULTI,
                      private_segment_size=UINT32_MAX, group_segment_size=UINT32_MAX):
         """A user-mode AQL queue of `size` packets (a power of two); UINT32_MAX means no hint."""
-        queue = ffi.new("hsa_queue_t **")
-        self._check("hsa_queue_create",
-                    self.lib.hsa_queue_create(agent, size, queue_type, ffi.NULL, ffi.NULL,
-                                              private_segment_size, group_segment_size, queue))
-        return queue[0]
+        return self._out("hsa_queue_t *", "hsa_queue_create", agent, size, queue_type, ffi.NULL,
+                         ffi.NULL, private_segment_size, group_segment_size)
 
     def queue_destroy(self, queue):
         self._check("hsa_queue_destroy", self.lib.hsa_queue_destroy(queue))
 
     def queue_load_read_index(self, queue):
         return self.lib.hsa_queue_load_read_index_scacquire(queue)
-
-    def queue_load_write_index(self, queue):
-        return self.lib.hsa_queue_load_write_index_scacquire(queue)
-
-    def queue_store_write_index(self, queue, value):
-        self.lib.hsa_queue_store_write_index_screlease(queue, value)
 
     def queue_add_write_index(self, queue, count):
         """Reserve `count` slots; return the index of the first."""
@@ -580,11 +500,10 @@ class Runtime:
     # Code objects.
     def code_object_reader_create_from_memory(self, image):
         image = bytes(image)
-        reader = ffi.new("hsa_code_object_reader_t *")
-        self._check("hsa_code_object_reader_create_from_memory",
-                    self.lib.hsa_code_object_reader_create_from_memory(image, len(image), reader))
-        self._reader_images[reader[0].handle] = image
-        return reader[0]
+        reader = self._out("hsa_code_object_reader_t", "hsa_code_object_reader_create_from_memory",
+                           image, len(image))
+        self._reader_images[reader.handle] = image
+        return reader
 
     def code_object_reader_destroy(self, reader):
         self._check("hsa_code_object_reader_destroy",
@@ -592,37 +511,27 @@ class Runtime:
         self._reader_images.pop(reader.handle, None)
 
     def executable_create(self, profile, rounding=HSA_DEFAULT_FLOAT_ROUNDING_MODE_DEFAULT):
-        executable = ffi.new("hsa_executable_t *")
-        self._check("hsa_executable_create_alt",
-                    self.lib.hsa_executable_create_alt(profile, rounding, ffi.NULL, executable))
-        return executable[0]
+        return self._out("hsa_executable_t", "hsa_executable_create_alt", profile, rounding,
+                         ffi.NULL)
 
     def executable_destroy(self, executable):
         self._check("hsa_executable_destroy", self.lib.hsa_executable_destroy(executable))
 
     def executable_load_agent_code_object(self, executable, agent, reader):
-        loaded = ffi.new("hsa_loaded_code_object_t *")
-        self._check("hsa_executable_load_agent_code_object",
-                    self.lib.hsa_executable_load_agent_code_object(executable, agent, reader,
-                                                                   ffi.NULL, loaded))
-        return loaded[0]
+        return self._out("hsa_loaded_code_object_t", "hsa_executable_load_agent_code_object",
+                         executable, agent, reader, ffi.NULL)
 
     def executable_freeze(self, executable):
         self._check("hsa_executable_freeze", self.lib.hsa_executable_freeze(executable, ffi.NULL))
 
     def executable_get_symbol_by_name(self, executable, name, agent):
-        symbol = ffi.new("hsa_executable_symbol_t *")
-        self._check(f"hsa_executable_get_symbol_by_name({name!r})",
-                    self.lib.hsa_executable_get_symbol_by_name(
-                        executable, name.encode(), ffi.new("hsa_agent_t *", agent), symbol))
-        return symbol[0]
+        return self._out("hsa_executable_symbol_t", "hsa_executable_get_symbol_by_name",
+                         executable, name.encode(), ffi.new("hsa_agent_t *", agent),
+                         label=f"hsa_executable_get_symbol_by_name({name!r})")
 
     def executable_symbol_get_info(self, symbol, attribute):
-        ctype = SYMBOL_INFO_TYPES[attribute]
-        value = ffi.new(ctype + " *")
-        self._check("hsa_executable_symbol_get_info",
-                    self.lib.hsa_executable_symbol_get_info(symbol, attribute, value))
-        return value[0]
+        return self._get_info("hsa_executable_symbol_get_info", SYMBOL_INFO_TYPES, attribute,
+                              symbol)
 
     # Profiling.
     def profiling_set_profiler_enabled(self, queue, enable):

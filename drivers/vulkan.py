@@ -255,13 +255,12 @@ typedef enum VkDebugUtilsMessageTypeFlagBitsEXT {
     VK_DEBUG_UTILS_MESSAGE_TYPE_FLAG_BITS_MAX_ENUM_EXT = 0x7FFFFFFF
 } VkDebugUtilsMessageTypeFlagBitsEXT;
 
-typedef VkFlags VkInstanceCreateFlags, VkDeviceCreateFlags, VkDeviceQueueCreateFlags,
-    VkQueueFlags, VkMemoryPropertyFlags, VkMemoryHeapFlags, VkMemoryMapFlags,
-    VkSampleCountFlags, VkBufferCreateFlags, VkBufferUsageFlags, VkShaderStageFlags,
-    VkSubgroupFeatureFlags, VkDescriptorSetLayoutCreateFlags, VkDescriptorPoolCreateFlags,
-    VkDescriptorPoolResetFlags, VkShaderModuleCreateFlags, VkPipelineLayoutCreateFlags,
-    VkPipelineCreateFlags, VkPipelineShaderStageCreateFlags, VkCommandPoolCreateFlags,
-    VkCommandPoolResetFlags, VkCommandBufferUsageFlags, VkCommandBufferResetFlags,
+typedef VkFlags VkInstanceCreateFlags, VkDeviceCreateFlags, VkDeviceQueueCreateFlags, VkQueueFlags,
+    VkMemoryPropertyFlags, VkMemoryHeapFlags, VkMemoryMapFlags, VkSampleCountFlags,
+    VkBufferCreateFlags, VkBufferUsageFlags, VkShaderStageFlags, VkSubgroupFeatureFlags,
+    VkDescriptorSetLayoutCreateFlags, VkDescriptorPoolCreateFlags, VkShaderModuleCreateFlags,
+    VkPipelineLayoutCreateFlags, VkPipelineCreateFlags, VkPipelineShaderStageCreateFlags,
+    VkCommandPoolCreateFlags, VkCommandBufferUsageFlags, VkCommandBufferResetFlags,
     VkPipelineStageFlags, VkAccessFlags, VkDependencyFlags, VkFenceCreateFlags,
     VkQueryPoolCreateFlags, VkQueryPipelineStatisticFlags, VkQueryResultFlags,
     VkDebugUtilsMessengerCreateFlagsEXT, VkDebugUtilsMessageSeverityFlagsEXT,
@@ -703,19 +702,14 @@ typedef void (*PFN_vkDestroyDebugUtilsMessengerEXT)(VkInstance instance,
 
 /* Functions: instance and physical device */
 PFN_vkVoidFunction vkGetInstanceProcAddr(VkInstance instance, const char *pName);
-PFN_vkVoidFunction vkGetDeviceProcAddr(VkDevice device, const char *pName);
 VkResult vkEnumerateInstanceVersion(uint32_t *pApiVersion);
 VkResult vkEnumerateInstanceLayerProperties(uint32_t *pPropertyCount,
     VkLayerProperties *pProperties);
-VkResult vkEnumerateInstanceExtensionProperties(const char *pLayerName,
-    uint32_t *pPropertyCount, VkExtensionProperties *pProperties);
 VkResult vkCreateInstance(const VkInstanceCreateInfo *pCreateInfo,
     const VkAllocationCallbacks *pAllocator, VkInstance *pInstance);
 void vkDestroyInstance(VkInstance instance, const VkAllocationCallbacks *pAllocator);
 VkResult vkEnumeratePhysicalDevices(VkInstance instance, uint32_t *pPhysicalDeviceCount,
     VkPhysicalDevice *pPhysicalDevices);
-void vkGetPhysicalDeviceProperties(VkPhysicalDevice physicalDevice,
-    VkPhysicalDeviceProperties *pProperties);
 void vkGetPhysicalDeviceProperties2(VkPhysicalDevice physicalDevice,
     VkPhysicalDeviceProperties2 *pProperties);
 void vkGetPhysicalDeviceFeatures2(VkPhysicalDevice physicalDevice,
@@ -768,8 +762,6 @@ VkResult vkCreateDescriptorPool(VkDevice device, const VkDescriptorPoolCreateInf
     const VkAllocationCallbacks *pAllocator, VkDescriptorPool *pDescriptorPool);
 void vkDestroyDescriptorPool(VkDevice device, VkDescriptorPool descriptorPool,
     const VkAllocationCallbacks *pAllocator);
-VkResult vkResetDescriptorPool(VkDevice device, VkDescriptorPool descriptorPool,
-    VkDescriptorPoolResetFlags flags);
 VkResult vkAllocateDescriptorSets(VkDevice device, const VkDescriptorSetAllocateInfo *pAllocateInfo,
     VkDescriptorSet *pDescriptorSets);
 VkResult vkFreeDescriptorSets(VkDevice device, VkDescriptorPool descriptorPool,
@@ -798,8 +790,6 @@ VkResult vkCreateCommandPool(VkDevice device, const VkCommandPoolCreateInfo *pCr
     const VkAllocationCallbacks *pAllocator, VkCommandPool *pCommandPool);
 void vkDestroyCommandPool(VkDevice device, VkCommandPool commandPool,
     const VkAllocationCallbacks *pAllocator);
-VkResult vkResetCommandPool(VkDevice device, VkCommandPool commandPool,
-    VkCommandPoolResetFlags flags);
 VkResult vkAllocateCommandBuffers(VkDevice device, const VkCommandBufferAllocateInfo *pAllocateInfo,
     VkCommandBuffer *pCommandBuffers);
 void vkFreeCommandBuffers(VkDevice device, VkCommandPool commandPool,
@@ -820,7 +810,6 @@ void vkCmdPushConstants(VkCommandBuffer commandBuffer, VkPipelineLayout layout,
     VkShaderStageFlags stageFlags, uint32_t offset, uint32_t size, const void *pValues);
 void vkCmdDispatch(VkCommandBuffer commandBuffer, uint32_t groupCountX, uint32_t groupCountY,
     uint32_t groupCountZ);
-void vkCmdDispatchIndirect(VkCommandBuffer commandBuffer, VkBuffer buffer, VkDeviceSize offset);
 void vkCmdPipelineBarrier(VkCommandBuffer commandBuffer, VkPipelineStageFlags srcStageMask,
     VkPipelineStageFlags dstStageMask, VkDependencyFlags dependencyFlags,
     uint32_t memoryBarrierCount, const VkMemoryBarrier *pMemoryBarriers,
@@ -830,8 +819,6 @@ void vkCmdCopyBuffer(VkCommandBuffer commandBuffer, VkBuffer srcBuffer, VkBuffer
     uint32_t regionCount, const VkBufferCopy *pRegions);
 void vkCmdFillBuffer(VkCommandBuffer commandBuffer, VkBuffer dstBuffer, VkDeviceSize dstOffset,
     VkDeviceSize size, uint32_t data);
-void vkCmdUpdateBuffer(VkCommandBuffer commandBuffer, VkBuffer dstBuffer,
-    VkDeviceSize dstOffset, VkDeviceSize dataSize, const void *pData);
 void vkCmdResetQueryPool(VkCommandBuffer commandBuffer, VkQueryPool queryPool,
     uint32_t firstQuery, uint32_t queryCount);
 void vkCmdWriteTimestamp(VkCommandBuffer commandBuffer, VkPipelineStageFlagBits pipelineStage,
@@ -849,8 +836,6 @@ VkResult vkCreateQueryPool(VkDevice device, const VkQueryPoolCreateInfo *pCreate
     const VkAllocationCallbacks *pAllocator, VkQueryPool *pQueryPool);
 void vkDestroyQueryPool(VkDevice device, VkQueryPool queryPool,
     const VkAllocationCallbacks *pAllocator);
-void vkResetQueryPool(VkDevice device, VkQueryPool queryPool, uint32_t firstQuery,
-    uint32_t queryCount);
 VkResult vkGetQueryPoolResults(VkDevice device, VkQueryPool queryPool, uint32_t firstQuery,
     uint32_t queryCount, size_t dataSize, void *pData, VkDeviceSize stride,
     VkQueryResultFlags flags);
@@ -859,8 +844,10 @@ VkResult vkGetQueryPoolResults(VkDevice device, VkQueryPool queryPool, uint32_t 
 ffi = FFI()
 ffi.cdef(_CDEF)
 
-# Every VkResult of the registry, with its meaning as the specification's "Return Codes" section
-# gives it (error codes are negative; positive codes are successes that still say something).
+# The VkResults the calls declared here can return (those of VkResult, and the validation layer's
+# and NVIDIA's shader compiler's own), with their meaning as the specification's "Return Codes"
+# section gives it (error codes are negative; positive codes are successes that still say
+# something). Another code is named by its number.
 RESULTS = {
     0: ("VK_SUCCESS", "command successfully completed"),
     1: ("VK_NOT_READY", "a fence or query has not yet completed"),
@@ -898,69 +885,10 @@ RESULTS = {
     1000297000: ("VK_PIPELINE_COMPILE_REQUIRED",
                  "a requested pipeline creation would have required compilation, but the "
                  "application requested compilation to not be performed"),
-    -1000000000: ("VK_ERROR_SURFACE_LOST_KHR", "a surface is no longer available"),
-    -1000000001: ("VK_ERROR_NATIVE_WINDOW_IN_USE_KHR",
-                  "the requested window is already in use by Vulkan or another API"),
-    1000001003: ("VK_SUBOPTIMAL_KHR",
-                 "a swapchain no longer matches the surface properties exactly, but can still "
-                 "be used to present to the surface successfully"),
-    -1000001004: ("VK_ERROR_OUT_OF_DATE_KHR",
-                  "a surface has changed in such a way that it is no longer compatible with the "
-                  "swapchain"),
-    -1000003001: ("VK_ERROR_INCOMPATIBLE_DISPLAY_KHR",
-                  "the display used by a swapchain does not use the same presentable image "
-                  "layout, or is incompatible in a way that prevents sharing an image"),
     -1000011001: ("VK_ERROR_VALIDATION_FAILED_EXT",
                   "a command failed because invalid usage was detected by the implementation "
                   "or a validation layer"),
     -1000012000: ("VK_ERROR_INVALID_SHADER_NV", "one or more shaders failed to compile or link"),
-    -1000023000: ("VK_ERROR_IMAGE_USAGE_NOT_SUPPORTED_KHR",
-                  "the requested image usage flags are not supported"),
-    -1000023001: ("VK_ERROR_VIDEO_PICTURE_LAYOUT_NOT_SUPPORTED_KHR",
-                  "the requested video picture layout is not supported"),
-    -1000023002: ("VK_ERROR_VIDEO_PROFILE_OPERATION_NOT_SUPPORTED_KHR",
-                  "a video profile operation specified is not supported"),
-    -1000023003: ("VK_ERROR_VIDEO_PROFILE_FORMAT_NOT_SUPPORTED_KHR",
-                  "format parameters in a requested video profile chain are not supported"),
-    -1000023004: ("VK_ERROR_VIDEO_PROFILE_CODEC_NOT_SUPPORTED_KHR",
-                  "codec-specific parameters in a requested video profile chain are not "
-                  "supported"),
-    -1000023005: ("VK_ERROR_VIDEO_STD_VERSION_NOT_SUPPORTED_KHR",
-                  "the specified video Std header version is not supported"),
-    -1000158000: ("VK_ERROR_INVALID_DRM_FORMAT_MODIFIER_PLANE_LAYOUT_EXT",
-                  "the DRM format modifier plane layout is invalid"),
-    -1000174001: ("VK_ERROR_NOT_PERMITTED_KHR",
-                  "the driver implementation has denied a request to acquire a priority above "
-                  "the default priority because the application does not have sufficient "
-                  "privileges"),
-    -1000208000: ("VK_ERROR_PRESENT_TIMING_QUEUE_FULL_EXT",
-                  "the present timing queue is full"),
-    -1000255000: ("VK_ERROR_FULL_SCREEN_EXCLUSIVE_MODE_LOST_EXT",
-                  "an operation on a swapchain created with application controlled full-screen "
-                  "access failed as it did not have exclusive full-screen access"),
-    1000268000: ("VK_THREAD_IDLE_KHR",
-                 "a deferred operation is not complete but there is currently no work for this "
-                 "thread to do at the time of this call"),
-    1000268001: ("VK_THREAD_DONE_KHR",
-                 "a deferred operation is not complete but there is no work remaining to assign "
-                 "to additional threads"),
-    1000268002: ("VK_OPERATION_DEFERRED_KHR",
-                 "a deferred operation was requested and at least some of the work was deferred"),
-    1000268003: ("VK_OPERATION_NOT_DEFERRED_KHR",
-                 "a deferred operation was requested and no operations were deferred"),
-    -1000299000: ("VK_ERROR_INVALID_VIDEO_STD_PARAMETERS_KHR",
-                  "the specified video Std parameters do not adhere to the syntactic or semantic "
-                  "requirements of the used video compression standard"),
-    -1000338000: ("VK_ERROR_COMPRESSION_EXHAUSTED_EXT",
-                  "an image creation failed because internal resources required for compression "
-                  "are exhausted"),
-    1000482000: ("VK_INCOMPATIBLE_SHADER_BINARY_EXT",
-                 "the provided binary shader code is not compatible with this device"),
-    1000483000: ("VK_PIPELINE_BINARY_MISSING_KHR",
-                 "the application attempted to create a pipeline binary by querying an internal "
-                 "cache, but the internal cache entry did not exist"),
-    -1000483000: ("VK_ERROR_NOT_ENOUGH_SPACE_KHR",
-                  "the application did not provide enough space to return all the required data"),
 }
 
 
@@ -983,53 +911,17 @@ def check(result, call):
     return result
 
 
-# sType of each struct that has one: the struct's name spelled as the VkStructureType enumerant.
-_STRUCTURE_TYPES = {
-    "VkApplicationInfo": "APPLICATION_INFO",
-    "VkInstanceCreateInfo": "INSTANCE_CREATE_INFO",
-    "VkDeviceQueueCreateInfo": "DEVICE_QUEUE_CREATE_INFO",
-    "VkDeviceCreateInfo": "DEVICE_CREATE_INFO",
-    "VkSubmitInfo": "SUBMIT_INFO",
-    "VkMemoryAllocateInfo": "MEMORY_ALLOCATE_INFO",
-    "VkMappedMemoryRange": "MAPPED_MEMORY_RANGE",
-    "VkFenceCreateInfo": "FENCE_CREATE_INFO",
-    "VkQueryPoolCreateInfo": "QUERY_POOL_CREATE_INFO",
-    "VkBufferCreateInfo": "BUFFER_CREATE_INFO",
-    "VkShaderModuleCreateInfo": "SHADER_MODULE_CREATE_INFO",
-    "VkPipelineShaderStageCreateInfo": "PIPELINE_SHADER_STAGE_CREATE_INFO",
-    "VkComputePipelineCreateInfo": "COMPUTE_PIPELINE_CREATE_INFO",
-    "VkPipelineLayoutCreateInfo": "PIPELINE_LAYOUT_CREATE_INFO",
-    "VkDescriptorSetLayoutCreateInfo": "DESCRIPTOR_SET_LAYOUT_CREATE_INFO",
-    "VkDescriptorPoolCreateInfo": "DESCRIPTOR_POOL_CREATE_INFO",
-    "VkDescriptorSetAllocateInfo": "DESCRIPTOR_SET_ALLOCATE_INFO",
-    "VkWriteDescriptorSet": "WRITE_DESCRIPTOR_SET",
-    "VkCommandPoolCreateInfo": "COMMAND_POOL_CREATE_INFO",
-    "VkCommandBufferAllocateInfo": "COMMAND_BUFFER_ALLOCATE_INFO",
-    "VkCommandBufferBeginInfo": "COMMAND_BUFFER_BEGIN_INFO",
-    "VkBufferMemoryBarrier": "BUFFER_MEMORY_BARRIER",
-    "VkMemoryBarrier": "MEMORY_BARRIER",
-    "VkPhysicalDeviceVulkan11Features": "PHYSICAL_DEVICE_VULKAN_1_1_FEATURES",
-    "VkPhysicalDeviceVulkan12Features": "PHYSICAL_DEVICE_VULKAN_1_2_FEATURES",
-    "VkPhysicalDeviceVulkan13Features": "PHYSICAL_DEVICE_VULKAN_1_3_FEATURES",
-    "VkPhysicalDeviceFeatures2": "PHYSICAL_DEVICE_FEATURES_2",
-    "VkPhysicalDeviceProperties2": "PHYSICAL_DEVICE_PROPERTIES_2",
-    "VkPhysicalDeviceMemoryProperties2": "PHYSICAL_DEVICE_MEMORY_PROPERTIES_2",
-    "VkPhysicalDeviceSubgroupProperties": "PHYSICAL_DEVICE_SUBGROUP_PROPERTIES",
-    "VkPhysicalDeviceDriverProperties": "PHYSICAL_DEVICE_DRIVER_PROPERTIES",
-    "VkPhysicalDeviceMemoryBudgetPropertiesEXT": "PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT",
-    "VkDebugUtilsLabelEXT": "DEBUG_UTILS_LABEL_EXT",
-    "VkDebugUtilsObjectNameInfoEXT": "DEBUG_UTILS_OBJECT_NAME_INFO_EXT",
-    "VkDebugUtilsMessengerCallbackDataEXT": "DEBUG_UTILS_MESSENGER_CALLBACK_DATA_EXT",
-    "VkDebugUtilsMessengerCreateInfoEXT": "DEBUG_UTILS_MESSENGER_CREATE_INFO_EXT",
-}
-_STYPE_VALUES = ffi.typeof("VkStructureType").relements
+# A struct's sType is the VkStructureType enumerant that spells its name
+# (VkBufferCreateInfo: VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO); a struct no enumerant spells has none.
+_STYPES = {name[len("VK_STRUCTURE_TYPE_"):].replace("_", ""): value
+           for name, value in ffi.typeof("VkStructureType").relements.items()}
 _INCOMPLETE = ffi.typeof("VkResult").relements["VK_INCOMPLETE"]
 
 
 def _tag(item, struct):
-    stype = _STRUCTURE_TYPES.get(struct)
+    stype = _STYPES.get(struct[len("Vk"):].upper())
     if stype is not None:
-        item.sType = _STYPE_VALUES["VK_STRUCTURE_TYPE_" + stype]
+        item.sType = stype
 
 
 def _string(kind, field, owner):

@@ -154,16 +154,6 @@ typedef enum WGPUPowerPreference {
     WGPUPowerPreference_HighPerformance = 2, WGPUPowerPreference_Force32 = 0x7FFFFFFF
 } WGPUPowerPreference;
 
-typedef enum WGPUQueryType {
-    WGPUQueryType_Occlusion = 1, WGPUQueryType_Timestamp = 2,
-    WGPUQueryType_Force32 = 0x7FFFFFFF
-} WGPUQueryType;
-
-typedef enum WGPUQueueWorkDoneStatus {
-    WGPUQueueWorkDoneStatus_Success = 1, WGPUQueueWorkDoneStatus_CallbackCancelled = 2,
-    WGPUQueueWorkDoneStatus_Error = 3, WGPUQueueWorkDoneStatus_Force32 = 0x7FFFFFFF
-} WGPUQueueWorkDoneStatus;
-
 typedef enum WGPURequestAdapterStatus {
     WGPURequestAdapterStatus_Success = 1, WGPURequestAdapterStatus_CallbackCancelled = 2,
     WGPURequestAdapterStatus_Unavailable = 3, WGPURequestAdapterStatus_Error = 4,
@@ -227,8 +217,6 @@ typedef void (*WGPUDeviceLostCallback)(WGPUDevice const *device, WGPUDeviceLostR
     WGPUStringView message, void *userdata1, void *userdata2);
 typedef void (*WGPUPopErrorScopeCallback)(WGPUPopErrorScopeStatus status, WGPUErrorType type,
     WGPUStringView message, void *userdata1, void *userdata2);
-typedef void (*WGPUQueueWorkDoneCallback)(WGPUQueueWorkDoneStatus status, WGPUStringView message,
-    void *userdata1, void *userdata2);
 typedef void (*WGPURequestAdapterCallback)(WGPURequestAdapterStatus status, WGPUAdapter adapter,
     WGPUStringView message, void *userdata1, void *userdata2);
 typedef void (*WGPURequestDeviceCallback)(WGPURequestDeviceStatus status, WGPUDevice device,
@@ -252,10 +240,6 @@ typedef struct WGPUPopErrorScopeCallbackInfo {
     WGPUChainedStruct *nextInChain; WGPUCallbackMode mode; WGPUPopErrorScopeCallback callback;
     void *userdata1; void *userdata2;
 } WGPUPopErrorScopeCallbackInfo;
-typedef struct WGPUQueueWorkDoneCallbackInfo {
-    WGPUChainedStruct *nextInChain; WGPUCallbackMode mode; WGPUQueueWorkDoneCallback callback;
-    void *userdata1; void *userdata2;
-} WGPUQueueWorkDoneCallbackInfo;
 typedef struct WGPURequestAdapterCallbackInfo {
     WGPUChainedStruct *nextInChain; WGPUCallbackMode mode; WGPURequestAdapterCallback callback;
     void *userdata1; void *userdata2;
@@ -434,10 +418,6 @@ typedef struct WGPUComputePassDescriptor {
     WGPUPassTimestampWrites const *timestampWrites;
 } WGPUComputePassDescriptor;
 
-typedef struct WGPUQuerySetDescriptor {
-    WGPUChainedStruct *nextInChain; WGPUStringView label; WGPUQueryType type; uint32_t count;
-} WGPUQuerySetDescriptor;
-
 /* wgpu.h: native extensions */
 typedef enum WGPUNativeSType {
     WGPUSType_DeviceExtras = 0x00030001, WGPUSType_NativeLimits = 0x00030002,
@@ -488,11 +468,6 @@ typedef enum WGPUNativeFeature {
     WGPUNativeFeature_MemoryDecorationVolatile = 0x00030040,
     WGPUNativeFeature_Force32 = 0x7FFFFFFF
 } WGPUNativeFeature;
-
-typedef enum WGPULogLevel {
-    WGPULogLevel_Off = 0, WGPULogLevel_Error = 1, WGPULogLevel_Warn = 2, WGPULogLevel_Info = 3,
-    WGPULogLevel_Debug = 4, WGPULogLevel_Trace = 5, WGPULogLevel_Force32 = 0x7FFFFFFF
-} WGPULogLevel;
 
 typedef WGPUFlags WGPUInstanceBackend;
 #define WGPUInstanceBackend_All 0x0
@@ -561,7 +536,6 @@ typedef struct WGPUInstanceEnumerateAdapterOptions {
 } WGPUInstanceEnumerateAdapterOptions;
 
 typedef uint64_t WGPUSubmissionIndex;
-typedef void (*WGPULogCallback)(WGPULogLevel level, WGPUStringView message, void *userdata);
 
 /* Functions. Not declared, though in the headers: wgpuInstanceWaitAny (aborts the process), and
    what wgpu-native 29.0.1.1 leaves unimplemented (a call aborts the process):
@@ -587,33 +561,23 @@ void wgpuAdapterRelease(WGPUAdapter adapter);
 
 /* Functions: device, errors, queue */
 WGPUStatus wgpuDeviceGetLimits(WGPUDevice device, WGPULimits *limits);
-void wgpuDeviceGetFeatures(WGPUDevice device, WGPUSupportedFeatures *features);
-WGPUBool wgpuDeviceHasFeature(WGPUDevice device, WGPUFeatureName feature);
 WGPUQueue wgpuDeviceGetQueue(WGPUDevice device);
 void wgpuDevicePushErrorScope(WGPUDevice device, WGPUErrorFilter filter);
 WGPUFuture wgpuDevicePopErrorScope(WGPUDevice device, WGPUPopErrorScopeCallbackInfo callbackInfo);
 /* wgpu.h says WGPUBool, but the function is Rust `bool` (one byte; the upper bytes of the
    returned register are garbage): declared as what the library really returns. */
 _Bool wgpuDevicePoll(WGPUDevice device, _Bool wait, WGPUSubmissionIndex const *submissionIndex);
-void wgpuDeviceDestroy(WGPUDevice device);
 void wgpuDeviceRelease(WGPUDevice device);
 void wgpuQueueSubmit(WGPUQueue queue, size_t commandCount, WGPUCommandBuffer const *commands);
-WGPUSubmissionIndex wgpuQueueSubmitForIndex(WGPUQueue queue, size_t commandCount,
-    WGPUCommandBuffer const *commands);
 void wgpuQueueWriteBuffer(WGPUQueue queue, WGPUBuffer buffer, uint64_t bufferOffset,
     void const *data, size_t size);
-WGPUFuture wgpuQueueOnSubmittedWorkDone(WGPUQueue queue,
-    WGPUQueueWorkDoneCallbackInfo callbackInfo);
-float wgpuQueueGetTimestampPeriod(WGPUQueue queue);
 void wgpuQueueRelease(WGPUQueue queue);
 
 /* Functions: buffers */
 WGPUBuffer wgpuDeviceCreateBuffer(WGPUDevice device, WGPUBufferDescriptor const *descriptor);
 WGPUFuture wgpuBufferMapAsync(WGPUBuffer buffer, WGPUMapMode mode, size_t offset, size_t size,
     WGPUBufferMapCallbackInfo callbackInfo);
-void *wgpuBufferGetMappedRange(WGPUBuffer buffer, size_t offset, size_t size);
 void const *wgpuBufferGetConstMappedRange(WGPUBuffer buffer, size_t offset, size_t size);
-uint64_t wgpuBufferGetSize(WGPUBuffer buffer);
 void wgpuBufferUnmap(WGPUBuffer buffer);
 void wgpuBufferDestroy(WGPUBuffer buffer);
 void wgpuBufferRelease(WGPUBuffer buffer);
@@ -633,8 +597,6 @@ WGPUPipelineLayout wgpuDeviceCreatePipelineLayout(WGPUDevice device,
 void wgpuPipelineLayoutRelease(WGPUPipelineLayout pipelineLayout);
 WGPUComputePipeline wgpuDeviceCreateComputePipeline(WGPUDevice device,
     WGPUComputePipelineDescriptor const *descriptor);
-WGPUBindGroupLayout wgpuComputePipelineGetBindGroupLayout(WGPUComputePipeline computePipeline,
-    uint32_t groupIndex);
 void wgpuComputePipelineRelease(WGPUComputePipeline computePipeline);
 
 /* Functions: encoding */
@@ -644,12 +606,6 @@ WGPUComputePassEncoder wgpuCommandEncoderBeginComputePass(WGPUCommandEncoder com
     WGPUComputePassDescriptor const *descriptor);
 void wgpuCommandEncoderCopyBufferToBuffer(WGPUCommandEncoder commandEncoder, WGPUBuffer source,
     uint64_t sourceOffset, WGPUBuffer destination, uint64_t destinationOffset, uint64_t size);
-void wgpuCommandEncoderClearBuffer(WGPUCommandEncoder commandEncoder, WGPUBuffer buffer,
-    uint64_t offset, uint64_t size);
-void wgpuCommandEncoderWriteTimestamp(WGPUCommandEncoder commandEncoder, WGPUQuerySet querySet,
-    uint32_t queryIndex);
-void wgpuCommandEncoderResolveQuerySet(WGPUCommandEncoder commandEncoder, WGPUQuerySet querySet,
-    uint32_t firstQuery, uint32_t queryCount, WGPUBuffer destination, uint64_t destinationOffset);
 WGPUCommandBuffer wgpuCommandEncoderFinish(WGPUCommandEncoder commandEncoder,
     WGPUCommandBufferDescriptor const *descriptor);
 void wgpuCommandEncoderRelease(WGPUCommandEncoder commandEncoder);
@@ -663,20 +619,11 @@ void wgpuComputePassEncoderSetImmediates(WGPUComputePassEncoder computePassEncod
     uint32_t offset, void const *data, size_t size);
 void wgpuComputePassEncoderDispatchWorkgroups(WGPUComputePassEncoder computePassEncoder,
     uint32_t workgroupCountX, uint32_t workgroupCountY, uint32_t workgroupCountZ);
-void wgpuComputePassEncoderDispatchWorkgroupsIndirect(WGPUComputePassEncoder computePassEncoder,
-    WGPUBuffer indirectBuffer, uint64_t indirectOffset);
-void wgpuComputePassEncoderWriteTimestamp(WGPUComputePassEncoder computePassEncoder,
-    WGPUQuerySet querySet, uint32_t queryIndex);
 void wgpuComputePassEncoderEnd(WGPUComputePassEncoder computePassEncoder);
 void wgpuComputePassEncoderRelease(WGPUComputePassEncoder computePassEncoder);
-WGPUQuerySet wgpuDeviceCreateQuerySet(WGPUDevice device, WGPUQuerySetDescriptor const *descriptor);
-void wgpuQuerySetDestroy(WGPUQuerySet querySet);
-void wgpuQuerySetRelease(WGPUQuerySet querySet);
 
 /* Functions: library */
 uint32_t wgpuGetVersion(void);
-void wgpuSetLogCallback(WGPULogCallback callback, void *userdata);
-void wgpuSetLogLevel(WGPULogLevel level);
 """
 
 ffi = FFI()
@@ -743,22 +690,17 @@ def enum_name(enum, value):
     return f"{enum}({value:#x})"
 
 
-_STRUCTURE_TYPES = {
-    "WGPUShaderSourceSPIRV": "WGPUSType_ShaderSourceSPIRV",
-    "WGPUShaderSourceWGSL": "WGPUSType_ShaderSourceWGSL",
-    "WGPUInstanceExtras": "WGPUSType_InstanceExtras",
-    "WGPUDeviceExtras": "WGPUSType_DeviceExtras",
-    "WGPUNativeLimits": "WGPUSType_NativeLimits",
-}
+# An extension struct's chain.sType is the enumerant that spells its name
+# (WGPUInstanceExtras: WGPUSType_InstanceExtras), of WGPUSType or of wgpu-native's own.
+_STYPES = {**ffi.typeof("WGPUSType").relements, **ffi.typeof("WGPUNativeSType").relements}
 _STRING_VIEW = ffi.typeof("WGPUStringView")
 _STRLEN = int(ffi.cast("size_t", -1))  # WGPU_STRLEN
 
 
 def _tag(item, struct):
-    if struct in _STRUCTURE_TYPES:
-        stype = _STRUCTURE_TYPES[struct]
-        item.chain.sType = (ffi.typeof("WGPUSType").relements.get(stype)
-                            or ffi.typeof("WGPUNativeSType").relements[stype])
+    stype = _STYPES.get("WGPUSType_" + struct[len("WGPU"):])
+    if stype is not None:
+        item.chain.sType = stype
 
 
 def _string_view(kind, field, owner):

@@ -10,7 +10,7 @@ from poot.codegen.ptx import PTX_CAPS, ptx_caps, render_ptx
 from poot.codegen.spirv import render_spirv
 from poot.engine.kernel_choice import TOKEN_GROUPS, matvec_rows, mma_choice
 from poot.ir.graph import ACTIVATIONS
-from poot.kernels import matmul, mma_vec, ops
+from poot.kernels import matmul, matvec, mma_vec, ops
 from poot.kernels.lang import WGMMA
 from poot.kernels.quant import DEVICE_DTYPES
 
@@ -28,11 +28,11 @@ def runner_matvecs(subgroup_size):
     for d in DEVICE_DTYPES:
         for v in MATVEC_VARIANTS:
             matrices = 2 if v.get("glu") else 1
-            out += [matmul.matvec(d, subgroup_size, n, rows_per=rows_per, **v)
+            out += [matvec.matvec(d, subgroup_size, n, rows_per=rows_per, **v)
                     for n in TOKEN_GROUPS for rows_per in {1, matvec_rows(d, n, matrices)}]
-            out += [matmul.matvec(d, subgroup_size, 1, rows_per=matvec_rows(d, 1, matrices),
+            out += [matvec.matvec(d, subgroup_size, 1, rows_per=matvec_rows(d, 1, matrices),
                                   split=split, **v)
-                    for split in (2, 8) if split <= matmul.WORKGROUP // subgroup_size]
+                    for split in (2, 8) if split <= matvec.WORKGROUP // subgroup_size]
     return out
 
 

@@ -11,7 +11,7 @@ from poot.engine.batch import LogitEdits, SamplingRows
 from poot.engine.sampling import BANNED, edit_logits
 from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
-from poot.kernels import matmul, mma_vec, ops
+from poot.kernels import matmul, matvec, mma_vec, ops
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
 from tests.conftest import open_or_skip
 
@@ -63,8 +63,8 @@ def run_matvec(device, dtype, rows, n_tokens, args, **variant):
     """A matvec launch over rows x n_tokens, in the smallest token group that holds them (more
     tokens: further launches along grid y), as the runner launches it."""
     group = next((g for g in (1, 2, 4, 8) if g >= n_tokens), 8)
-    k = matmul.matvec(dtype, device.subgroup_size, group, **variant)
-    grid = matmul.matvec_grid(rows, n_tokens, device.subgroup_size, group,
+    k = matvec.matvec(dtype, device.subgroup_size, group, **variant)
+    grid = matvec.matvec_grid(rows, n_tokens, device.subgroup_size, group,
                               variant.get("rows_per", 1), variant.get("split", 1))
     return run(device, k, grid, *args)
 
@@ -75,7 +75,7 @@ def run_matvec(device, dtype, rows, n_tokens, args, **variant):
 def test_matvec(device, dtype, n_tokens, rows_per, split):
     """rows_per 3: 200 rows leave the last subgroup part of its rows; split: subgroups share
     a row's columns."""
-    if split > matmul.WORKGROUP // device.subgroup_size:
+    if split > matvec.WORKGROUP // device.subgroup_size:
         pytest.skip(f"a workgroup of {device.subgroup_size}-lane subgroups has fewer than "
                     f"{split}")
     rows, cols = 200, 512

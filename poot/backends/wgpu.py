@@ -26,7 +26,7 @@ from drivers import wgpu
 from ..codegen.spirv import TARGET, binding_layout, render_spirv
 from ..errors import BackendUnavailable, CapacityError, ModelRefused, NoSuchDevice
 from . import Device, workgroups
-from .vulkan import BUDGET_EXTENSION, PhysicalDeviceView
+from .vulkan_instance import BUDGET_EXTENSION, PhysicalDeviceView
 
 ffi = wgpu.ffi
 

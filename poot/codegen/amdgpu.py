@@ -75,7 +75,6 @@ typedef unsigned int uint;
 typedef unsigned long ulong;
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
 #pragma OPENCL FP_CONTRACT OFF"""
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _RESERVED = re.compile(r"v\d+(_\d+)?\Z|sh_|poot_")     # the renderer's own names
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/", "rem": "%", "and": "&", "or": "|",
           "xor": "^"}
@@ -289,17 +288,10 @@ class _Renderer:
         if wx * wy * wz > MAX_WORKGROUP:
             raise ValueError(f"kernel {kernel.name}: workgroup {kernel.workgroup} exceeds "
                              f"{MAX_WORKGROUP} work-items")
-        names = [kernel.name] + [p.name for p in kernel.params] + [s.name for s in kernel.shared]
-        for name in names:
-            if not _IDENTIFIER.match(name):
-                raise ValueError(f"{name!r} is not a C identifier")
         for p in kernel.params:
             if _RESERVED.match(p.name):
                 raise ValueError(f"parameter {p.name!r}: names v<N>, sh_* and poot_* are the "
                                  f"renderer's own")
-        for array in [p for p in kernel.params if p.kind == "buffer"] + list(kernel.shared):
-            if array.dtype.kind == "b":
-                raise TypeError(f"{array.name}: bool has no memory layout")
         self.kernel, self.wave = kernel, wavefront
         self.lines, self.depth = [], 1
         self.vector_types, self.declarations, self.helpers = {}, {}, {}
@@ -382,15 +374,10 @@ class _Renderer:
             elif isinstance(stmt, Store):
                 self.store(stmt)
             elif isinstance(stmt, VarDecl):
-                if stmt.init.dtype != stmt.dtype:
-                    raise TypeError(f"var %{stmt.id} is {stmt.dtype}, initialised with a "
-                                    f"{stmt.init.dtype}")
                 self.vars[stmt.id] = stmt.dtype
                 self.emit(f"{_ctype(stmt.dtype)} v{stmt.id} = {self.name(stmt.init)};")
             elif isinstance(stmt, Assign):
-                dtype = self.var(stmt.var)
-                if stmt.value.dtype != dtype:
-                    raise TypeError(f"var %{stmt.var} is {dtype}, assigned a {stmt.value.dtype}")
+                self.var(stmt.var)
                 self.emit(f"v{stmt.var} = {self.name(stmt.value)};")
             elif isinstance(stmt, If):
                 self.emit(f"if ({self.truth(stmt.cond)}) {{")
@@ -422,12 +409,7 @@ class _Renderer:
 
     def for_(self, stmt):
         index = self.name(stmt.index)
-        if isinstance(stmt.step, int):
-            step = str(stmt.step)
-        elif stmt.step.dtype.name == "i32":
-            step = self.name(stmt.step)
-        else:
-            raise TypeError(f"for step of {stmt.step.dtype}: i32")
+        step = str(stmt.step) if isinstance(stmt.step, int) else self.name(stmt.step)
         # `unroll` adds nothing: LLVM unrolls counted loops as it judges.
         self.emit(f"for (int {index} = {self.name(stmt.start)}; {index} < {self.name(stmt.stop)}; "
                   f"{index} += {step}) {{")

@@ -16,63 +16,22 @@ integer to SPIR-V; its conversions are bit work at 32 bits (round to nearest eve
 down). Signed rem is a - (a/b)*b: Vulkan leaves OpSRem undefined for negative operands (NVIDIA's
 driver does give other results). The matrix operations (lang.MATRIX: fragment_load, mma) are
 not rendered, nor are asynchronous copies (copy_async): a kernel using them is refused by its
-capability. This module knows no driver.
+capability. This module lowers a kernel's statements and operations; the module they fill (ids,
+types, constants, capabilities, the words) is spirv_module.py's. Neither knows a driver.
 """
 import struct
 from dataclasses import dataclass
 
+from poot.codegen.spirv_module import (ACQUIRE_RELEASE_WORKGROUP_MEMORY, BLOCK, BUILTINS, GLSL,
+                                       GROUP_REDUCE, LOOP_UNROLL, NON_WRITABLE, OFFSET, OP,
+                                       PUSH_CONSTANT, SCOPE_SUBGROUP, SCOPE_WORKGROUP,
+                                       STORAGE_BUFFER, VERSION_1_3, WORKGROUP, ModuleBuilder, inst,
+                                       spv_dtype)
 from poot.errors import ModelRefused
 from poot.kernels.lang import (ASYNC_COPY, BOOL, F32, HALF2_ARITH, I32, MMA_CAPS, U16, U32, U64,
                                WGMMA, Assign, Barrier, For, If, Let, Return, Store, VarDecl)
 
-MAGIC, VERSION_1_3 = 0x07230203, 0x00010300
 TARGET = f"SPIR-V {VERSION_1_3 >> 16}.{VERSION_1_3 >> 8 & 0xFF}"
-
-# Opcodes (SPIR-V specification, section 3.52).
-OP = dict(
-    Name=5, Extension=10, ExtInstImport=11, ExtInst=12, MemoryModel=14, EntryPoint=15,
-    ExecutionMode=16, Capability=17, TypeVoid=19, TypeBool=20, TypeInt=21, TypeFloat=22,
-    TypeVector=23, TypeArray=28, TypeRuntimeArray=29, TypeStruct=30, TypePointer=32,
-    TypeFunction=33, ConstantTrue=41, ConstantFalse=42, Constant=43, Function=54,
-    FunctionEnd=56, Variable=59, Load=61, Store=62, AccessChain=65, Decorate=71,
-    MemberDecorate=72, CompositeConstruct=80, CompositeExtract=81, ConvertFToU=109,
-    ConvertFToS=110, ConvertSToF=111,
-    ConvertUToF=112, UConvert=113, SConvert=114, FConvert=115, Bitcast=124, SNegate=126,
-    FNegate=127, IAdd=128, FAdd=129, ISub=130, FSub=131, IMul=132, FMul=133, UDiv=134, SDiv=135,
-    FDiv=136, UMod=137, FRem=140, IsNan=156, LogicalEqual=164, LogicalNotEqual=165,
-    LogicalOr=166, LogicalAnd=167, LogicalNot=168, Select=169, IEqual=170, INotEqual=171,
-    UGreaterThan=172, SGreaterThan=173, UGreaterThanEqual=174, SGreaterThanEqual=175,
-    ULessThan=176, SLessThan=177, ULessThanEqual=178, SLessThanEqual=179, FOrdEqual=180,
-    FUnordNotEqual=183, FOrdLessThan=184, FOrdGreaterThan=186, FOrdLessThanEqual=188,
-    FOrdGreaterThanEqual=190, ShiftRightLogical=194, ShiftRightArithmetic=195,
-    ShiftLeftLogical=196, BitwiseOr=197, BitwiseXor=198, BitwiseAnd=199, Not=200,
-    ControlBarrier=224, LoopMerge=246, SelectionMerge=247, Label=248, Branch=249,
-    BranchConditional=250, Return=253, Unreachable=255, GroupNonUniformShuffle=345,
-    GroupNonUniformShuffleXor=346, GroupNonUniformIAdd=349, GroupNonUniformFAdd=350,
-    GroupNonUniformSMin=353, GroupNonUniformUMin=354, GroupNonUniformFMin=355,
-    GroupNonUniformSMax=356, GroupNonUniformUMax=357, GroupNonUniformFMax=358,
-)
-CAPABILITY = dict(Shader=1, Float16=9, Int64=11, Int16=22, Int8=39, GroupNonUniform=61,
-                  GroupNonUniformArithmetic=63, GroupNonUniformShuffle=65,
-                  StorageBuffer16BitAccess=4433, StorageBuffer8BitAccess=4448)
-EXTENSION_OF = {"StorageBuffer16BitAccess": "SPV_KHR_16bit_storage",
-                "StorageBuffer8BitAccess": "SPV_KHR_8bit_storage"}
-INPUT, WORKGROUP, FUNCTION, PUSH_CONSTANT, STORAGE_BUFFER = 1, 4, 7, 9, 12
-BLOCK, ARRAY_STRIDE, BUILTIN, NON_WRITABLE, BINDING, DESCRIPTOR_SET, OFFSET = (
-    2, 6, 11, 24, 33, 34, 35)
-BUILTINS = {"num_blocks": 24, "block_id": 26, "thread_id": 27, "subgroup_id": 40, "lane_id": 41}
-SCOPE_WORKGROUP, SCOPE_SUBGROUP = 2, 3
-ACQUIRE_RELEASE_WORKGROUP_MEMORY = 0x8 | 0x100
-GROUP_REDUCE = 0
-LOOP_UNROLL = 0x1
-# GLSL.std.450 extended instructions.
-GLSL = dict(fabs=4, sabs=5, floor=8, sin=13, cos=14, tanh=21, exp=27, log=28, exp2=29, log2=30,
-            sqrt=31, rsqrt=32, fmin=37, umin=38, smin=39, fmax=40, umax=41, smax=42, fma=50,
-            pack_half2=58, unpack_half2=62)
-
-# On an 8/16-bit type these need only the storage capability; anything else needs arithmetic.
-STORAGE_ONLY_OPS = {OP["Load"], OP["Store"], OP["AccessChain"], OP["UConvert"], OP["SConvert"],
-                    OP["FConvert"]}
 
 INT_BINARY = {"add": "IAdd", "sub": "ISub", "mul": "IMul", "and": "BitwiseAnd",
               "or": "BitwiseOr", "xor": "BitwiseXor", "shl": "ShiftLeftLogical"}
@@ -133,8 +92,6 @@ def binding_layout(kernel):
     buffers, scalars = [], []
     for param in kernel.params:
         if param.kind == "buffer":
-            if param.dtype.kind == "b":
-                raise TypeError(f"buffer {param.name}: bool has no memory layout")
             buffers.append(BufferBinding(param.name, param.dtype, param.access, 0, len(buffers)))
         else:
             scalars.append(PushConstant(param.name, param.dtype, 4 * len(scalars)))
@@ -162,31 +119,6 @@ def spirv_capabilities(kernel):
     return frozenset(renderer.caps) | frozenset(renderer.extensions())
 
 
-def _string_words(text):
-    data = text.encode() + b"\0"
-    data += b"\0" * (-len(data) % 4)
-    return list(struct.unpack(f"<{len(data) // 4}I", data))
-
-
-def _inst(opcode, *operands):
-    words = []
-    for operand in operands:
-        if isinstance(operand, str):
-            words += _string_words(operand)
-        else:
-            words.append(operand)
-    return [(len(words) + 1) << 16 | opcode] + words
-
-
-def _small(dtype):
-    """The arithmetic capability an 8/16-bit type needs beyond storage, or None."""
-    if dtype.kind == "b" or dtype.bits > 16:
-        return None
-    if dtype.kind == "f":
-        return "Float16"
-    return "Int8" if dtype.bits == 8 else "Int16"
-
-
 def _wide(dtype):
     """The 32-bit (or 64-bit) type a value is converted through."""
     if dtype.kind in ("f", "bf"):
@@ -196,154 +128,23 @@ def _wide(dtype):
     return dtype
 
 
-def _spv(dtype):
-    """The SPIR-V-level dtype: bf16 is held as a 16-bit unsigned integer."""
-    return U16 if dtype.kind == "bf" else dtype
-
-
 # lang.py capabilities that SPIR-V (as rendered here) has no rendering of.
 UNRENDERED_CAPS = frozenset({"fragment_load", *MMA_CAPS.values(), ASYNC_COPY, HALF2_ARITH, WGMMA})
 
 
-class _Renderer:
+class _Renderer(ModuleBuilder):
     def __init__(self, kernel, subgroup_size, vector_loads=False):
         unrendered = kernel.caps & UNRENDERED_CAPS
         if unrendered:
             raise ModelRefused(f"kernel {kernel.name} needs {', '.join(sorted(unrendered))}, "
                                f"which the SPIR-V renderer does not render")
-        self.kernel, self.subgroup_size, self.vector_loads = kernel, subgroup_size, vector_loads
+        super().__init__(kernel)
+        self.subgroup_size, self.vector_loads = subgroup_size, vector_loads
         self.vector_views = {}     # (buffer, width) -> (variable, pointer type) of its vectors
-        self.lang_caps = kernel.caps
-        buffer_bits = {p.dtype.bits for p in kernel.params if p.kind == "buffer"}
-        self.caps = {"Shader"}
-        if 16 in buffer_bits:
-            self.caps.add("StorageBuffer16BitAccess")
-        if 8 in buffer_bits:
-            self.caps.add("StorageBuffer8BitAccess")
-        self._bound = 1
-        self.names, self.decorations, self.globals, self.code, self.locals = [], [], [], [], []
-        self.interface = []
-        self._types, self._consts, self._builtins = {}, {}, {}
-        self._glsl = None
-        self.dtype_of = {}         # SPIR-V id -> SPIR-V-level dtype, for every value produced
         self.values = {}           # lang value id -> SPIR-V id (a tuple for a load of width > 1)
         self.vars = {}             # lang var id -> (pointer id, dtype held in it)
         self.buffers, self.shared, self.bindings = {}, {}, {}
         self.push = None
-        self.terminated = False
-
-    # -- ids, types, constants -------------------------------------------------------------------
-    def new_id(self):
-        self._bound += 1
-        return self._bound - 1
-
-    def type_id(self, key, *operands, opcode=None, decorate=()):
-        if key not in self._types:
-            tid = self.new_id()
-            self.globals += _inst(opcode, tid, *operands)
-            for decoration in decorate:
-                self.decorations += _inst(OP["Decorate"], tid, *decoration)
-            self._types[key] = tid
-        return self._types[key]
-
-    def ty(self, dtype):
-        dtype = _spv(dtype)
-        if dtype.kind == "b":
-            return self.type_id("bool", opcode=OP["TypeBool"])
-        self.declare_width(dtype)
-        if dtype.kind == "f":
-            return self.type_id(dtype, dtype.bits, opcode=OP["TypeFloat"])
-        return self.type_id(dtype, dtype.bits, int(dtype.kind == "i"), opcode=OP["TypeInt"])
-
-    def declare_width(self, dtype):
-        """Capabilities that declaring an 8/16/64-bit type needs by itself."""
-        if dtype.bits == 64:
-            self.caps.add("Int64")
-        elif dtype.bits == 16 and "StorageBuffer16BitAccess" not in self.caps:
-            self.caps.add(_small(dtype))
-        elif dtype.bits == 8 and "StorageBuffer8BitAccess" not in self.caps:
-            self.caps.add("Int8")
-
-    def pointer(self, storage, type_id):
-        return self.type_id(("ptr", storage, type_id), storage, type_id, opcode=OP["TypePointer"])
-
-    def void(self):
-        return self.type_id("void", opcode=OP["TypeVoid"])
-
-    def const(self, value, dtype):
-        dtype = _spv(dtype)
-        key = (dtype, value if dtype.kind == "b" else tuple(_literal(value, dtype)))
-        if key in self._consts:
-            return self._consts[key]
-        cid = self.new_id()
-        tid = self.ty(dtype)
-        if dtype.kind == "b":
-            self.globals += _inst(OP["ConstantTrue" if value else "ConstantFalse"], tid, cid)
-        else:
-            self.need_arithmetic(dtype)
-            self.globals += _inst(OP["Constant"], tid, cid, *_literal(value, dtype))
-        self._consts[key] = cid
-        self.dtype_of[cid] = dtype
-        return cid
-
-    def need_arithmetic(self, dtype):
-        cap = _small(_spv(dtype))
-        if cap:
-            self.caps.add(cap)
-
-    def has_arithmetic(self, dtype):
-        """Whether the kernel declared arithmetic on this 8/16-bit type (lang's own caps)."""
-        dtype = _spv(dtype)
-        if dtype.bits == 16 and dtype.kind in "fiu":
-            return ("float16" if dtype.kind == "f" else "int16") in self.lang_caps
-        return dtype.bits != 8
-
-    # -- instructions ----------------------------------------------------------------------------
-    def value(self, opcode, dtype, *operands, reads=None):
-        """Emit an instruction producing a value of `dtype`; `reads` are its value operands."""
-        dtype = _spv(dtype)
-        reads = operands if reads is None else reads
-        if opcode not in STORAGE_ONLY_OPS:
-            self.need_arithmetic(dtype)
-            for rid in reads:
-                if rid in self.dtype_of:        # pointers are not values
-                    self.need_arithmetic(self.dtype_of[rid])
-        rid = self.new_id()
-        self.code += _inst(opcode, self.ty(dtype), rid, *operands)
-        self.dtype_of[rid] = dtype
-        return rid
-
-    def op(self, name, dtype, *operands):
-        return self.value(OP[name], dtype, *operands)
-
-    def glsl(self):
-        if self._glsl is None:
-            self._glsl = self.new_id()
-        return self._glsl
-
-    def ext(self, name, dtype, *operands):
-        return self.value(OP["ExtInst"], dtype, self.glsl(), GLSL[name], *operands, reads=operands)
-
-    def vec2(self):
-        """The type of two f32 lanes (unpack_half2's pair)."""
-        return self.type_id(("vec2",), self.ty(F32), 2, opcode=OP["TypeVector"])
-
-    def extract(self, composite, lane):
-        rid = self.new_id()
-        self.emit(OP["CompositeExtract"], self.ty(F32), rid, composite, lane)
-        self.dtype_of[rid] = F32
-        return rid
-
-    def emit(self, opcode, *operands):
-        self.code += _inst(opcode, *operands)
-
-    def label(self, lid):
-        self.emit(OP["Label"], lid)
-        self.terminated = False
-
-    def branch(self, target):
-        self.emit(OP["Branch"], target)
-        self.terminated = True
 
     # -- conversions -----------------------------------------------------------------------------
     def widen(self, vid, dtype):
@@ -413,32 +214,17 @@ class _Renderer:
         fn_type = self.type_id("fn", self.void(), opcode=OP["TypeFunction"])
         self.declare_resources()
         entry = self.new_id()
-        self.code += _inst(OP["Function"], self.void(), entry, 0, fn_type)
+        self.code += inst(OP["Function"], self.void(), entry, 0, fn_type)
         first = self.new_id()
-        self.code += _inst(OP["Label"], first)
+        self.code += inst(OP["Label"], first)
         body_start = len(self.code)
         self.block(kernel.body)
         if not self.terminated:
             self.emit(OP["Return"])
         self.emit(OP["FunctionEnd"])
         self.code[body_start:body_start] = self.locals
-        self.names = _inst(OP["Name"], entry, kernel.name) + self.names
-
-        head = []
-        for cap in sorted(self.caps, key=CAPABILITY.__getitem__):
-            head += _inst(OP["Capability"], CAPABILITY[cap])
-        for extension in self.extensions():
-            head += _inst(OP["Extension"], extension)
-        if self._glsl is not None:
-            head += _inst(OP["ExtInstImport"], self._glsl, "GLSL.std.450")
-        head += _inst(OP["MemoryModel"], 0, 1)                                 # Logical GLSL450
-        head += _inst(OP["EntryPoint"], 5, entry, kernel.name, *self.interface)  # GLCompute
-        head += _inst(OP["ExecutionMode"], entry, 17, *kernel.workgroup)        # LocalSize
-        body = head + self.names + self.decorations + self.globals + self.code
-        return [MAGIC, VERSION_1_3, 0, self._bound, 0] + body
-
-    def extensions(self):
-        return sorted(EXTENSION_OF[cap] for cap in self.caps if cap in EXTENSION_OF)
+        self.names = inst(OP["Name"], entry, kernel.name) + self.names
+        return self.words(entry)
 
     def declare_resources(self):
         layout = binding_layout(self.kernel)
@@ -448,20 +234,20 @@ class _Renderer:
             # Read-only buffers are NonWritable. Write-only ones are not marked NonReadable:
             # naga refuses write-only storage buffers, and drivers gain nothing from it.
             if buffer.access == "r":
-                self.decorations += _inst(OP["Decorate"], var, NON_WRITABLE)
+                self.decorations += inst(OP["Decorate"], var, NON_WRITABLE)
             self.buffers[buffer.name] = (var, self.pointer(STORAGE_BUFFER, elem))
             self.bindings[buffer.name] = buffer
         if layout.push_constants:
             members = [self.ty(p.dtype) for p in layout.push_constants]
             block = self.new_id()
-            self.globals += _inst(OP["TypeStruct"], block, *members)
-            self.decorations += _inst(OP["Decorate"], block, BLOCK)
+            self.globals += inst(OP["TypeStruct"], block, *members)
+            self.decorations += inst(OP["Decorate"], block, BLOCK)
             for i, p in enumerate(layout.push_constants):
-                self.decorations += _inst(OP["MemberDecorate"], block, i, OFFSET, p.offset)
+                self.decorations += inst(OP["MemberDecorate"], block, i, OFFSET, p.offset)
             var = self.new_id()
-            self.globals += _inst(OP["Variable"], self.pointer(PUSH_CONSTANT, block), var,
-                                  PUSH_CONSTANT)
-            self.names += _inst(OP["Name"], var, "scalars")
+            self.globals += inst(OP["Variable"], self.pointer(PUSH_CONSTANT, block), var,
+                                 PUSH_CONSTANT)
+            self.names += inst(OP["Name"], var, "scalars")
             self.push = (var, {p.name: i for i, p in enumerate(layout.push_constants)})
         for array in self.kernel.shared:
             self.need_arithmetic(array.dtype)
@@ -469,24 +255,9 @@ class _Renderer:
             typ = self.type_id(("array", elem, array.size), elem, self.const(array.size, U32),
                                opcode=OP["TypeArray"])
             var = self.new_id()
-            self.globals += _inst(OP["Variable"], self.pointer(WORKGROUP, typ), var, WORKGROUP)
-            self.names += _inst(OP["Name"], var, array.name)
+            self.globals += inst(OP["Variable"], self.pointer(WORKGROUP, typ), var, WORKGROUP)
+            self.names += inst(OP["Name"], var, array.name)
             self.shared[array.name] = (var, self.pointer(WORKGROUP, elem))
-
-    def builtin(self, name):
-        if name not in self._builtins:
-            scalar = name in ("lane_id", "subgroup_id")
-            if scalar:
-                self.caps.add("GroupNonUniform")
-            typ = self.ty(U32)
-            if not scalar:
-                typ = self.type_id(("uvec3",), typ, 3, opcode=OP["TypeVector"])
-            var = self.new_id()
-            self.globals += _inst(OP["Variable"], self.pointer(INPUT, typ), var, INPUT)
-            self.decorations += _inst(OP["Decorate"], var, BUILTIN, BUILTINS[name])
-            self.interface.append(var)
-            self._builtins[name] = (var, typ, scalar)
-        return self._builtins[name]
 
     # -- statements ------------------------------------------------------------------------------
     def block(self, stmts):
@@ -563,22 +334,16 @@ class _Renderer:
         self.branch(header)         # a continue block nobody reaches stays bare, as required
         self.label(merge)
 
-    def local(self, dtype):
-        """A Function-storage variable; declared at the top of the entry block."""
-        vid = self.new_id()
-        self.locals += _inst(OP["Variable"], self.pointer(FUNCTION, self.ty(dtype)), vid, FUNCTION)
-        return vid
-
     def declare_var(self, stmt):
         # An 8/16-bit var is held at 32 bits unless the kernel does arithmetic on its type anyway.
-        held = _spv(stmt.dtype) if self.has_arithmetic(stmt.dtype) else _wide(stmt.dtype)
+        held = spv_dtype(stmt.dtype) if self.has_arithmetic(stmt.dtype) else _wide(stmt.dtype)
         self.need_arithmetic(held)
         self.vars[stmt.id] = (self.local(held), held)
         self.assign(stmt.id, self.values[stmt.init.id], stmt.init.dtype)
 
     def assign(self, var_id, vid, dtype):
         pointer, held = self.vars[var_id]
-        if held != _spv(dtype):
+        if held != spv_dtype(dtype):
             vid = self.widen(vid, dtype)
         self.emit(OP["Store"], pointer, vid)
 
@@ -607,7 +372,7 @@ class _Renderer:
         elif op == "var_get":
             pointer, held = self.vars[let.attr("var")]
             result = self.op("Load", held, pointer)
-            if held != _spv(dtype):
+            if held != spv_dtype(dtype):
                 result = self.narrow(result, dtype)
         elif op == "load":
             result = self.load(let, args[0])
@@ -615,8 +380,8 @@ class _Renderer:
             result = args[0][let.attr("lane")]
         elif op == "unpack_half2":
             pair = self.new_id()
-            self.code += _inst(OP["ExtInst"], self.vec2(), pair, self.glsl(),
-                               GLSL["unpack_half2"], args[0])
+            self.code += inst(OP["ExtInst"], self.vec2(), pair, self.glsl(),
+                              GLSL["unpack_half2"], args[0])
             result = [self.extract(pair, lane) for lane in (0, 1)]
         elif op == "pack_half2":
             pair = self.new_id()
@@ -626,7 +391,7 @@ class _Renderer:
         elif op == "cast":
             result = self.cast(args[0], types[0], dtype)
         elif op == "bitcast":
-            same = _spv(types[0]) == _spv(dtype)
+            same = spv_dtype(types[0]) == spv_dtype(dtype)
             result = args[0] if same else self.op("Bitcast", dtype, args[0])
         elif op == "select":
             result = self.select(args, dtype)
@@ -663,14 +428,6 @@ class _Renderer:
             result = self.binary(op, args, dtype)
         self.values[let.id] = result
 
-    def subgroup_caps(self, cap):
-        self.caps.update(("GroupNonUniform", cap))
-
-    def chain(self, pointer_type, base, *indices):
-        cid = self.new_id()
-        self.emit(OP["AccessChain"], pointer_type, cid, base, *indices)
-        return cid
-
     def access(self, target, shared, index):
         """A pointer to element `index` of a shared array or (member 0 of) a buffer block."""
         if shared:
@@ -683,23 +440,6 @@ class _Renderer:
         return [index] + [self.op("IAdd", I32, index, self.const(lane, I32))
                           for lane in range(1, width)]
 
-    def block_variable(self, buffer, name, elem, stride):
-        """A storage-buffer variable at `buffer`'s binding: a block of one runtime array of
-        `elem` strided `stride` bytes."""
-        array = self.type_id(("rta", elem), elem, opcode=OP["TypeRuntimeArray"],
-                             decorate=[(ARRAY_STRIDE, stride)])
-        block = self.new_id()
-        self.globals += _inst(OP["TypeStruct"], block, array)
-        self.decorations += _inst(OP["Decorate"], block, BLOCK)
-        self.decorations += _inst(OP["MemberDecorate"], block, 0, OFFSET, 0)
-        var = self.new_id()
-        self.globals += _inst(OP["Variable"], self.pointer(STORAGE_BUFFER, block), var,
-                              STORAGE_BUFFER)
-        self.names += _inst(OP["Name"], var, name)
-        self.decorations += _inst(OP["Decorate"], var, DESCRIPTOR_SET, buffer.set)
-        self.decorations += _inst(OP["Decorate"], var, BINDING, buffer.binding)
-        return var
-
     def vector_view(self, name, width):
         """(variable, element pointer type) of a read-only buffer seen as `width`-vectors: a
         second block variable at the buffer's binding, its runtime array strided width * 4."""
@@ -708,7 +448,7 @@ class _Renderer:
             elem = self.ty(buffer.dtype)
             vector = self.type_id(("vec", elem, width), elem, width, opcode=OP["TypeVector"])
             var = self.block_variable(buffer, f"{name}_x{width}", vector, 4 * width)
-            self.decorations += _inst(OP["Decorate"], var, NON_WRITABLE)
+            self.decorations += inst(OP["Decorate"], var, NON_WRITABLE)
             self.vector_views[name, width] = (var, self.pointer(STORAGE_BUFFER, vector), vector)
         return self.vector_views[name, width]
 
@@ -740,7 +480,7 @@ class _Renderer:
                       self.values[value.id])
 
     def select(self, args, dtype):
-        if self.has_arithmetic(dtype) or _spv(dtype).bits >= 32 or dtype.kind == "b":
+        if self.has_arithmetic(dtype) or spv_dtype(dtype).bits >= 32 or dtype.kind == "b":
             return self.op("Select", dtype, *args)
         a, b = (self.widen(x, dtype) for x in args[1:])
         return self.narrow(self.op("Select", _wide(dtype), args[0], a, b), dtype)
@@ -795,20 +535,3 @@ class _Renderer:
                 return self.op("ISub", dtype, args[0], self.op("IMul", dtype, quotient, args[1]))
         raise TypeError(f"{op} on {dtype}")
 
-
-def _literal(value, dtype):
-    """The words of a constant: the low-order bits first, narrow integers sign- or zero-extended."""
-    if dtype.kind == "f":
-        code = "<e" if dtype.bits == 16 else "<f"
-        try:
-            bits = struct.unpack("<H" if dtype.bits == 16 else "<I", struct.pack(code, value))[0]
-        except OverflowError:
-            bits = struct.unpack("<H" if dtype.bits == 16 else "<I",
-                                 struct.pack(code, float("inf") if value > 0 else float("-inf")))[0]
-        return [bits]
-    value = int(value) & ((1 << dtype.bits) - 1)
-    if dtype.kind == "i" and dtype.bits < 32 and value >> (dtype.bits - 1):
-        value |= 0xFFFFFFFF ^ ((1 << dtype.bits) - 1)
-    if dtype.bits == 64:
-        return [value & 0xFFFFFFFF, value >> 32]
-    return [value]

@@ -8,8 +8,11 @@ missing tensor), `.raw(name)` (the stored bytes, zero-copy), `.array(name)` (val
 package; quantisation block layouts live in `quants`.
 """
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from poot.errors import ModelFileError
 
@@ -28,7 +31,42 @@ class TensorInfo:
 
 
 class MappedFile:
-    """A file read through one read-only memory map (`_mm`, viewed as bytes in `_bytes`)."""
+    """A file read through one read-only memory map (`_mm`, viewed as bytes in `_bytes`), whose
+    `tensors` (name -> TensorInfo) are spans of those bytes."""
+
+    def _map(self, path, least, too_short):
+        """Maps the file at `path`; one of fewer than `least` bytes is refused with the reason
+        `too_short` (formatted with its `size`). Returns its size."""
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = f.seek(0, 2)
+                if size < least:
+                    raise ModelFileError(self.path, too_short.format(size=size))
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise ModelFileError(self.path, f"cannot open: {e.strerror or e}") from None
+        self._bytes = np.frombuffer(self._mm, np.uint8)
+        return size
+
+    def _check_overlaps(self):
+        """A ModelFileError where a tensor's bytes start inside another's."""
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values()
+                       if t.nbytes)
+        for (_, end, prev), (start, _, name) in zip(spans, spans[1:]):
+            if start < end:
+                raise ModelFileError(self.path, f"data overlaps tensor {prev!r}, which ends at "
+                                                f"{end}", tensor=name, offset=start)
+
+    def info(self, name):
+        if name not in self.tensors:
+            raise ModelFileError(self.path, "no such tensor in the file", tensor=name)
+        return self.tensors[name]
+
+    def raw(self, name):
+        """The tensor's stored bytes: a read-only uint8 view of the mapping."""
+        t = self.info(name)
+        return self._bytes[t.offset:t.offset + t.nbytes]
 
     def close(self):
         """Release the mapping. Arrays already handed out keep it alive until they go."""

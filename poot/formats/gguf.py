@@ -15,10 +15,8 @@ bytes back); numeric and bool arrays as 1-D numpy arrays of the stored type; str
 views of that mapping. This module does not interpret keys beyond `general.alignment`.
 """
 
-import mmap
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -88,16 +86,7 @@ class GGUFFile(MappedFile):
     kind = "gguf"
 
     def __init__(self, path):
-        self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                size = f.seek(0, 2)
-                if size == 0:
-                    raise ModelFileError(self.path, "empty file, expected a GGUF model")
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as e:
-            raise ModelFileError(self.path, f"cannot open: {e.strerror or e}") from None
-        self._bytes = np.frombuffer(self._mm, np.uint8)
+        self._map(path, 1, "empty file, expected a GGUF model")
         cur = _Cursor(self.path, self._mm)
         self._read_header(cur)
         self.metadata = self._read_metadata(cur)
@@ -105,6 +94,7 @@ class GGUFFile(MappedFile):
         infos = self._read_tensor_infos(cur)
         self.data_offset = -(-cur.pos // self.alignment) * self.alignment
         self.tensors = self._place_tensors(cur, infos)
+        self._check_overlaps()
 
     def _read_header(self, cur):
         cur.need(4, "magic")
@@ -224,22 +214,7 @@ class GGUFFile(MappedFile):
                 cur.fail(f"data [{offset}, {offset + nbytes}) lies outside the file of "
                          f"{cur.size} bytes", name, offset)
             tensors[name] = TensorInfo(name, dtype, shape, offset, nbytes, str(self.path))
-        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values()
-                       if t.nbytes)
-        for (_, end, prev), (start, _, name) in zip(spans, spans[1:]):
-            if start < end:
-                cur.fail(f"data overlaps tensor {prev!r}, which ends at {end}", name, start)
         return tensors
-
-    def info(self, name):
-        if name not in self.tensors:
-            raise ModelFileError(self.path, "no such tensor in the file", tensor=name)
-        return self.tensors[name]
-
-    def raw(self, name):
-        """The tensor's stored bytes: a read-only uint8 view of the mapping."""
-        t = self.info(name)
-        return self._bytes[t.offset:t.offset + t.nbytes]
 
     def array(self, name):
         """The tensor's values as float32 of its shape (F32: a read-only view, no copy)."""

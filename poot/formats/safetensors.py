@@ -10,7 +10,6 @@ and offset where there is one). Nothing here interprets the config.
 """
 
 import json
-import mmap
 from pathlib import Path
 
 import numpy as np
@@ -46,17 +45,8 @@ class SafetensorsFile(MappedFile):
     kind = "safetensors"
 
     def __init__(self, path):
-        self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                size = f.seek(0, 2)
-                if size < 8:
-                    raise ModelFileError(self.path, f"truncated: {size} bytes, too short for "
-                                                    f"the 8-byte header length")
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as e:
-            raise ModelFileError(self.path, f"cannot open: {e.strerror or e}") from None
-        self._bytes = np.frombuffer(self._mm, np.uint8)
+        size = self._map(path, 8, "truncated: {size} bytes, too short for the 8-byte header "
+                                  "length")
         n = int.from_bytes(self._mm[0:8], "little")
         if n > size - 8 or n > HEADER_LIMIT:
             self._fail(f"header length {n} runs past the end of the file ({size} bytes)"
@@ -75,11 +65,7 @@ class SafetensorsFile(MappedFile):
             self._fail("__metadata__ is not an object of strings", 8)
         self.tensors = {name: self._tensor_info(name, entry, size)
                         for name, entry in header.items()}
-        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values()
-                       if t.nbytes)
-        for (_, end, prev), (start, _, name) in zip(spans, spans[1:]):
-            if start < end:
-                self._fail(f"data overlaps tensor {prev!r}, which ends at {end}", start, name)
+        self._check_overlaps()
 
     def _fail(self, reason, offset=None, tensor=None):
         raise ModelFileError(self.path, reason, tensor=tensor, offset=offset)
@@ -109,16 +95,6 @@ class SafetensorsFile(MappedFile):
             self._fail(f"data [{offset}, {self.data_offset + end}) lies outside the file of "
                        f"{size} bytes", offset, name)
         return TensorInfo(name, dtype, tuple(shape), offset, expected, str(self.path))
-
-    def info(self, name):
-        if name not in self.tensors:
-            raise ModelFileError(self.path, "no such tensor in the file", tensor=name)
-        return self.tensors[name]
-
-    def raw(self, name):
-        """The tensor's stored bytes: a read-only uint8 view of the mapping."""
-        t = self.info(name)
-        return self._bytes[t.offset:t.offset + t.nbytes]
 
     def array(self, name):
         """The tensor's values: float32 for F16/BF16/F32 (F32 a read-only view, no copy), the

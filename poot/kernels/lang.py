@@ -9,6 +9,7 @@ data: parameters, shared arrays, workgroup size, body, and the capabilities it u
 device compares with what it has. Renderers (codegen/) turn it into target code; this module
 knows no target.
 """
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -54,6 +55,17 @@ WGMMA = "wgmma"
 # Arithmetic on two f16 lanes of a u32 word (KernelBuilder.half2), and its capability.
 HALF2 = {"sub": 2, "mul": 2, "fma": 3}
 HALF2_ARITH = "half2_arith"
+# Kernels, parameters and shared arrays are named in the target's code: identifiers in every one.
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _named(name, dtype=None):
+    """`name`, checked as an identifier, of something that holds `dtype` values in memory."""
+    if not _IDENTIFIER.match(name):
+        raise ValueError(f"{name!r} is not an identifier")
+    if dtype is not None and dtype.kind == "b":
+        raise TypeError(f"{name}: bool has no memory layout")
+    return name
 
 
 @dataclass(frozen=True)
@@ -262,7 +274,10 @@ class Var:
         return self.b.let("var_get", self.dtype, (), var=self.id)
 
     def set(self, value):
-        self.b.emit(Assign(self.id, self.b.coerce(value, self.dtype)))
+        value = self.b.coerce(value, self.dtype)
+        if value.dtype != self.dtype:
+            raise TypeError(f"var %{self.id} is {self.dtype}, assigned a {value.dtype}")
+        self.b.emit(Assign(self.id, value))
 
 
 class Buffer:
@@ -339,7 +354,7 @@ class KernelBuilder:
         """`resident`: how many workgroups of this kernel a multiprocessor should run at once,
         which a renderer that can meets by giving each thread fewer registers (PTX) and the
         others ignore."""
-        self.name = name
+        self.name = _named(name)
         self.workgroup = tuple(workgroup) + (1,) * (3 - len(workgroup))
         self.resident = resident
         self.params, self.shared_arrays = [], []
@@ -349,7 +364,7 @@ class KernelBuilder:
 
     # -- declarations ----------------------------------------------------------------------------
     def buffer(self, name, dtype, access="r"):
-        param = Param(name, dtype, "buffer", access)
+        param = Param(_named(name, dtype), dtype, "buffer", access)
         self._add_param(param)
         if dtype.bits == 16:
             self.caps.add("storage16")
@@ -360,7 +375,7 @@ class KernelBuilder:
     def scalar(self, name, dtype):
         if dtype not in (I32, U32, F32):
             raise TypeError(f"scalar parameter {name}: only i32, u32 and f32 are passed")
-        self._add_param(Param(name, dtype, "scalar"))
+        self._add_param(Param(_named(name), dtype, "scalar"))
         return self.let("param", dtype, (), name=name)
 
     def shared(self, name, dtype, size, align=16):
@@ -370,7 +385,7 @@ class KernelBuilder:
             raise ValueError(f"shared array {name!r} declared twice")
         if align < 16 or align & (align - 1):
             raise ValueError(f"shared array {name!r}: align {align} is no power of two >= 16")
-        array = Shared(name, dtype, int(size), int(align))
+        array = Shared(_named(name, dtype), dtype, int(size), int(align))
         self.shared_arrays.append(array)
         return SharedArray(self, array)
 
@@ -437,6 +452,8 @@ class KernelBuilder:
 
     def var(self, dtype, init):
         init = self.coerce(init, dtype)
+        if init.dtype != dtype:
+            raise TypeError(f"a var of {dtype} initialised with a {init.dtype}")
         self._next += 1
         self.emit(VarDecl(self._next, dtype, init))
         return Var(self, self._next, dtype)
@@ -679,6 +696,8 @@ class KernelBuilder:
     def for_(self, start, stop, step=1, unroll=False):
         if isinstance(step, int) and step < 1:
             raise ValueError("for_: step must be positive")
+        if isinstance(step, Value) and step.dtype != I32:
+            raise TypeError(f"for_: step of {step.dtype}, not i32")
         start, stop = self.coerce(start, I32), self.coerce(stop, I32)
         self._next += 1
         stmt = For(Value(self, self._next, I32), start, stop, step, [], unroll)

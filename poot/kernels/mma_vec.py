@@ -1,8 +1,8 @@
 """mma_vec: the decode matmul on the tensor cores, y[t, m] = x[t, :] . W[m, :] for steps of up
 to 8 tokens a token tile, 1, 2 or 4 token tiles a launch (further launches along grid y for
-more), with matmul.matvec's buffers, scalars and
-fused variants (stacked outputs, a gated unit, residual; a norm is norm_x16's, launched before), for
-devices with mma and f16x2 arithmetic (ptx).
+more), with matvec.matvec's buffers, scalars and fused variants (stacked outputs, a gated unit,
+residual; a norm is norm_x16's, launched before), for devices with mma and f16x2 arithmetic
+(ptx).
 
 Why: matvec's lanes each take whole weight units (a 32-value quant block), so the x values of
 neighbouring lanes lie 128 bytes apart and each 16-byte load of x touches as many cache lines as
@@ -41,7 +41,8 @@ quants, 8 for floats): the last group's missing units weigh zero.
 from functools import cache
 
 from .lang import F32, I32, U32, KernelBuilder
-from .matmul import WORKGROUP, _pack, matvec_params, mma_operand, store_row, variant_name
+from .matmul import _pack, mma_operand
+from .matvec import WORKGROUP, matvec_params, store_row, variant_name
 from .ops import block_reduce
 from .quant import _small_int, reader
 
@@ -69,7 +70,7 @@ def grid(rows, n_tokens, tiles=1, split=1, token_tiles=1):
 
 
 def least_tokens(dtype):
-    """The shortest step a device that runs mma_vec should give it rather than matmul.matvec:
+    """The shortest step a device that runs mma_vec should give it rather than matvec.matvec:
     one token for Q4_0 and the K quants, whose one-token matvec decodes too slowly; two for F16,
     BF16 and Q4_1, whose one-token matvec is ahead, and Q8_0, where mma_vec gains little and the
     default model's output head (Q8_0) keeps the f32 x its greedy tokens were checked with
@@ -132,26 +133,13 @@ def quant_pairs(dtype):
 def norm_x16(dtype, subgroup_size=SUBGROUP):
     """x16[t] (u32 [T, cols / 2]) = x[t] / sqrt(mean(x[t]^2) + eps) * gain, rounded to the
     operand of dtype's mma and paired as mma_vec's B words take them (quant_pairs): the RMSNorm
-    before an mma_vec, made once a step instead of in each of its subgroups (8B Q4_0, one token:
-    the 28,672 x 4,096 gate/up with the norm folded in 53.0 us, without it 34.1 us). One
-    workgroup a token; grid (T). cols a multiple of 8."""
+    before an mma_vec, made once a step instead of in each of its subgroups. One workgroup a
+    token; grid (T). cols a multiple of 8."""
     operand, pairs = mma_operand(dtype), quant_pairs(dtype)
     k = KernelBuilder(f"norm_x16_{operand.name}" + "_pairs" * pairs, (WORKGROUP,))
     x, gain, x16 = k.buffer("x", F32), k.buffer("norm", F32), k.buffer("x16", U32, "w")
-    cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
-    scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
-    base, first = k.block_id() * cols, k.thread_id() * 4
-    square = k.var(F32, 0.0)
-    with k.for_(first, cols, WORKGROUP * 4) as i:
-        for v in x.load(base + i, 4):
-            square.set(k.fma(v, v, square.get()))
-    total = block_reduce(k, square.get(), subgroup_size, scratch)
-    scale = k.rsqrt(total / cols.to(F32) + eps)
-    with k.for_(first, cols, WORKGROUP * 4) as i:
-        a, b, c, d = [v * scale * w for v, w in zip(x.load(base + i, 4), gain.load(i, 4))]
-        lo, hi = ((a, c), (b, d)) if pairs else ((a, b), (c, d))
-        x16.store((base + i) >> 1, _pack(k, operand, *lo), _pack(k, operand, *hi))
-    return k.build()
+    load = lambda base, i: x.load(base + i, 4)  # noqa: E731
+    return _normed_pairs(k, dtype, subgroup_size, gain, x16, load, load)
 
 
 @cache
@@ -167,22 +155,34 @@ def reduce_norm_x16(dtype, world, subgroup_size=SUBGROUP):
     parts = [k.buffer(f"part{j}", F32) for j in range(world)]
     residual, out = k.buffer("residual", F32), k.buffer("out", F32, "rw")
     gain, x16 = k.buffer("norm", F32), k.buffer("x16", U32, "w")
-    cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
-    scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
-    base, first = k.block_id() * cols, k.thread_id() * 4
-    square = k.var(F32, 0.0)
-    with k.for_(first, cols, WORKGROUP * 4) as i:
+
+    def reduce(base, i):
         total = parts[0].load(base + i, 4)
         for part in parts[1:]:
             total = [a + b for a, b in zip(total, part.load(base + i, 4))]
         total = [a + b for a, b in zip(residual.load(base + i, 4), total)]
         out.store(base + i, *total)
-        for v in total:
+        return total
+
+    return _normed_pairs(k, dtype, subgroup_size, gain, x16, reduce,     # then what it stored
+                         lambda base, i: out.load(base + i, 4))
+
+
+def _normed_pairs(k, dtype, subgroup_size, gain, x16, first_read, second_read):
+    """The rest of norm_x16 and reduce_norm_x16 after their buffers: a token's row read 4
+    values at a time by `first_read` to sum its squares, by `second_read` to norm it."""
+    operand, pairs = mma_operand(dtype), quant_pairs(dtype)
+    cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
+    scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
+    base, first = k.block_id() * cols, k.thread_id() * 4
+    square = k.var(F32, 0.0)
+    with k.for_(first, cols, WORKGROUP * 4) as i:
+        for v in first_read(base, i):
             square.set(k.fma(v, v, square.get()))
     total = block_reduce(k, square.get(), subgroup_size, scratch)
     scale = k.rsqrt(total / cols.to(F32) + eps)
-    with k.for_(first, cols, WORKGROUP * 4) as i:      # what this thread stored above
-        a, b, c, d = [v * scale * w for v, w in zip(out.load(base + i, 4), gain.load(i, 4))]
+    with k.for_(first, cols, WORKGROUP * 4) as i:
+        a, b, c, d = [v * scale * w for v, w in zip(second_read(base, i), gain.load(i, 4))]
         lo, hi = ((a, c), (b, d)) if pairs else ((a, b), (c, d))
         x16.store((base + i) >> 1, _pack(k, operand, *lo), _pack(k, operand, *hi))
     return k.build()
@@ -225,7 +225,7 @@ def _load(buffer, index, n):
 def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, split=1,
             unroll=1, pipeline=False, chains=1, x16=False, token_tiles=1):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split, token_tiles). Buffers and
-    scalars as matmul.matvec's of the same variant but norm: a norm comes before, from
+    scalars as matvec.matvec's of the same variant but norm: a norm comes before, from
     norm_x16, and `x16` reads its words (u32 [T, cols / 2]: x normed, rounded and paired as the
     B operand takes it) for x. `tiles`: 16-row tiles a subgroup computes; `split`: subgroups
     sharing a tile's columns; `unroll`: 128-column groups a round; `pipeline`: the next round's

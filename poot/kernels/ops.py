@@ -250,8 +250,6 @@ def _neox_dim(k, x, base, i, n_pairs, angle, inv_freq):
 
 KEYS_PER_ROUND = 4      # keys a subgroup scores per round of the attention loop (loads in flight)
 MAX_SHARED_HEADS = 8    # query heads one attention workgroup takes for their shared KV head
-
-
 SHARED_SUMS_BYTES = 16384  # the subgroups' sums of a workgroup's heads: Vulkan's least limit
 
 

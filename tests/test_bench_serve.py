@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from poot.backends.select import open_device
-from poot.errors import BackendUnavailable
+from tests.conftest import open_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ("cache", "mode", "clients", "stream", "requests", "decode", "all", "ttft50", "ttft90",
@@ -88,10 +87,7 @@ def test_bench_serve_on_the_reference_backend(tmp_path):
 
 @pytest.mark.parametrize("backend", ["vulkan", "wgpu"])
 def test_bench_serve_on_the_vulkan_device(tmp_path, backend):
-    try:
-        open_device(backend)
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
+    open_or_skip(backend)
     rows, out = bench_serve(tmp_path, "--backend", backend, "--clients", "1,2", "--no-warmup",
                             "--memory-limit", "1GiB", "--prefill-chunk", "128")
     assert sorted(rows) == [("on", "plain", 1, "yes"), ("on", "plain", 2, "yes")], out

@@ -1,5 +1,6 @@
 """The device runner against the reference runner: same step graph, same batches, on every
 device backend that opens here (skips with the reason elsewhere)."""
+import contextlib
 import math
 from collections import Counter
 
@@ -334,12 +335,10 @@ def test_every_backend_refuses_a_launch_of_an_empty_grid(device):
         device.free(b)
 
 
-def test_a_step_that_samples_no_row_launches_nothing_empty(tmp_path, device):
-    """A prompt's chunk before its last samples no row: such a step computes no logits (no
-    gather, head or argmax) and every launch it makes has work, as every backend refuses an
-    empty grid (backends.workgroups)."""
-    model = poot.load(tiny_model(tmp_path, dtype="F16"))
-    runner = model.runner(device, num_blocks=16, max_tokens=32)
+@contextlib.contextmanager
+def launches_recorded(device):
+    """The names of the kernels the device launches meanwhile, in order (it launches them as
+    ever)."""
     launched, launch = [], device.launch
 
     def recorded(program, kernel, grid, args):
@@ -347,11 +346,21 @@ def test_a_step_that_samples_no_row_launches_nothing_empty(tmp_path, device):
         return launch(program, kernel, grid, args)
     device.launch = recorded
     try:
+        yield launched
+    finally:
+        del device.launch
+
+
+def test_a_step_that_samples_no_row_launches_nothing_empty(tmp_path, device):
+    """A prompt's chunk before its last samples no row: such a step computes no logits (no
+    gather, head or argmax) and every launch it makes has work, as every backend refuses an
+    empty grid (backends.workgroups)."""
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    runner = model.runner(device, num_blocks=16, max_tokens=32)
+    with launches_recorded(device) as launched:
         s = step(list(range(3, 23)), 0, list(range(16)))
         out = runner.step(StepBatch(s.tokens, s.positions, s.seq_rows, s.block_tables,
                                     np.zeros(0, np.int32), SamplingRows.greedy(0)))
-    finally:
-        del device.launch
     assert out.tokens.shape == (0,) and launched
     assert not any("argmax" in name or "gather" in name for name in launched), launched
 
@@ -414,21 +423,13 @@ def test_penalties_biases_and_min_tokens_give_the_reference_engines_tokens(tmp_p
     assert want[1][5:] == [eos] and eos not in want[1][:5] and 18 not in want[2]
     runner = model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4)
     engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32)
-    launched, launch = [], device.launch
-
-    def recorded(program, kernel, grid, args):
-        launched.append(kernel.name)
-        return launch(program, kernel, grid, args)
-    device.launch = recorded
-    try:
+    with launches_recorded(device) as launched:
         plain = engine.submit(prompts[3], params[3])
         engine.run_until_idle()
         assert "logit_edits" not in launched        # steps without edits launch nothing more
         assert [t for o in plain for t in o.token_ids] == want[3]
         handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
         engine.run_until_idle()
-    finally:
-        del device.launch
     assert [[t for o in h for t in o.token_ids] for h in handles] == want
     assert "logit_edits" in launched
     if "capture" in device.features:      # a bucket's decode steps recorded with and without

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from poot.backends.select import open_device
-from poot.errors import BackendUnavailable
+from tests.conftest import open_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,10 +23,7 @@ def serve_check(tmp_path, *flags):
 
 @pytest.mark.parametrize("backend", ["vulkan", "wgpu"])
 def test_serve_check_holds_on_the_vulkan_device(tmp_path, backend):
-    try:
-        open_device(backend)
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
+    open_or_skip(backend)
     out = serve_check(tmp_path, "--backend", backend, "--memory-limit", "1GiB",
                       "--prefill-chunk", "128")
     assert "| long | 1 | 1 | 0 | 0 | 384 |" in out and "3 chunks of 128" in out

@@ -199,7 +199,8 @@ class StepRunner:
 
     def _edit_state(self):
         """(whether the uploaded step edits logits on the device, the rows it leaves to the
-        host to edit) of the runner that computes the logits."""
+        host to edit) of the runner that computes the logits (DeviceRunner's; a group asks its
+        head's)."""
         raise NotImplementedError
 
 

@@ -103,7 +103,7 @@ class ToolFormat:
 
     def read(self, s, final):
         """(calls read from the beginning of s, how much of s they took); incomplete ones only
-        where `final`."""
+        where `final` (each format's own reader: the subclasses)."""
         raise NotImplementedError
 
     def new_id(self):
@@ -126,9 +126,13 @@ class ToolFormat:
         return Grammar(dict(rules, **{"tool calls": root}), "tool calls", frozenset(called))
 
     def call(self, name, arguments, tokenizer):
+        """The Expr of one call of tool `name` whose arguments are `arguments` (each format
+        spells it its own way: the subclasses)."""
         raise NotImplementedError
 
     def calls(self, call, parallel, tokenizer):
+        """The Expr of a reply of one `call`, or of several where `parallel` (each format's
+        own: the subclasses)."""
         raise NotImplementedError
 
 

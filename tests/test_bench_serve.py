@@ -101,7 +101,8 @@ def test_bench_serve_with_constrained_clients(tmp_path):
     """Constrained clients' answers follow the bench schema for --max-tokens tokens each, and
     their streams' rates stand beside the free streams' and the round with none constrained."""
     rows, out = bench_serve(tmp_path, "--backend", "reference", "--clients", "1,2",
-                            "--constrained", "0,1,2", "--no-warmup", "--no-engine")
+                            "--constrained", "0,1,2", "--no-warmup", "--no-engine",
+                            "--schema", "text")
     assert sorted(rows) == [("on", "plain", 1, "yes"), ("on", "plain", 1, "yes", 1),
                             ("on", "plain", 2, "yes"), ("on", "plain", 2, "yes", 1),
                             ("on", "plain", 2, "yes", 2)], out

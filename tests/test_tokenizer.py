@@ -21,8 +21,8 @@ from poot.text.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED
 hf = pytest.importorskip("tokenizers")
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-DATA = pathlib.Path(__file__).parent / "data/tokenizer"
-STRESS = json.loads((DATA / "stress.json").read_text(encoding="utf-8"))
+from tests.published_tokenizers import DATA, NFC, PUBLISHED, STRESS  # noqa: E402
+
 ENGLISH = (DATA / "english.txt").read_text(encoding="utf-8")
 SMOLLM2 = pathlib.Path(os.path.expanduser("~/.cache/poot/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>\n"
@@ -150,11 +150,6 @@ def test_smollm2_throughput(smollm2):
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [ENGLISH] + STRESS
-PATTERN_PRE = {
-    "gpt2": pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                       pre_tokenizers.ByteLevel(add_prefix_space=False)]),
-}
 
 
 def _split_then_bytes(name):
@@ -165,15 +160,13 @@ def _split_then_bytes(name):
 
 
 def train_byte_level(gguf_pre):
-    """A small byte-level BPE tokenizer.json, trained with the pre-tokenizer named `gguf_pre`."""
+    """A small byte-level BPE tokenizer.json, trained with the pre-tokenizer (and normalizer)
+    that the model named `gguf_pre` declares."""
+    normalizer, pre_tokenizer = PUBLISHED[gguf_pre]
     oracle = hf.Tokenizer(models.BPE())
-    if gguf_pre in PATTERN_PRE:
-        oracle.pre_tokenizer = PATTERN_PRE[gguf_pre]
-    else:
-        pattern = {"llama-bpe": "llama3", "qwen2": "qwen2"}[gguf_pre]
-        oracle.pre_tokenizer = _split_then_bytes(pattern)
-    if gguf_pre == "qwen2":
-        oracle.normalizer = hf.normalizers.NFC()
+    oracle.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        oracle.normalizer = normalizer
     oracle.decoder = decoders.ByteLevel()
     oracle.train_from_iterator(CORPUS, trainers.BpeTrainer(
         vocab_size=900, special_tokens=SPECIALS, show_progress=False,
@@ -199,7 +192,7 @@ def gguf_metadata(tokenizer_json, model, pre=None, **extra):
     return metadata
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama-bpe", "qwen2", "smollm"])
+@pytest.fixture(scope="module", params=sorted(PUBLISHED))
 def trained(request):
     tokenizer_json = train_byte_level(request.param)
     return request.param, tokenizer_json, hf.Tokenizer.from_str(json.dumps(tokenizer_json))
@@ -209,16 +202,16 @@ def test_trained_byte_level_from_hf(trained):
     name, tokenizer_json, oracle = trained
     tok = Tokenizer.from_hf(tokenizer_json)
     normalized = [unicodedata.normalize("NFC", t) for t in TEXTS]
-    check_against(tok, oracle, exact_text=name != "qwen2")
+    check_against(tok, oracle, exact_text=name not in NFC)
     check_against(tok, oracle, [t + "\u0301" for t in STRESS[:60]] + normalized[:40],
-                  exact_text=name != "qwen2")
+                  exact_text=name not in NFC)
 
 
 def test_trained_byte_level_from_gguf(trained):
     name, tokenizer_json, oracle = trained
     tok = Tokenizer.from_gguf(gguf_metadata(tokenizer_json, "gpt2", name, eos_token_id=0,
                                             bos_token_id=0))
-    check_against(tok, oracle, exact_text=name != "qwen2")
+    check_against(tok, oracle, exact_text=name not in NFC)
     bos = [0] if name == "llama-bpe" else []       # Llama 3's converter default adds BOS
     assert tok.encode("hi") == bos + tok.encode("hi", add_special=False)
 
@@ -454,8 +447,8 @@ def test_ids_outside_the_vocabulary_decode_to_nothing(smollm2):
 def test_unsupported_tokenizers_are_refused():
     with pytest.raises(TokenizerUnsupported, match="bert"):
         Tokenizer.from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
-    with pytest.raises(TokenizerUnsupported, match="pre-tokenizer 'falcon'") as refused:
-        Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "falcon",
+    with pytest.raises(TokenizerUnsupported, match="pre-tokenizer 'bloom'") as refused:
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "bloom",
                              "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []})
     assert refused.value.exit_status == 7
     with pytest.raises(TokenizerUnsupported, match="WordPiece"):

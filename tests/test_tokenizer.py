@@ -16,6 +16,8 @@ import pytest
 from poot.errors import ModelFileError
 from poot.text import Tokenizer, TokenizerUnsupported
 from poot.text.bpe import BYTE_CHARS, merge
+from poot.text.pretokenize import PATTERNS
+from poot.text.tokenizer import _BYTE_TOKEN as BYTE_TOKEN
 from poot.text.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED
 
 hf = pytest.importorskip("tokenizers")
@@ -153,7 +155,6 @@ CORPUS = [ENGLISH] + STRESS
 
 
 def _split_then_bytes(name):
-    from poot.text.pretokenize import PATTERNS
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PATTERNS[name]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -232,6 +233,77 @@ def test_llama3_ignore_merges_takes_whole_words():
         check_against(tok, oracle, STRESS[:100])
     metadata = gguf_metadata(tokenizer_json, "gpt2", "llama-bpe")
     assert Tokenizer.from_gguf(metadata).encode("abc", add_special=False) == [258]
+
+
+# -- Gemma 4: SentencePiece-style pieces merged by rank ----------------------------------------
+
+def gemma4_tokenizer_json(whole_newlines):
+    """A small tokenizer.json of Gemma 4's kind, trained here: spaces spelled '▁', the text cut
+    into lines and runs of newlines, BPE by merge rank over characters, and the 256 `<0xXX>`
+    tokens for the characters the trained vocabulary lacks. `whole_newlines` is llama.cpp's
+    reading of a Gemma 4 GGUF (a run of newlines that is a token is taken whole), which
+    `tokenizers` expresses only as ignore_merges."""
+    oracle = hf.Tokenizer(models.BPE(byte_fallback=True))
+    oracle.normalizer = hf.normalizers.Replace(" ", "▁")
+    oracle.pre_tokenizer = pre_tokenizers.Split(Regex(PATTERNS["lines"]), behavior="isolated")
+    oracle.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=900, special_tokens=["<pad>", "<bos>", "<eos>", *SPECIALS],
+        limit_alphabet=150, show_progress=False))
+    tokenizer_json = json.loads(oracle.to_str())
+    vocab = tokenizer_json["model"]["vocab"]
+    for b in range(256):                      # the stress strings teach it a few already
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    tokenizer_json["model"]["ignore_merges"] = whole_newlines
+    tokenizer_json["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    return tokenizer_json
+
+
+def gemma4_metadata(tokenizer_json):
+    metadata = gguf_metadata(tokenizer_json, "gemma4", bos_token_id=1, eos_token_id=2)
+    metadata["tokenizer.ggml.token_type"] = [
+        BYTE if BYTE_TOKEN.fullmatch(t) else kind
+        for t, kind in zip(metadata["tokenizer.ggml.tokens"],
+                           metadata["tokenizer.ggml.token_type"])]
+    metadata["tokenizer.ggml.merges"] = [" ".join(m) if isinstance(m, list) else m
+                                         for m in tokenizer_json["model"]["merges"]]
+    return metadata
+
+
+def test_gemma4_gguf_matches_hf():
+    tokenizer_json = gemma4_tokenizer_json(whole_newlines=False)
+    oracle = hf.Tokenizer.from_str(json.dumps(tokenizer_json))
+    tok = Tokenizer.from_gguf(gemma4_metadata(tokenizer_json))
+    unseen = "ꙮ 𝄞 ☃ 我想在apple工作"
+    check_against(tok, oracle, TEXTS + [unseen], exact_text=False)
+    for text in TEXTS + [unseen]:      # every character has a token or its bytes' tokens
+        ids = tok.encode(text, add_special=False, parse_special=False)
+        if "<0x" not in text:           # the text "<0x41>" is the byte token for "A"
+            assert tok.decode(ids) == text.replace("▁", " "), repr(text)
+    assert any(tok.token_types[i] == BYTE for i in tok.encode(unseen))
+    assert tok.encode("Hi there") == [1] + hf_ids(oracle, "Hi there")   # BOS, always
+
+
+def test_gemma4_takes_a_run_of_newlines_whole():
+    # The merges build "\n\n" but never "\n\n\n"; the vocabulary holds both whole.
+    tokens = ["<pad>", "<bos>", "<eos>", "\n", "\n\n", "\n\n\n", "a", "▁", "▁a",
+              *(f"<0x{b:02X}>" for b in range(256))]
+    tokenizer_json = json.loads(hf.Tokenizer(models.BPE(byte_fallback=True)).to_str())
+    tokenizer_json["model"].update(vocab={t: i for i, t in enumerate(tokens)},
+                                   merges=[["\n", "\n"], ["▁", "a"]], ignore_merges=True)
+    tokenizer_json["normalizer"] = {"type": "Replace", "pattern": {"String": " "},
+                                    "content": "▁"}
+    tokenizer_json["pre_tokenizer"] = json.loads(
+        pre_tokenizers.Split(Regex(PATTERNS["lines"]), behavior="isolated").__getstate__())
+    tokenizer_json["added_tokens"] = [
+        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i in range(3)]
+    oracle = hf.Tokenizer.from_str(json.dumps(tokenizer_json))
+    tok = Tokenizer.from_gguf(gemma4_metadata(tokenizer_json))
+    assert tok.encode("a\n\n\na a", add_special=False) == [6, 5, 6, 8]
+    for text in ["\n\n\n\n", "a\n\n\n", "\n\n\n\n\n\n a", " a\n\na\n", "aa aaa"]:
+        assert tok.encode(text, add_special=False) == hf_ids(oracle, text), repr(text)
 
 
 # -- added tokens, BOS/EOS rules -----------------------------------------------------------

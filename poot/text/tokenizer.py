@@ -89,8 +89,9 @@ class Tokenizer:
         bos, eos, unk, pad = (get(k + "_token_id") for k in ("bos", "eos", "unknown", "padding"))
         if kind == "gemma4" or (kind == "gpt2" and pre_name == "gemma4"):
             # SentencePiece-style pieces merged by rank, the text cut only into lines and runs
-            # of newlines; BOS always, as llama.cpp reads these files.
-            vocab = _vocab(tokens, types, (NORMAL, USER_DEFINED))
+            # of newlines; BOS always, as llama.cpp reads these files. A merged piece is looked
+            # up among all the tokens, control ones too, as tokenizer.json's BPE looks it up.
+            vocab = _vocab(tokens, types, set(types))
             model = SentencePieceBPE(vocab, merges=parse_merges(need("merges")),
                                      byte_ids=_byte_ids(tokens, types), unk_id=unk,
                                      whole_newlines=True)

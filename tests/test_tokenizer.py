@@ -7,13 +7,17 @@ import io
 import json
 import os
 import pathlib
+import subprocess
+import sys
 import time
 import unicodedata
 from types import SimpleNamespace
 
 import pytest
 
+import poot
 from poot.errors import ModelFileError
+from poot.formats.gguf import write_gguf
 from poot.text import Tokenizer, TokenizerUnsupported
 from poot.text.bpe import BYTE_CHARS, merge
 from poot.text.pretokenize import PATTERNS
@@ -304,6 +308,36 @@ def test_gemma4_takes_a_run_of_newlines_whole():
     assert tok.encode("a\n\n\na a", add_special=False) == [6, 5, 6, 8]
     for text in ["\n\n\n\n", "a\n\n\n", "\n\n\n\n\n\n a", " a\n\na\n", "aa aaa"]:
         assert tok.encode(text, add_special=False) == hf_ids(oracle, text), repr(text)
+
+
+# -- vocabulary-only GGUF files, as llama.cpp's ggml-vocab-*.gguf ------------------------------
+
+ARCHITECTURE = {"falcon": "falcon", "mpt": "mpt", "refact": "refact", "command-r": "command-r",
+                "deepseek-llm": "llama", "deepseek-coder": "llama", "qwen35": "qwen35"}
+
+
+def test_vocabulary_only_gguf_loads_its_tokenizer(trained, tmp_path):
+    """A file of tokenizer metadata and no tensors, of an architecture poot may not run, is
+    read by poot.load(weights=False) (what `poot tokenize` uses) with its pre-tokenizer."""
+    name, tokenizer_json, oracle = trained
+    path = tmp_path / f"ggml-vocab-{name}.gguf"
+    metadata = gguf_metadata(tokenizer_json, "gpt2", name, eos_token_id=0, bos_token_id=0)
+    write_gguf(path, {"general.architecture": ARCHITECTURE.get(name, "llama"), **metadata}, [])
+    tok = poot.load(path, weights=False).tokenizer
+    check_against(tok, oracle, STRESS, parse_special=(True,), exact_text=name not in NFC)
+
+
+def test_poot_tokenize_reads_a_gemma4_vocabulary(tmp_path):
+    tokenizer_json = gemma4_tokenizer_json(whole_newlines=False)
+    oracle = hf.Tokenizer.from_str(json.dumps(tokenizer_json))
+    path = tmp_path / "ggml-vocab-gemma4.gguf"
+    write_gguf(path, {"general.architecture": "gemma4", **gemma4_metadata(tokenizer_json)}, [])
+    text = "Hello, y'all!\n\n\tHow are you 😁 ?我想在apple工作1314151天～"
+    result = subprocess.run([sys.executable, "-m", "poot", "tokenize", "--model", str(path), text],
+                            cwd=pathlib.Path(__file__).parent.parent, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [1] + hf_ids(oracle, text)
 
 
 # -- added tokens, BOS/EOS rules -----------------------------------------------------------

@@ -340,6 +340,38 @@ def test_poot_tokenize_reads_a_gemma4_vocabulary(tmp_path):
     assert json.loads(result.stdout) == [1] + hf_ids(oracle, text)
 
 
+LLAMA_CPP_VOCABS = os.environ.get("POOT_LLAMA_CPP_VOCABS")    # llama.cpp's models/ folder
+
+
+def _llama_cpp_vocabs():
+    folder = pathlib.Path(LLAMA_CPP_VOCABS or "/nonexistent")
+    return sorted(p for p in folder.glob("ggml-vocab-*.gguf")
+                  if p.with_suffix(".gguf.inp").exists() and p.with_suffix(".gguf.out").exists())
+
+
+@pytest.mark.skipif(not _llama_cpp_vocabs(), reason="POOT_LLAMA_CPP_VOCABS names no folder of "
+                    "llama.cpp's ggml-vocab-*.gguf files with their .inp/.out test vectors")
+def test_llama_cpp_test_vocabularies():
+    """llama.cpp's test vocabularies, where a checkout's models/ folder is at hand: each .out
+    line holds the ids Hugging Face's tokenizer gave its .inp text (no BOS/EOS). Vocabularies of
+    a tokenizer model poot does not read (WordPiece, Unigram) are refused by name."""
+    checked = []
+    for path in _llama_cpp_vocabs():
+        try:
+            tok = poot.load(path, weights=False).tokenizer
+        except TokenizerUnsupported as e:
+            assert e.what in ("model", "pre-tokenizer"), e
+            continue
+        inputs = path.with_suffix(".gguf.inp").read_text(encoding="utf-8")
+        texts = inputs.split("\n__ggml_vocab_test__\n")[:-1]
+        expected = path.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
+        for text, line in zip(texts, expected):
+            ids = [int(i) for i in line.split()]
+            assert tok.encode(text, add_special=False) == ids, (path.name, text)
+        checked.append(path.name)
+    assert checked
+
+
 # -- added tokens, BOS/EOS rules -----------------------------------------------------------
 
 def with_added(tokenizer_json, added, post_processor=None):

@@ -81,6 +81,7 @@ def test_gguf_names():
     assert from_gguf_pre("qwen2").normal_form == "NFC"
     assert from_gguf_pre("qwen2").words("e\u0301!") == [byte_level_text("\u00e9".encode()), "!"]
     assert from_gguf_pre("default").words("I'm  here") == ["I", "'m", "Ġ", "Ġhere"]
+    assert from_gguf_pre("gemma4").words("a b\n\nc ") == ["a▁b", "\n\n", "c▁"]
     with pytest.raises(TokenizerUnsupported, match="bloom") as refused:
         from_gguf_pre("bloom")
     assert refused.value.exit_status == 7

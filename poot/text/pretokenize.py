@@ -3,9 +3,10 @@
 A pre-tokenizer is the pipeline a model's `tokenizer.json` describes: a Unicode normalization,
 then steps that each cut every piece so far: split at the matches of a published regex (keeping
 the matches and the text between them, as `Split(behavior="Isolated")` does), split off digits,
-and the byte-level step that spells every byte as GPT-2's printable character. Steps after the
-byte-level one see that spelling, as they do in Hugging Face `tokenizers` (Falcon splits digits
-there). The words come out in the vocabulary's alphabet, ready for BPE.
+and the byte-level step that spells every byte as GPT-2's printable character (or, for Gemma 4's
+SentencePiece-style pieces, the step that spells a space '▁'). Steps after the byte-level one see
+that spelling, as they do in Hugging Face `tokenizers` (Falcon splits digits there). The words
+come out in the vocabulary's alphabet, ready for BPE.
 
 Each published pattern is translated once into a stdlib `re` pattern: `\\p{L}`, `\\p{N}`,
 `\\p{M}`, `\\p{P}` and `\\s` become explicit character classes built from `unicodedata`
@@ -234,9 +235,6 @@ def byte_level(*steps, normal_form=None):
 
 
 GPT2_REGEX, DIGITS = ("regex", "gpt2"), ("digits", True)
-_DEEPSEEK = (("regex", "newline"), ("regex", "deepseek-letters"),
-             ("regex", "deepseek-punctuation"), ("regex", "trailing-space"), ("regex", "cjk"),
-             DIGITS)
 
 # tokenizer.ggml.pre names -> the pre-tokenizer the model was trained with, as its
 # tokenizer.json defines it. "default" is what the converter writes for GPT-2-style vocabularies
@@ -258,13 +256,18 @@ GGUF_PRE = {
     # MPT's GPT-NeoX vocabulary: GPT-2's split after NFC; its runs of spaces are user-defined
     # tokens, which tokenizer.py matches before any of this.
     "mpt": byte_level(GPT2_REGEX, normal_form="NFC"),
-    "deepseek-llm": byte_level(*_DEEPSEEK),
+    "deepseek-llm": byte_level(("regex", "newline"), ("regex", "deepseek-letters"),
+                               ("regex", "deepseek-punctuation"), ("regex", "trailing-space"),
+                               ("regex", "cjk"), DIGITS),
     "deepseek-coder": byte_level(("regex", "newline"), ("regex", "letters"),
                                  ("regex", "punctuation"), ("regex", "cjk"), DIGITS),
     # Falcon splits digits after the byte-level spelling, so the bytes that spell themselves as
     # numbers (B2 '²', BD '½', ...) split there too, as they do in `tokenizers`.
     "falcon": PreTokenizer([("regex", "punctuation-run"), GPT2_REGEX, ("bytes", None),
                             ("digits", False), ("regex", "digit-triples")]),
+    # Gemma 4 (SentencePiece-style pieces, not byte-level): spaces spelled '▁', the text cut
+    # only into lines and runs of newlines, as llama.cpp reads its GGUF files.
+    "gemma4": PreTokenizer([("spaces", None), ("regex", "lines")]),
 }
 
 

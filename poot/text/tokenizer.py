@@ -12,9 +12,9 @@ import re
 
 from poot.errors import ModelFileError
 from poot.text.bpe import ByteLevelBPE, SentencePieceBPE, byte_level_bytes, parse_merges
-from poot.text.pretokenize import (WHITE_SPACE, PreTokenizer, SentencePieceSpaces,
-                                   TokenizerUnsupported, flatten, from_gguf_pre,
-                                   from_hf_byte_level, from_hf_sentencepiece)
+from poot.text.pretokenize import (WHITE_SPACE, SentencePieceSpaces, TokenizerUnsupported,
+                                   flatten, from_gguf_pre, from_hf_byte_level,
+                                   from_hf_sentencepiece)
 
 # GGUF token types (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -88,14 +88,14 @@ class Tokenizer:
         types = [int(t) for t in get("token_type", [NORMAL] * len(tokens))]
         bos, eos, unk, pad = (get(k + "_token_id") for k in ("bos", "eos", "unknown", "padding"))
         if kind == "gemma4" or (kind == "gpt2" and pre_name == "gemma4"):
-            # SentencePiece-style pieces merged by rank, the text cut only into lines and runs
-            # of newlines; BOS always, as llama.cpp reads these files. A merged piece is looked
-            # up among all the tokens, control ones too, as tokenizer.json's BPE looks it up.
+            # SentencePiece-style pieces merged by rank; BOS always, as llama.cpp reads these
+            # files. A merged piece is looked up among all the tokens, control ones too, as
+            # tokenizer.json's BPE looks it up.
             vocab = _vocab(tokens, types, set(types))
             model = SentencePieceBPE(vocab, merges=parse_merges(need("merges")),
                                      byte_ids=_byte_ids(tokens, types), unk_id=unk,
                                      whole_newlines=True)
-            pre = PreTokenizer([("spaces", None), ("regex", "lines")])
+            pre = from_gguf_pre("gemma4")
             add_bos, space_prefix, byte_level = True, False, False
         elif kind == "gpt2":
             pre = from_gguf_pre(pre_name)

@@ -1,12 +1,14 @@
 """Tokenizer against independent oracles: Hugging Face `tokenizers` on the same vocabulary, merges
-and pre-tokenizer (the default SmolLM2 model, and small BPE models trained here for each
-pre-tokenizer), and `sentencepiece` for SentencePiece BPE. Token ids must be exactly the oracle's,
-decoding must give the oracle's text, and streaming must add up to decoding."""
+and pre-tokenizer (the default SmolLM2 model, small BPE models trained here for each GGUF
+pre-tokenizer name and for Gemma 4's kind of vocabulary, and llama.cpp's own test vocabularies
+where they are at hand), and `sentencepiece` for SentencePiece BPE. Token ids must be exactly the
+oracle's, decoding must give the oracle's text, and streaming must add up to decoding."""
 
 import io
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +23,6 @@ from poot.formats.gguf import write_gguf
 from poot.text import Tokenizer, TokenizerUnsupported
 from poot.text.bpe import BYTE_CHARS, merge
 from poot.text.pretokenize import PATTERNS
-from poot.text.tokenizer import _BYTE_TOKEN as BYTE_TOKEN
 from poot.text.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED
 
 hf = pytest.importorskip("tokenizers")
@@ -241,12 +242,10 @@ def test_llama3_ignore_merges_takes_whole_words():
 
 # -- Gemma 4: SentencePiece-style pieces merged by rank ----------------------------------------
 
-def gemma4_tokenizer_json(whole_newlines):
+def gemma4_tokenizer_json():
     """A small tokenizer.json of Gemma 4's kind, trained here: spaces spelled '▁', the text cut
     into lines and runs of newlines, BPE by merge rank over characters, and the 256 `<0xXX>`
-    tokens for the characters the trained vocabulary lacks. `whole_newlines` is llama.cpp's
-    reading of a Gemma 4 GGUF (a run of newlines that is a token is taken whole), which
-    `tokenizers` expresses only as ignore_merges."""
+    tokens for the characters the trained vocabulary lacks."""
     oracle = hf.Tokenizer(models.BPE(byte_fallback=True))
     oracle.normalizer = hf.normalizers.Replace(" ", "▁")
     oracle.pre_tokenizer = pre_tokenizers.Split(Regex(PATTERNS["lines"]), behavior="isolated")
@@ -257,7 +256,6 @@ def gemma4_tokenizer_json(whole_newlines):
     vocab = tokenizer_json["model"]["vocab"]
     for b in range(256):                      # the stress strings teach it a few already
         vocab.setdefault(f"<0x{b:02X}>", len(vocab))
-    tokenizer_json["model"]["ignore_merges"] = whole_newlines
     tokenizer_json["decoder"] = {"type": "Sequence", "decoders": [
         {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
         {"type": "ByteFallback"}, {"type": "Fuse"}]}
@@ -267,7 +265,7 @@ def gemma4_tokenizer_json(whole_newlines):
 def gemma4_metadata(tokenizer_json):
     metadata = gguf_metadata(tokenizer_json, "gemma4", bos_token_id=1, eos_token_id=2)
     metadata["tokenizer.ggml.token_type"] = [
-        BYTE if BYTE_TOKEN.fullmatch(t) else kind
+        BYTE if re.fullmatch("<0x[0-9A-F]{2}>", t) else kind
         for t, kind in zip(metadata["tokenizer.ggml.tokens"],
                            metadata["tokenizer.ggml.token_type"])]
     metadata["tokenizer.ggml.merges"] = [" ".join(m) if isinstance(m, list) else m
@@ -276,7 +274,7 @@ def gemma4_metadata(tokenizer_json):
 
 
 def test_gemma4_gguf_matches_hf():
-    tokenizer_json = gemma4_tokenizer_json(whole_newlines=False)
+    tokenizer_json = gemma4_tokenizer_json()
     oracle = hf.Tokenizer.from_str(json.dumps(tokenizer_json))
     tok = Tokenizer.from_gguf(gemma4_metadata(tokenizer_json))
     unseen = "ꙮ 𝄞 ☃ 我想在apple工作"
@@ -290,7 +288,9 @@ def test_gemma4_gguf_matches_hf():
 
 
 def test_gemma4_takes_a_run_of_newlines_whole():
-    # The merges build "\n\n" but never "\n\n\n"; the vocabulary holds both whole.
+    # The merges build "\n\n" but never "\n\n\n"; the vocabulary holds both whole. The oracle
+    # takes whole words only with ignore_merges, which says the same here: of the words these
+    # texts make, only runs of newlines are tokens that the merges would not build.
     tokens = ["<pad>", "<bos>", "<eos>", "\n", "\n\n", "\n\n\n", "a", "▁", "▁a",
               *(f"<0x{b:02X}>" for b in range(256))]
     tokenizer_json = json.loads(hf.Tokenizer(models.BPE(byte_fallback=True)).to_str())
@@ -328,7 +328,7 @@ def test_vocabulary_only_gguf_loads_its_tokenizer(trained, tmp_path):
 
 
 def test_poot_tokenize_reads_a_gemma4_vocabulary(tmp_path):
-    tokenizer_json = gemma4_tokenizer_json(whole_newlines=False)
+    tokenizer_json = gemma4_tokenizer_json()
     oracle = hf.Tokenizer.from_str(json.dumps(tokenizer_json))
     path = tmp_path / "ggml-vocab-gemma4.gguf"
     write_gguf(path, {"general.architecture": "gemma4", **gemma4_metadata(tokenizer_json)}, [])

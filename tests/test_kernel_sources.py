@@ -10,7 +10,7 @@ from poot.codegen.ptx import PTX_CAPS, ptx_caps, render_ptx
 from poot.codegen.spirv import render_spirv
 from poot.engine.kernel_choice import TOKEN_GROUPS, matvec_rows, mma_choice
 from poot.ir.graph import ACTIVATIONS
-from poot.kernels import matmul, matvec, mma_vec, ops
+from poot.kernels import choice, matmul, matvec, mma_vec, ops
 from poot.kernels.lang import WGMMA
 from poot.kernels.quant import DEVICE_DTYPES
 
@@ -48,9 +48,9 @@ def runner_kernels(subgroup_size):
             ops.attention_split(subgroup_size, 64), ops.attention_split(subgroup_size, 128),
             ops.attention(subgroup_size, 128, 4), ops.attention_split(subgroup_size, 128, 4),
             ops.attention(subgroup_size, 128, 4, untiled=True),
-            ops.attention_combine(64), ops.attention_combine(128), ops.argmax(subgroup_size),
-            ops.argmax_chunks(subgroup_size), ops.top_candidates(subgroup_size),
-            ops.logit_edits()]
+            ops.attention_combine(64), ops.attention_combine(128), choice.argmax(subgroup_size),
+            choice.argmax_chunks(subgroup_size), choice.top_candidates(subgroup_size),
+            choice.logit_edits()]
     out += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     out += [ops.all_gather(w) for w in (2, 8)]
     return out

@@ -11,7 +11,7 @@ from poot.engine.batch import LogitEdits, SamplingRows
 from poot.engine.sampling import BANNED, edit_logits
 from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
-from poot.kernels import matmul, matvec, mma_vec, ops
+from poot.kernels import choice, matmul, matvec, mma_vec, ops
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
 from tests.conftest import open_or_skip
 
@@ -906,22 +906,22 @@ def test_top_candidates(device):
     """Each chunk's best TOP_KEEP (value, index) pairs, best first, lower index first among
     equal values, and its largest value and sum of exp((value - largest) / temperature): rows
     with ties inside and across chunks, and a short last chunk."""
-    n = 3 * ops.TOP_CHUNK + 777
-    chunks = -(-n // ops.TOP_CHUNK)
+    n = 3 * choice.TOP_CHUNK + 777
+    chunks = -(-n // choice.TOP_CHUNK)
     logits = rng.standard_normal((3, n)).astype(np.float32)
     logits[1, 5:40] = logits[1, 3000:3020] = logits[1].max() + 1     # 55 equal best values
     logits[2, ::97] = np.float32(0.5)                                # equal values everywhere
     temperature = np.array([0.7, 0.0, 1.9], np.float32)      # 0: the sums at 1
-    got = run(device, ops.top_candidates(device.subgroup_size), (3, chunks), logits, temperature,
-              np.zeros((3, chunks, ops.TOP_KEEP), np.float32),
-              np.zeros((3, chunks, ops.TOP_KEEP), np.int32), np.zeros((3, chunks), np.float32),
+    got = run(device, choice.top_candidates(device.subgroup_size), (3, chunks), logits, temperature,
+              np.zeros((3, chunks, choice.TOP_KEEP), np.float32),
+              np.zeros((3, chunks, choice.TOP_KEEP), np.int32), np.zeros((3, chunks), np.float32),
               np.zeros((3, chunks), np.float32), n)
     for r in range(3):
         t = temperature[r] if temperature[r] > 0 else 1.0
         for c in range(chunks):
-            lo = c * ops.TOP_CHUNK
-            part = logits[r, lo:lo + ops.TOP_CHUNK]
-            want = lo + np.argsort(-part, kind="stable")[:ops.TOP_KEEP]
+            lo = c * choice.TOP_CHUNK
+            part = logits[r, lo:lo + choice.TOP_CHUNK]
+            want = lo + np.argsort(-part, kind="stable")[:choice.TOP_KEEP]
             assert got["indices"][r, c].tolist() == want.tolist()
             assert np.array_equal(got["values"][r, c], logits[r, want])
             assert got["maxima"][r, c] == part.max()
@@ -937,10 +937,10 @@ def test_argmax(device, chunks):
     logits[4, 20000] = logits[4, 20001] = logits[4].max() + 1  # across chunks and within one
     n = logits.shape[1]
     sg = device.subgroup_size
-    part = run(device, ops.argmax_chunks(sg), (5, chunks), logits,
+    part = run(device, choice.argmax_chunks(sg), (5, chunks), logits,
                np.full((5, chunks), np.nan, np.float32), np.full((5, chunks), -1, np.int32), n,
                -(-n // chunks))
-    got = run(device, ops.argmax(sg), (5,), part["values"], part["indices"],
+    got = run(device, choice.argmax(sg), (5,), part["values"], part["indices"],
               np.full(5, -1, np.int32), chunks)["token"]
     assert got.tolist() == [int(np.argmax(r)) for r in logits]
 
@@ -973,7 +973,7 @@ def test_logit_edits(device):
     mask_of = np.array([-1, 0, 1, -1, -1], np.int32)
     want = edit_logits(logits, rows)
     for parts in (1, 3):            # a row over one workgroup, over several
-        got = run(device, ops.logit_edits(), (R, parts), logits, rows.edits.row_start,
+        got = run(device, choice.logit_edits(), (R, parts), logits, rows.edits.row_start,
                   rows.edits.tokens, rows.edits.repeat, rows.edits.add, mask_of,
                   rows.masks[rows.masked], n, words)["logits"]
         assert np.array_equal(got == BANNED, want == BANNED)

@@ -21,19 +21,15 @@ import numpy as np
 
 from ..errors import ModelRefused
 from ..formats.quants import slice_raw
-from ..kernels import matmul, mma_vec, ops
+from ..kernels import choice, matmul, mma_vec, ops
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from .kernel_choice import (ARGMAX_CHUNKS, MAX_SPLITS, SPLIT_MIN_CONTEXT, SPLIT_TOKENS,
                             TWO_PHASE_FLOATS, KernelChoice, runs_mma, tiled_norm_x16,
                             tiled_x16_format)
 from .lowering import assign_slots, lower, next_matmul, normed_after, shared_buffers
 from . import placement
+from .device_choice import EDITS_PER_ROW, DeviceChoice
 from .step_runner import StepRunner
-
-# A step's logit edits the device holds (SamplingRows.edits): this many a row, the rows' room
-# pooled, so one row may take several rows' share; a step's rows past it are edited on the host
-EDITS_PER_ROW = 4096
-EDIT_TOKENS = 8192      # a row's tokens one logit_edits workgroup masks
 
 
 @dataclass(frozen=True)
@@ -43,7 +39,7 @@ class Allocation:
     kind: str           # "weights" (and constants), "state" (the KV cache), "arenas" (per step)
 
 
-class DeviceRunner(StepRunner):
+class DeviceRunner(DeviceChoice, StepRunner):
     def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16,
                  part=None, split_tokens=None, check=True, context=None):
         """check=False: a runner only for its allocation list (a plan's candidate, of which the
@@ -122,10 +118,10 @@ class DeviceRunner(StepRunner):
                 for kernel in STEPS[step.kind].kernels(self, steps, i, long):
                     seen.setdefault(kernel.name, kernel)
         if self.has_logits:
-            seen.setdefault("logit_edits", ops.logit_edits())
-            seen.setdefault("argmax_chunks", ops.argmax_chunks(sg))
-            seen.setdefault("argmax", ops.argmax(sg))
-            seen.setdefault("top_candidates", ops.top_candidates(sg))
+            seen.setdefault("logit_edits", choice.logit_edits())
+            seen.setdefault("argmax_chunks", choice.argmax_chunks(sg))
+            seen.setdefault("argmax", choice.argmax(sg))
+            seen.setdefault("top_candidates", choice.top_candidates(sg))
         return list(seen.values())
 
     # -- the plan ------------------------------------------------------------------------------
@@ -182,8 +178,8 @@ class DeviceRunner(StepRunner):
             step += [("argmax", self.max_seqs), ("argmax_values", self.max_seqs * ARGMAX_CHUNKS),
                      ("argmax_indices", self.max_seqs * ARGMAX_CHUNKS)]
             chunks = self.max_seqs * self._candidate_chunks()
-            step += [("top_temperature", self.max_seqs), ("top_values", chunks * ops.TOP_KEEP),
-                     ("top_indices", chunks * ops.TOP_KEEP), ("top_maxima", chunks),
+            step += [("top_temperature", self.max_seqs), ("top_values", chunks * choice.TOP_KEEP),
+                     ("top_indices", chunks * choice.TOP_KEEP), ("top_maxima", chunks),
                      ("top_sums", chunks)]
             edits = self.max_seqs * EDITS_PER_ROW
             step += [("edit_starts", self.max_seqs + 1), ("edit_tokens", edits),
@@ -349,49 +345,6 @@ class DeviceRunner(StepRunner):
             dev.write(self.buffers[name], np.ascontiguousarray(getattr(batch, name), np.int32))
         dev.write(self.buffers["block_tables"], tables)
 
-    def _mask_words(self):
-        return -(-self.vocab_size // 32)
-
-    def _upload_edits(self, rows):
-        """The step's logit edits and masks (SamplingRows.edits and masks) into the edit_
-        buffers, which logit_edits applies after the output head: each row's, in row order,
-        while the room for edits (EDITS_PER_ROW a row, pooled) lasts. A row whose edits do not
-        fit has nothing applied on the device, its mask neither: collect() reads its logits
-        back and edits them on the host (_host_edits)."""
-        self._edited, self._host_edits = False, []
-        if not self.has_logits or (rows.edits is None and rows.masked is None):
-            return
-        R, edits = len(rows.temperature), rows.edits
-        starts = np.zeros(self.max_seqs + 1, np.int32)
-        mask_of = np.full(self.max_seqs, -1, np.int32)
-        parts, masked, room = [], [], self.max_seqs * EDITS_PER_ROW
-        for r in range(R):
-            count = 0 if edits is None else edits.count(r)
-            starts[r + 1] = starts[r]
-            if count > room:
-                self._host_edits.append(r)
-                continue
-            if count:
-                parts.append(edits.row(r))
-                starts[r + 1] += count
-                room -= count
-            if rows.masked is not None and rows.masked[r]:
-                mask_of[r] = len(masked)
-                masked.append(r)
-        starts[R + 1:] = starts[R]
-        dev, B = self.device, self.buffers
-        dev.write(B["edit_starts"], starts)
-        dev.write(B["edit_mask_of"], mask_of)
-        for i, name in enumerate(("edit_tokens", "edit_repeat", "edit_add")):
-            if parts:
-                dev.write(B[name], np.concatenate([part[i] for part in parts]))
-        if masked:
-            words = min(self._mask_words(), rows.masks.shape[1])
-            masks = np.zeros((len(masked), self._mask_words()), np.uint32)
-            masks[:, :words] = rows.masks[masked, :words]    # words past a mask: none allowed
-            dev.write(B["edit_masks"], masks)
-        self._edited = bool(parts or masked)
-
     def _issue(self, T, R):
         """Issues every launch of a step of T tokens and R sampled rows, in graph order."""
         for _ in self.launches(T, R):
@@ -430,30 +383,6 @@ class DeviceRunner(StepRunner):
             if name != "argmax":
                 words = rows * self.table_width if name == "block_tables" else None
                 self.device.write(self.buffers[name], host[:words])
-
-    def _edit(self, R):
-        """The step's logit edits (_upload_edits), in place, before anything reads the logits:
-        launched only in steps that have some (StepRunner.run records those apart)."""
-        if not (self._edited and R):
-            return
-        B = self.buffers
-        parts = -(-self.vocab_size // EDIT_TOKENS)
-        self._launch(ops.logit_edits(), (R, parts), self._buffer(self.graph.outputs["logits"]),
-                     B["edit_starts"], B["edit_tokens"], B["edit_repeat"], B["edit_add"],
-                     B["edit_mask_of"], B["edit_masks"], self.vocab_size, self._mask_words())
-
-    def _greedy(self, R):
-        """The greedy choice of every row, so greedy steps read back tokens, not logits."""
-        if not (self.has_logits and R):
-            return
-        sg, chunks = self.device.subgroup_size, ARGMAX_CHUNKS
-        values, indices = self.buffers["argmax_values"], self.buffers["argmax_indices"]
-        self._launch(ops.argmax_chunks(sg), (R, chunks),
-                     self._buffer(self.graph.outputs["logits"]), values, indices,
-                     self.vocab_size, -(-self.vocab_size // chunks))
-        self._launch(ops.argmax(sg), (R,), values, indices, self.buffers["argmax"], chunks)
-        if self._staged():
-            self.device.download(self._host["argmax"], self.buffers["argmax"], R * 4)
 
     # -- each kind of step: STEPS's issue methods (op, T, R, its index, long) ------------------
     def _embedding(self, op, T, R, i, long):
@@ -772,33 +701,6 @@ class DeviceRunner(StepRunner):
 
     def _replay(self, graph):
         self.device.replay(graph)
-
-    def _has_candidates(self):
-        return self.has_logits
-
-    def _edit_state(self):
-        return self._edited, self._host_edits
-
-    def _candidate_chunks(self):
-        return -(-self.vocab_size // ops.TOP_CHUNK)
-
-    def _candidates(self, R, temperature):
-        """(values, ids [R, chunks, TOP_KEEP], maxima, sums [R, chunks]) of the last step's R
-        rows of logits, from a launch of top_candidates after the step (sums at each row's
-        temperature)."""
-        chunks, B = self._candidate_chunks(), self.buffers
-        self.device.write(B["top_temperature"], np.ascontiguousarray(temperature[:R], np.float32))
-        self._launch(ops.top_candidates(self.device.subgroup_size), (R, chunks),
-                     B[self._output_name()], B["top_temperature"], B["top_values"],
-                     B["top_indices"], B["top_maxima"], B["top_sums"], self.vocab_size)
-        out = []
-        for name, dtype, width in (("top_values", np.float32, ops.TOP_KEEP),
-                                   ("top_indices", np.int32, ops.TOP_KEEP),
-                                   ("top_maxima", np.float32, 1), ("top_sums", np.float32, 1)):
-            raw = self.device.read(B[name], R * chunks * width * 4)
-            array = np.frombuffer(raw, dtype).reshape(R, chunks, width)
-            out.append(array[..., 0] if width == 1 else array)
-        return out
 
     def _read(self, name, nbytes, offset=0):
         """Bytes of a buffer of the runner that computes the logits."""

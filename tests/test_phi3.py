@@ -312,3 +312,58 @@ def test_chat_templates_render_and_end_of_turn_ends_generation(tmp_path, name):
     assert out.finish_reason == "stop" and out.text == ""
     out = llm.generate(ids, max_tokens=8, temperature=0, logit_bias={end: -100})
     assert out.finish_reason == "length" and len(out.token_ids) == 8
+
+
+# On the devices (tests/conftest.py's `device`: each backend that opens here)
+DEVICE_MODELS = {
+    "plain-f16": ("tiny", "F16", {}),
+    # Phi-4-mini's switches on a quantised file: LongRoPE, 3/4 of each head rotated, tied
+    "phi4mini-q8_0": ("tiny-k", "Q8_0", dict(longrope=True, rope_dim=48, tied=True)),
+    "longrope-q4_0": ("tiny-k", "Q4_0", dict(longrope=True)),
+    "window-bf16": ("tiny", "BF16", dict(window=100)),
+}
+
+
+def device_model(folder, key):
+    shape, dtype, options = DEVICE_MODELS[key]
+    return poot.load(write_random_phi3(folder / f"{key}.gguf", shape, dtype=dtype, **options))
+
+
+@pytest.mark.parametrize("key", list(DEVICE_MODELS))
+def test_device_runner_gives_the_reference_tokens(tmp_path, device, key):
+    """Greedy decoding after a prompt: the fused tensors' slices uploaded as their own (or
+    stacked) weights, the scaled rope, the KV cache in f16."""
+    from tests.test_device_runner import greedy
+    model = device_model(tmp_path, key)
+    blocks = -(-model.context_length // 16)      # the window model serves 100 tokens
+    table = list(np.random.default_rng().permutation(32)[:blocks])
+    want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 16, table)
+    got_ids, got = greedy(model.runner(device, num_blocks=32), [5, 80, 9, 41], 16, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+@pytest.mark.parametrize("n", [20, 130])
+def test_device_prefill_matches_reference(tmp_path, device, n):
+    """A long prompt step (matmuls over groups of tokens, or mma_tiled on matrix
+    instructions, reading the fused tensors' row slices)."""
+    from tests.test_device_runner import prefill_of
+    model = device_model(tmp_path, "phi4mini-q8_0")
+    batch = prefill_of(n)
+    want = model.runner(None, num_blocks=32).logits(batch)
+    got = model.runner(device, num_blocks=32, max_tokens=256).logits(batch)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_a_phi3_layer_is_six_launches_like_a_llama_layer(tmp_path, device):
+    """The three slices of attn_qkv stack back into one q/k/v weight, gate and up (the halves
+    of ffn_up) are one matmul with SwiGLU; the rope with LongRoPE's factor is one kernel with
+    store_kv."""
+    model = device_model(tmp_path, "longrope-q4_0")
+    runner = model.runner(device, num_blocks=32)
+    launches = [s.kind for s in runner.steps if s.kind != "reshape"]
+    layer = ["matmul", "rope_store_kv", "attention", "matmul", "matmul", "matmul"]
+    assert launches == ["embedding", *layer * model.config.n_layers, "gather", "matmul"]
+    weights = [a.name for a in runner.allocations() if a.kind == "weights"]
+    assert "blk.0.attn_q.weight+blk.0.attn_k.weight+blk.0.attn_v.weight:quants" in weights
+    assert any(k.name.startswith("rope_store_kv_neox_x") for k in runner._kernels())

@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 import poot
+from poot.backends.ptx import PtxGroup
 from poot.engine import placement
+from poot.engine.group import GroupRunner
+from poot.errors import BackendUnavailable, ModelFileError, NoSuchDevice
 from poot.formats import open_model
 from poot.formats.gguf import write_gguf
 from poot.ir.reference import ReferenceInterpreter, run_group
@@ -22,7 +25,10 @@ from poot.models.random_weights import PHI3_CHAT, PHI3_SPECIALS, byte_level_meta
     write_random_phi3
 from poot.text.chat import ChatTemplate
 from tests import test_llama
+from tests.conftest import open_or_skip
 from tests.test_chat import TEMPLATES
+from tests.test_device_runner import greedy, prefill_of
+from tests.test_group import OneDeviceGroup, same_greedy
 from tests.test_llama import BLOCK, hf_logits, rel_err
 
 torch = pytest.importorskip("torch")
@@ -184,7 +190,7 @@ def test_config_readers_choose_longrope_factors_by_the_context():
     cfg = phi3.config_from_gguf("x", dict(meta, **{"phi3.attention.sliding_window": 1000}),
                                 names)
     assert cfg.context_length == 1000 and cfg.rope_factors_tensor == "rope_factors_short.weight"
-    with pytest.raises(poot.errors.ModelFileError, match="yarn"):
+    with pytest.raises(ModelFileError, match="yarn"):
         phi3.config_from_hf("x", dict(base, max_position_embeddings=64,
                                       rope_scaling={"rope_type": "yarn", "factor": 2.0}))
 
@@ -209,7 +215,7 @@ def test_chunked_prefill_decode_and_batching_match(tmp_path):
     assert rel_err(np.concatenate(got[1]), hf_logits(model, b)) < 1e-4
 
 
-HF_NAMES = {g: h for h, g in [*phi3.HF_NAMES.items()]}
+HF_NAMES = {g: h for h, g in phi3.HF_NAMES.items()}
 
 
 def hf_of_gguf(model):
@@ -321,6 +327,7 @@ DEVICE_MODELS = {
     "phi4mini-q8_0": ("tiny-k", "Q8_0", dict(longrope=True, rope_dim=48, tied=True)),
     "longrope-q4_0": ("tiny-k", "Q4_0", dict(longrope=True)),
     "window-bf16": ("tiny", "BF16", dict(window=100)),
+    "longrope-f16-partial": ("tiny", "F16", dict(longrope=True, rope_dim=12)),
 }
 
 
@@ -333,7 +340,6 @@ def device_model(folder, key):
 def test_device_runner_gives_the_reference_tokens(tmp_path, device, key):
     """Greedy decoding after a prompt: the fused tensors' slices uploaded as their own (or
     stacked) weights, the scaled rope, the KV cache in f16."""
-    from tests.test_device_runner import greedy
     model = device_model(tmp_path, key)
     blocks = -(-model.context_length // 16)      # the window model serves 100 tokens
     table = list(np.random.default_rng().permutation(32)[:blocks])
@@ -347,7 +353,6 @@ def test_device_runner_gives_the_reference_tokens(tmp_path, device, key):
 def test_device_prefill_matches_reference(tmp_path, device, n):
     """A long prompt step (matmuls over groups of tokens, or mma_tiled on matrix
     instructions, reading the fused tensors' row slices)."""
-    from tests.test_device_runner import prefill_of
     model = device_model(tmp_path, "phi4mini-q8_0")
     batch = prefill_of(n)
     want = model.runner(None, num_blocks=32).logits(batch)
@@ -367,3 +372,36 @@ def test_a_phi3_layer_is_six_launches_like_a_llama_layer(tmp_path, device):
     weights = [a.name for a in runner.allocations() if a.kind == "weights"]
     assert "blk.0.attn_q.weight+blk.0.attn_k.weight+blk.0.attn_v.weight:quants" in weights
     assert any(k.name.startswith("rope_store_kv_neox_x") for k in runner._kernels())
+
+
+GROUP_MODELS = ["longrope-f16-partial", "phi4mini-q8_0"]
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+@pytest.mark.parametrize("key", GROUP_MODELS)
+def test_group_parts_on_one_device_equal_the_whole_model(tmp_path, kind, key):
+    """A group's runners (tests/test_group.py's OneDeviceGroup: two ranks on lavapipe): each
+    tensor rank uploads its KV heads' rows of attn_qkv's q, k and v parts and its columns'
+    rows of ffn_up's halves, cut from the file's bytes."""
+    group = OneDeviceGroup(open_or_skip("vulkan"))
+    model = device_model(tmp_path, key)
+    one = model.runner(group.devices[0], num_blocks=32)
+    two = GroupRunner(model, group, kind, 32)
+    two.allocate()
+    two.upload()
+    same_greedy(one, two, 12)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+@pytest.mark.parametrize("key", GROUP_MODELS)
+def test_group_over_two_cuda_devices_equals_one(tmp_path, kind, key):
+    try:
+        group = PtxGroup([0, 1])
+    except (BackendUnavailable, NoSuchDevice) as e:
+        pytest.skip(f"two CUDA devices are needed: {e}")
+    model = device_model(tmp_path, key)
+    one = model.runner(group.devices[0], num_blocks=32)
+    two = GroupRunner(model, group, kind, 32)
+    two.allocate()
+    two.upload()
+    same_greedy(one, two, 24)

@@ -17,11 +17,9 @@ import numpy as np
 from ..engine.placement import Part
 from ..errors import ModelFileError
 from ..ir.graph import Graph
+from . import llama
 from .family import WrongShape, weight_reader
-from .llama import embedding, rope_frequencies
-
-__all__ = ["GGUF_ARCHS", "HF_ARCHS", "END_OF_TURN", "Phi3Config", "config_from_gguf", "config_from_hf",
-           "gguf_name", "forward", "embedding"]
+from .llama import rope_frequencies
 
 GGUF_ARCHS = ("phi3",)
 HF_ARCHS = {"Phi3ForCausalLM": "phi3"}
@@ -270,3 +268,6 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     if part.logits:
         g.output("logits", logits)
     return g
+
+
+embedding = llama.embedding     # a prompt's embedding: the output norm's scale, unit length

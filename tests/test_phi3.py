@@ -8,6 +8,7 @@ transformers' logits. Quantised files with fused tensors give the logits of tran
 their dequantised weights, and a tensor group's shards of the fused tensors sum to the whole.
 """
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from poot.formats.gguf import write_gguf
 from poot.ir.reference import ReferenceInterpreter, run_group
 from poot.models import phi3
 from poot.models.random_weights import PHI3_CHAT, PHI3_SPECIALS, byte_level_metadata, \
-    write_random_phi3
+    byte_level_vocab, write_random_phi3
 from poot.text.chat import ChatTemplate
 from tests import test_llama
 from tests.conftest import open_or_skip
@@ -33,6 +34,7 @@ from tests.test_llama import BLOCK, hf_logits, rel_err
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
 
 VOCAB = 320                     # room for the byte-level tokenizer of the GGUF copies
 
@@ -51,7 +53,21 @@ def hf_model(tmp_path, **extra):
                 p.add_(0.3 * torch.randn_like(p))
     folder = tmp_path / "hf"
     model.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder)
     return model, folder
+
+
+def write_tokenizer(folder):
+    """A byte-level BPE tokenizer.json with Phi-3's special tokens, its EOS <|endoftext|>."""
+    tokens, merges = byte_level_vocab(VOCAB, specials=PHI3_SPECIALS)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(PHI3_SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "add_bos_token": False, "chat_template": PHI3_CHAT}))
 
 
 def longrope(pairs, original, rng, **more):
@@ -74,14 +90,6 @@ class Harness(test_llama.Harness):
         self.tables = {}
 
 
-def from_folder(folder, num_blocks=64):
-    """The Hugging Face folder read as the loader reads it (graph, config)."""
-    f = open_model(folder)
-    names = {phi3.gguf_name(n): n for n in f.tensors if phi3.gguf_name(n)}
-    cfg = phi3.config_from_hf(folder, f.config)
-    shapes = {g: (f.tensors[n].shape, f.tensors[n].dtype) for g, n in names.items()}
-    graph = phi3.forward(cfg, shapes, num_blocks, BLOCK)
-    return Harness(graph, lambda g: f.array(names[g]), num_blocks), cfg
 
 
 def gguf_copy(model, folder, path, dtype="F32"):
@@ -115,7 +123,8 @@ def gguf_copy(model, folder, path, dtype="F32"):
     return path
 
 
-def gguf_harness(path, num_blocks=64):
+def loaded_harness(path, num_blocks=64):
+    """The harness on a file (or folder) as poot.load reads it."""
     model = poot.load(path)
     return Harness(model.step_graph(num_blocks, BLOCK), model.weight_array, num_blocks), model
 
@@ -143,13 +152,15 @@ def test_whole_prompt_matches_transformers_from_both_formats(tmp_path, variant):
     model, folder = hf_model(tmp_path, **extra)
     ids = np.random.default_rng().integers(0, VOCAB, n).tolist()
     want = hf_logits(model, ids)
-    harness, cfg = from_folder(folder)
+    harness, hf_loaded = loaded_harness(folder)
+    cfg = hf_loaded.config
+    assert hf_loaded.tokenizer.eos_ids == {0, PHI3_SPECIALS.index("<|end|>")}
     assert rel_err(harness.run([(0, 0, ids)]), want) < 1e-4
     rope = extra.get("rope_scaling")
     if rope:                                # the factors transformers took for this prompt
         assert cfg.rope_factors == tuple(rope["long_factor" if n > rope[
             "original_max_position_embeddings"] else "short_factor"])
-    harness, loaded = gguf_harness(gguf_copy(model, folder, tmp_path / "m.gguf"))
+    harness, loaded = loaded_harness(gguf_copy(model, folder, tmp_path / "m.gguf"))
     assert rel_err(harness.run([(0, 0, ids)]), want) < 1e-4
     gguf, hf = dataclasses.asdict(loaded.config), dataclasses.asdict(cfg)
     for name, value in hf.items():          # GGUF holds f32; its factors are a tensor
@@ -200,7 +211,7 @@ def test_chunked_prefill_decode_and_batching_match(tmp_path):
     tensors): prefill in uneven chunks, then decode together."""
     rng = np.random.default_rng()
     model, folder = hf_model(tmp_path, partial_rotary_factor=0.75, **longrope(6, 16, rng))
-    harness, _ = gguf_harness(gguf_copy(model, folder, tmp_path / "m.gguf"))
+    harness, _ = loaded_harness(gguf_copy(model, folder, tmp_path / "m.gguf"))
     a, b = rng.integers(0, VOCAB, 23).tolist(), rng.integers(0, VOCAB, 21).tolist()
     got = {0: [], 1: []}
     got[0].append(harness.run([(0, 0, a[:9])]))
@@ -253,7 +264,7 @@ def test_quantised_fused_tensors_match_transformers_on_their_dequantised_weights
                                                                               dtype):
     path = write_random_phi3(tmp_path / "q.gguf", "tiny-k", dtype=dtype, longrope=True,
                              rope_dim=48, tied=True, seed=int(np.random.default_rng().integers(99)))
-    harness, model = gguf_harness(path)
+    harness, model = loaded_harness(path)
     assert model.file.tensors["blk.0.attn_qkv.weight"].dtype == dtype
     ids = np.random.default_rng().integers(0, VOCAB, 80).tolist()   # past the original 64
     assert rel_err(harness.run([(0, 0, ids)]), hf_logits(hf_of_gguf(model), ids)) < 1e-4

@@ -70,9 +70,16 @@ class LoadedModel:
                 if gguf_name:
                     self._file_names[gguf_name] = file_name
             self.config = self.family.config_from_hf(self.path, self.file.config)
-        self.freq_factors = (self.file.array("rope_freqs.weight")
-                             if "rope_freqs.weight" in self._file_names else None)
+        # the rope's per-pair frequency divisors, where the file holds them as a tensor:
+        # Llama 3.1's rope_freqs, or the one of LongRoPE's pair its family's config chose
+        factors = getattr(self.config, "rope_factors_tensor", None) or "rope_freqs.weight"
+        self.freq_factors = (self.file.array(self._file_names[factors])
+                             if factors in self._file_names else None)
         self.context_length = self.config.context_length
+        # the token that ends a turn of the family's chat format ends generation (a family's
+        # optional END_OF_TURN), as llama.cpp ends generation on such tokens by their text
+        ends = {self.tokenizer.token_to_id(t) for t in getattr(self.family, "END_OF_TURN", ())}
+        self.tokenizer.eos_ids = self.tokenizer.eos_ids | (ends - {None})
         self.step_graph(num_blocks=1, block_size=1)
 
     def _token_text(self, token):

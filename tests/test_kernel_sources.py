@@ -44,6 +44,7 @@ def runner_kernels(subgroup_size):
     out += [ops.rms_norm(subgroup_size), ops.elementwise("add"), *(ops.elementwise("glu", a) for a in ACTIVATIONS),
             ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
             ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
+            ops.rope("neox", 1.19), ops.rope_store_kv("neox", 1.19),     # LongRoPE's factor
             ops.attention(subgroup_size, 64), ops.attention(subgroup_size, 128),
             ops.attention_split(subgroup_size, 64), ops.attention_split(subgroup_size, 128),
             ops.attention(subgroup_size, 128, 4), ops.attention_split(subgroup_size, 128, 4),

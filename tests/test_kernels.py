@@ -690,14 +690,15 @@ def test_all_reduce(device, residual):
 
 
 @pytest.mark.parametrize("style", ["normal", "neox"])
-def test_rope(device, style):
+@pytest.mark.parametrize("scale", [1.0, 1.19])             # LongRoPE's attention factor
+def test_rope(device, style, scale):
     T, H, D, pairs = 6, 4, 64, 24                      # partial rotary: 48 of 64 dims
     x = rng.standard_normal((T, H, D)).astype(np.float32)
     positions = rng.integers(0, 100000, T).astype(np.int32)
     inv_freq = (1.0 / 10000 ** (np.arange(pairs) / pairs)).astype(np.float32)
-    got = run(device, ops.rope(style), (-(-T * H * pairs // ops.WG),), x.copy(), positions,
-              inv_freq, T, H, D, pairs)["x"]
-    assert rel_err(got, ref.rope(x, positions, inv_freq, style)) < 1e-5
+    got = run(device, ops.rope(style, scale), (-(-T * H * pairs // ops.WG),), x.copy(),
+              positions, inv_freq, T, H, D, pairs)["x"]
+    assert rel_err(got, ref.rope(x, positions, inv_freq, style, scale)) < 1e-5
 
 
 def paged_case(n_kv, head_dim, lengths, block_size=16, num_blocks=64):
@@ -731,20 +732,20 @@ def test_store_kv(device):
 
 
 @pytest.mark.parametrize("style", ["normal", "neox"])
-@pytest.mark.parametrize("pairs", [32, 24])                # full and partial rotary
-def test_rope_store_kv(device, style, pairs):
+@pytest.mark.parametrize("pairs,scale", [(32, 1.0), (24, 1.0), (24, 1.19)])  # partial rotary,
+def test_rope_store_kv(device, style, pairs, scale):                       # LongRoPE's factor
     H, n_kv, D, bs, nb = 6, 2, 64, 16, 64
     tables, positions, seq_rows, k, v = paged_case(n_kv, D, [37, 5, 16], bs, nb)
     T = len(positions)
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     inv_freq = (1.0 / 10000 ** (np.arange(pairs) / pairs)).astype(np.float32)
     cache = np.zeros((nb, bs, n_kv, D // 2), np.uint32)
-    out = run(device, ops.rope_store_kv(style), (-(-T * (H + n_kv) * D // 2 // ops.WG),),
-              q.copy(), k, v, cache, cache, positions, seq_rows, tables, inv_freq, T, H, n_kv,
-              D, pairs, tables.shape[1], bs)
-    assert rel_err(out["q"], ref.rope(q, positions, inv_freq, style)) < 1e-5
+    out = run(device, ops.rope_store_kv(style, scale),
+              (-(-T * (H + n_kv) * D // 2 // ops.WG),), q.copy(), k, v, cache, cache,
+              positions, seq_rows, tables, inv_freq, T, H, n_kv, D, pairs, tables.shape[1], bs)
+    assert rel_err(out["q"], ref.rope(q, positions, inv_freq, style, scale)) < 1e-5
     want_k, want_v = (np.full((nb, bs, n_kv, D), np.nan, np.float32) for _ in range(2))
-    ref.store_kv(ref.rope(k, positions, inv_freq, style), v, want_k, want_v, positions,
+    ref.store_kv(ref.rope(k, positions, inv_freq, style, scale), v, want_k, want_v, positions,
                  seq_rows, tables)
     written = ~np.isnan(want_k)
     got_k = out["k_cache"].view(np.float16).astype(np.float32)

@@ -281,7 +281,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
                 for plane, words in self._file_planes(t).items():
                     dev.write(self.buffers[f"{t.name}:{plane}"], words)
             else:
-                array = self.graph.slice_of(t.name, self.model.weight_array(t.name))
+                array = self.graph.read(t.name, self.model.weight_array)
                 dev.write(self.buffers[t.name], np.ascontiguousarray(array, np.float32))
         for name, (t, array) in self.graph.consts.items():
             dev.write(self.buffers[name], array)
@@ -290,14 +290,16 @@ class DeviceRunner(DeviceChoice, StepRunner):
 
     def _file_planes(self, t):
         """The device planes of a weight from the file's bytes (a tensor group's shard of
-        them: graph.slices); a stacked weight's are its parts' planes, row after row."""
+        them, or a fused tensor's part: graph.file_slice); a stacked weight's are its parts'
+        planes, row after row."""
         _, parts = self.stacked.get(t.name, (t, (t,)))
         each = []
         for p in parts:
-            info = self.model.file.tensors[self.model._file_names[p.name]]
+            part = self.graph.file_slice(p.name)
+            info = self.model.file.tensors[self.model._file_names[part.tensor]]
             raw = self.model.file.raw(info.name)
-            if p.name in self.graph.slices:
-                raw = slice_raw(p.dtype, raw, info.shape, *self.graph.slices[p.name])
+            if part.rows is not None or part.cols is not None:
+                raw = slice_raw(p.dtype, raw, info.shape, part.rows, part.cols)
             each.append(planes(p.dtype, raw, p.shape))
         if len(each) == 1:
             return each[0]
@@ -430,7 +432,8 @@ class DeviceRunner(DeviceChoice, StepRunner):
             raise RuntimeError("rope runs in place on a value used only by it")
         _, heads, hd = x.shape
         pairs = inv_freq.shape[0]
-        self._launch(ops.rope(op.attrs["style"]), (-(-T * heads * pairs // ops.WG),),
+        self._launch(ops.rope(op.attrs["style"], op.attrs["scale"]),
+                     (-(-T * heads * pairs // ops.WG),),
                      B(x), B(positions), B(inv_freq), T, heads, hd, pairs)
 
     def _store_kv(self, op, T, R, i, long):
@@ -448,7 +451,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
             raise RuntimeError("rope_store_kv rotates q in place: q is used only by it")
         _, heads, hd = q.shape
         kv_heads = k.shape[1]
-        self._launch(ops.rope_store_kv(op.attrs["style"]),
+        self._launch(ops.rope_store_kv(op.attrs["style"], op.attrs["scale"]),
                      (-(-T * (heads + kv_heads) * hd // 2 // ops.WG),), B(q), B(k), B(v),
                      B(kc), B(vc), B(positions), B(seq_rows), B(tables_t), B(inv_freq),
                      T, heads, kv_heads, hd, inv_freq.shape[0], self.table_width,
@@ -759,9 +762,11 @@ STEPS = {
     "add": StepKind(_one(lambda r, op: ops.elementwise("add")), DeviceRunner._elementwise),
     "glu": StepKind(_one(lambda r, op: ops.elementwise("glu", op.attrs["activation"])),
                     DeviceRunner._elementwise),
-    "rope": StepKind(_one(lambda r, op: ops.rope(op.attrs["style"])), DeviceRunner._rope),
+    "rope": StepKind(_one(lambda r, op: ops.rope(op.attrs["style"], op.attrs["scale"])),
+                     DeviceRunner._rope),
     "store_kv": StepKind(_one(lambda r, op: ops.store_kv()), DeviceRunner._store_kv),
-    "rope_store_kv": StepKind(_one(lambda r, op: ops.rope_store_kv(op.attrs["style"])),
+    "rope_store_kv": StepKind(_one(lambda r, op: ops.rope_store_kv(op.attrs["style"],
+                                                                   op.attrs["scale"])),
                               DeviceRunner._rope_store_kv),
     "attention": StepKind(lambda r, steps, i, long: r.choice.attention_kernels(
         steps[i], r.attention_splits > 1), DeviceRunner._attention),

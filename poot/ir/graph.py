@@ -19,7 +19,8 @@ OPS = {
     "matmul":     "out[n, m] = sum_k x[n, k] * w[m, k]   (w in its storage dtype)",
     "add":        "out = a + b   (b broadcast over leading axes)",
     "reshape":    "out = x viewed with another shape",
-    "rope":       "rotate pairs of x[t, h, :] by positions[t] * inv_freq (normal or neox pairing)",
+    "rope":       "rotate pairs of x[t, h, :] by positions[t] * inv_freq (normal or neox pairing), "
+                  "the rotated pairs times scale",
     "store_kv":   "write k, v of each token into its paged cache slot",
     "attention":  "causal attention of q over the paged cache of its sequence, grouped KV heads",
     "glu":        "out = activation(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU)",
@@ -40,6 +41,15 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class FileSlice:
+    """The part of a model file's tensor that a graph weight is: rows and columns as (start,
+    stop), None for all of them."""
+    tensor: str
+    rows: tuple = None
+    cols: tuple = None
+
+
+@dataclass(frozen=True)
 class Op:
     kind: str
     inputs: tuple
@@ -56,7 +66,7 @@ class Graph:
 
     def __init__(self):
         self.inputs, self.weights, self.consts, self.state = {}, {}, {}, {}
-        self.slices = {}        # weight name -> (rows, cols) taken of the file's tensor
+        self.slices = {}        # weight name -> FileSlice, where it is not a whole tensor
         self.ops = []
         self.outputs = {}
         self._count = 0
@@ -65,21 +75,30 @@ class Graph:
     def input(self, name, shape, dtype="i32"):
         return self._declare(self.inputs, Tensor(name, tuple(shape), dtype, "input"))
 
-    def weight(self, name, shape, dtype, rows=None, cols=None):
-        """A weight of the file's `shape`; `rows` / `cols` ((start, stop) or None) declare the
-        slice of it this graph reads, which is then the tensor's shape."""
-        if rows is not None or cols is not None:
-            self.slices[name] = (rows, cols)
+    def weight(self, name, shape, dtype, rows=None, cols=None, tensor=None):
+        """A weight read from the file's tensor `tensor` (by default the one called `name`) of
+        the file's `shape`; `rows` / `cols` ((start, stop) or None) declare the slice of it this
+        graph reads, which is then the weight's shape. Several weights may read slices of one
+        tensor (a fused q/k/v projection read as q, k and v)."""
+        tensor = tensor or name
+        if (tensor, rows, cols) != (name, None, None):
+            self.slices[name] = FileSlice(tensor, rows, cols)
             shape = tuple(n if s is None else s[1] - s[0] for n, s in zip(shape, (rows, cols)))
         return self._declare(self.weights, Tensor(name, tuple(shape), dtype, "weight"))
 
-    def slice_of(self, name, array):
-        """The part of a weight's whole `array` (as the file holds it) this graph reads."""
-        rows, cols = self.slices.get(name, (None, None))
-        if rows is not None:
-            array = array[rows[0]:rows[1]]
-        if cols is not None:
-            array = array[:, cols[0]:cols[1]]
+    def file_slice(self, name):
+        """The file tensor a weight reads and the slice of it."""
+        return self.slices.get(name) or FileSlice(name)
+
+    def read(self, name, file_array):
+        """A weight's values: its slice of the array `file_array(tensor name)` gives for its
+        file tensor (the whole tensor, as the file holds it)."""
+        s = self.file_slice(name)
+        array = file_array(s.tensor)
+        if s.rows is not None:
+            array = array[s.rows[0]:s.rows[1]]
+        if s.cols is not None:
+            array = array[:, s.cols[0]:s.cols[1]]
         return array
 
     def const(self, name, array):
@@ -131,12 +150,14 @@ class Graph:
     def reshape(self, x, shape):
         return self._op("reshape", (x,), shape, {"shape": tuple(shape)})
 
-    def rope(self, x, positions, inv_freq, style):
+    def rope(self, x, positions, inv_freq, style, scale=1.0):
+        """`scale` multiplies the rotated dims (cos and sin), as LongRoPE's attention factor."""
         if style not in ("normal", "neox"):
             raise ValueError(f"rope style {style!r}")
         if 2 * inv_freq.shape[0] > x.shape[-1]:
             raise ValueError("rope: more frequencies than head dimensions")
-        return self._op("rope", (x, positions, inv_freq), x.shape, {"style": style})
+        return self._op("rope", (x, positions, inv_freq), x.shape,
+                        {"style": style, "scale": float(scale)})
 
     def store_kv(self, k, v, k_cache, v_cache, positions, seq_rows, block_tables):
         """Writes k and v into the caches; returns k_cache so later ops depend on the write."""

@@ -113,8 +113,9 @@ def reshape(x, shape):
     return x.reshape(tuple(x.shape[0] if d == "T" or d == "R" else d for d in shape))
 
 
-def rope(x, positions, inv_freq, style):
-    """Rotates the first 2*len(inv_freq) dims of each head; the rest pass through.
+def rope(x, positions, inv_freq, style, scale=1.0):
+    """Rotates the first 2*len(inv_freq) dims of each head, times `scale`; the rest pass
+    through.
 
     normal: dims (2i, 2i+1) form a pair (GGUF llama layout); neox: dims (i, i + n/2) do (the
     Hugging Face layout and GGUF qwen2/qwen3).
@@ -122,6 +123,8 @@ def rope(x, positions, inv_freq, style):
     n = 2 * inv_freq.shape[0]
     angle = positions.astype(np.float32)[:, None] * inv_freq[None, :]        # [T, n/2]
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]          # [T, 1, n/2]
+    if scale != 1.0:
+        cos, sin = cos * np.float32(scale), sin * np.float32(scale)
     out = x.copy()
     if style == "normal":
         a, b = x[..., 0:n:2], x[..., 1:n:2]

@@ -8,6 +8,7 @@ Activations are f32 [tokens, features]; the KV cache holds f16 pairs in u32 word
 [blocks, block_size, kv_heads, head_dim / 2].
 """
 import math
+import struct
 from functools import cache
 
 from . import activations
@@ -136,11 +137,25 @@ def sin_cos(k, angle):
     return s, c
 
 
+def _scaled(name, scale):
+    """A rope kernel's name: a scale other than 1 (LongRoPE's attention factor, multiplying
+    the rotated pairs) is part of the kernel, so of its name (its f32 bits)."""
+    if scale == 1.0:
+        return name
+    return f"{name}_x{struct.unpack('<I', struct.pack('<f', scale))[0]:08x}"
+
+
+def _turn(k, angle, scale):
+    """sin and cos of `angle`, times `scale`."""
+    sin, cos = sin_cos(k, angle)
+    return (sin, cos) if scale == 1.0 else (sin * scale, cos * scale)
+
+
 @cache
-def rope(style):
-    """Rotates pairs of x[t, h, :] in place by positions[t] * inv_freq[i]; grid
+def rope(style, scale=1.0):
+    """Rotates pairs of x[t, h, :] in place by positions[t] * inv_freq[i], times `scale`; grid
     (ceil(T * heads * n_pairs / WG)). normal pairs (2i, 2i+1), neox pairs (i, i + half)."""
-    k = KernelBuilder(f"rope_{style}", (WG,))
+    k = KernelBuilder(_scaled(f"rope_{style}", scale), (WG,))
     x, positions, inv_freq = k.buffer("x", F32, "rw"), k.buffer("positions", I32), k.buffer(
         "inv_freq", F32)
     n_tokens, n_heads, head_dim, n_pairs = (k.scalar(s, I32) for s in
@@ -151,14 +166,14 @@ def rope(style):
         th = g / n_pairs                            # token * n_heads + head
         t = th / n_heads
         _rotate(k, x, th * head_dim, pair, n_pairs, positions[t].to(F32) * inv_freq[pair],
-                style)
+                style, scale)
     return k.build()
 
 
-def _rotate(k, x, base, pair, n_pairs, angle, style):
-    """Rotates pair `pair` of the head at x[base] in place by `angle`: dims (2 pair,
-    2 pair + 1) normal, (pair, pair + n_pairs) neox."""
-    sin, cos = sin_cos(k, angle)
+def _rotate(k, x, base, pair, n_pairs, angle, style, scale):
+    """Rotates pair `pair` of the head at x[base] in place by `angle`, times `scale`: dims
+    (2 pair, 2 pair + 1) normal, (pair, pair + n_pairs) neox."""
+    sin, cos = _turn(k, angle, scale)
     if style == "normal":
         ia, ib = base + pair * 2, base + pair * 2 + 1
     else:
@@ -191,12 +206,13 @@ def store_kv():
 
 
 @cache
-def rope_store_kv(style):
+def rope_store_kv(style, scale=1.0):
     """A layer's rope of q and k and its store_kv in one launch: q [T, heads, head_dim] rotated
     in place, k rotated on the way into the cache (k itself is only read: a neox pair spans two
     threads' words), v stored as it is. One thread per (token, head of q then of k/v, word of two
-    dims); grid (ceil(T * (heads + kv_heads) * head_dim / 2 / WG)). Pairs as in `rope`."""
-    k = KernelBuilder(f"rope_store_kv_{style}", (WG,))
+    dims); grid (ceil(T * (heads + kv_heads) * head_dim / 2 / WG)). Pairs and scale as in
+    `rope`."""
+    k = KernelBuilder(_scaled(f"rope_store_kv_{style}", scale), (WG,))
     q, key, value = k.buffer("q", F32, "rw"), k.buffer("k", F32), k.buffer("v", F32)
     k_cache, v_cache = k.buffer("k_cache", U32, "w"), k.buffer("v_cache", U32, "w")
     positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
@@ -215,19 +231,19 @@ def rope_store_kv(style):
         with k.if_(h < n_heads) as stmt:
             with k.if_(word < n_pairs):
                 _rotate(k, q, (t * n_heads + h) * head_dim, word, n_pairs,
-                        angle * inv_freq[word], style)
+                        angle * inv_freq[word], style, scale)
         with k.else_(stmt):
             kvh = h - n_heads
             base = (t * n_kv + kvh) * head_dim
             d = word * 2
             if style == "normal":                   # dims d, d + 1 are pair `word`
                 rotated = word < n_pairs
-                sin, cos = sin_cos(k, angle * inv_freq[k.min(word, n_pairs - 1)])
+                sin, cos = _turn(k, angle * inv_freq[k.min(word, n_pairs - 1)], scale)
                 a, b = key[base + d], key[base + d + 1]
                 ka = k.select(rotated, a * cos - b * sin, a)
                 kb = k.select(rotated, a * sin + b * cos, b)
             else:                                   # dim i pairs with i +- n_pairs
-                ka, kb = (_neox_dim(k, key, base, i, n_pairs, angle, inv_freq)
+                ka, kb = (_neox_dim(k, key, base, i, n_pairs, angle, inv_freq, scale)
                           for i in (d, d + 1))
             pos = positions[t]
             slot = cache_slot(tables, seq_rows[t], pos, table_width, block_size) * n_kv + kvh
@@ -236,13 +252,14 @@ def rope_store_kv(style):
     return k.build()
 
 
-def _neox_dim(k, x, base, i, n_pairs, angle, inv_freq):
-    """Dim i of the head at `base` after a neox rotation: pair i with i + n_pairs below
-    n_pairs, pair i - n_pairs with i - n_pairs up to 2 n_pairs, unrotated beyond."""
+def _neox_dim(k, x, base, i, n_pairs, angle, inv_freq, scale):
+    """Dim i of the head at `base` after a neox rotation (times `scale`): pair i with
+    i + n_pairs below n_pairs, pair i - n_pairs with i - n_pairs up to 2 n_pairs, unrotated
+    beyond."""
     low, rotated = i < n_pairs, i < n_pairs * 2
     pair = k.select(low, i, k.select(rotated, i - n_pairs, 0))
     partner = k.select(low, i + n_pairs, k.select(rotated, i - n_pairs, i))
-    sin, cos = sin_cos(k, angle * inv_freq[pair])
+    sin, cos = _turn(k, angle * inv_freq[pair], scale)
     mine, other = x[base + i], x[base + partner]
     turned = k.select(low, mine * cos - other * sin, other * sin + mine * cos)
     return k.select(rotated, turned, mine)

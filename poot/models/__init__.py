@@ -6,16 +6,17 @@ uses (`gguf_name`), the names it answers to (`GGUF_ARCHS`: general.architecture 
 `HF_ARCHS`: {config.json architecture: arch}), its forward pass in the graph IR
 (`forward(config, weights, num_blocks, block_size, freq_factors, part)`, whose outputs are
 "logits" and "last_hidden") and the embedding it makes of a last hidden state
-(`embedding(config, weight_array, last_hidden)`). The loader asks this
+(`embedding(config, weight_array, last_hidden)`); optionally the texts of the tokens that end a
+turn of its chat format (`END_OF_TURN`), which end generation too. The loader asks this
 registry for a file's family and knows nothing of any one of them.
 """
 from ..errors import ModelFileError
-from . import llama
+from . import llama, phi3
 from .family import MissingWeight, WrongShape
 
 __all__ = ["FAMILIES", "gguf_family", "hf_family", "MissingWeight", "WrongShape"]
 
-FAMILIES = (llama,)
+FAMILIES = (llama, phi3)
 
 
 def gguf_family(path, metadata):

@@ -1,5 +1,6 @@
-"""Llama-shaped GGUF files with random weights, for tests and benchmarks on machines with no
-network: tiny ones for fast end-to-end tests, Llama-3.2-1B and Llama-3.1-8B shapes for speed.
+"""Llama- and Phi-3-shaped GGUF files with random weights, for tests and benchmarks on machines
+with no network: tiny ones for fast end-to-end tests, Llama-3.2-1B and Llama-3.1-8B shapes for
+speed.
 
 The tokenizer is a real byte-level BPE (every byte a token, plus merges learnt from a short
 text) with ChatML special tokens and template, so generated files run everywhere a real model
@@ -51,12 +52,12 @@ def byte_symbols():
     return {b: chr(b if b in keep else next(extra)) for b in range(256)}
 
 
-def byte_level_vocab(vocab_size, n_merges=40):
+def byte_level_vocab(vocab_size, n_merges=40, specials=SPECIALS):
     """Tokens (specials, 256 bytes, merged pairs, reserved fillers) and the merge list."""
     symbols = byte_symbols()
     words = [[symbols[b] for b in (" " + w if i else w).encode()] for i, w in
              enumerate(CORPUS.split(" ")) if w]
-    tokens, merges = SPECIALS + [symbols[b] for b in range(256)], []
+    tokens, merges = list(specials) + [symbols[b] for b in range(256)], []
     for _ in range(n_merges):
         pairs = Counter(p for w in words for p in zip(w, w[1:]))
         if not pairs:
@@ -95,8 +96,6 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
 
     s = SHAPES[shape] if isinstance(shape, str) else shape
     head_dim = s.d_model // s.n_heads
-    tokens, merges = byte_level_vocab(s.vocab_size)
-    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
     meta = {
         "general.architecture": arch, "general.name": f"random-{arch}",
         f"{arch}.block_count": s.n_layers, f"{arch}.context_length": s.context_length,
@@ -105,11 +104,7 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
         f"{arch}.attention.head_count_kv": s.n_kv_heads,
         f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
         f"{arch}.rope.freq_base": s.rope_theta, f"{arch}.vocab_size": s.vocab_size,
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": 0,
-        "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": CHATML,
+        **byte_level_metadata(s.vocab_size, SPECIALS, CHATML, eos=2),
     }
 
     specs = [("token_embd.weight", dtype, RandomArray((s.vocab_size, s.d_model), 4.0))]
@@ -142,6 +137,70 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
     if pool_rows:
         specs = [(name, d, values.pooled(d, pool_rows) if len(values.shape) == 2 else values)
                  for name, d, values in specs]
+    write_gguf(path, meta, specs)
+    return path
+
+
+def byte_level_metadata(vocab_size, specials, chat_template, eos):
+    """A GGUF file's tokenizer keys: byte_level_vocab's tokens (`specials` as control tokens,
+    the first of them BOS, token `eos` EOS), no BOS added, and the chat template."""
+    tokens, merges = byte_level_vocab(vocab_size, specials=specials)
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3] * len(specials) + [1] * (len(tokens) - len(specials)),
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": 0,
+            "tokenizer.ggml.eos_token_id": eos, "tokenizer.ggml.add_bos_token": False,
+            "tokenizer.chat_template": chat_template}
+
+
+# Phi-3's chat format: a turn is <|role|>, a newline, the text, <|end|> and a newline
+PHI3_CHAT = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + "
+             "message['content'] + '<|end|>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}"
+             "{% endif %}")
+PHI3_SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def write_random_phi3(path, shape="tiny", dtype="F16", seed=0, longrope=False, rope_dim=None,
+                      tied=False, window=0):
+    """Writes a random-weight Phi-3 of `shape` to `path` as llama.cpp's converter lays one out:
+    q, k and v in one tensor (attn_qkv), gate and up in one (ffn_up, gate first), matrices in
+    `dtype`, norms in F32; its EOS is <|endoftext|> and its chat turns end with <|end|>.
+    `longrope`: LongRoPE factor tensors (rope_factors_short/_long) for an original context of
+    an eighth of the context, and their attention factor; `rope_dim`: rotated dims of a head
+    (partial rotary, as Phi-4-mini); `tied`: no output.weight; `window`: a sliding window."""
+    s = SHAPES[shape] if isinstance(shape, str) else shape
+    head_dim = s.d_model // s.n_heads
+    rope_dim = rope_dim or head_dim
+    meta = {
+        "general.architecture": "phi3", "general.name": "random-phi3",
+        "phi3.block_count": s.n_layers, "phi3.context_length": s.context_length,
+        "phi3.embedding_length": s.d_model, "phi3.feed_forward_length": s.d_ff,
+        "phi3.attention.head_count": s.n_heads, "phi3.attention.head_count_kv": s.n_kv_heads,
+        "phi3.attention.layer_norm_rms_epsilon": 1e-5, "phi3.rope.freq_base": s.rope_theta,
+        "phi3.rope.dimension_count": rope_dim, "phi3.attention.sliding_window": window,
+        "phi3.rope.scaling.original_context_length": s.context_length // (8 if longrope else 1),
+        **byte_level_metadata(s.vocab_size, PHI3_SPECIALS, PHI3_CHAT, eos=0),
+    }
+    specs = [("token_embd.weight", dtype, RandomArray((s.vocab_size, s.d_model), 4.0))]
+    if longrope:
+        meta["phi3.rope.scaling.attn_factor"] = 1.2
+        specs += [("rope_factors_long.weight", "F32", RandomArray((rope_dim // 2,), 2.0, 8.0)),
+                  ("rope_factors_short.weight", "F32", RandomArray((rope_dim // 2,), 0.2, 1.2))]
+    qkv = (s.n_heads + 2 * s.n_kv_heads) * head_dim
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        specs += [(p + "attn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)),
+                  (p + "attn_qkv.weight", dtype, RandomArray((qkv, s.d_model))),
+                  (p + "attn_output.weight", dtype, RandomArray((s.d_model, s.d_model))),
+                  (p + "ffn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)),
+                  (p + "ffn_up.weight", dtype, RandomArray((2 * s.d_ff, s.d_model))),
+                  (p + "ffn_down.weight", dtype, RandomArray((s.d_model, s.d_ff)))]
+    specs.append(("output_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)))
+    if not tied:
+        specs.append(("output.weight", dtype, RandomArray((s.vocab_size, s.d_model))))
+    for index, (_, _, values) in enumerate(specs):
+        values.seed = (seed, index)
     write_gguf(path, meta, specs)
     return path
 

@@ -84,8 +84,10 @@ class LoadedModel:
                 for name, file_name in self._file_names.items()}
 
     def weight_array(self, name):
-        """A weight dequantised to float32 (the reference interpreter's view of it)."""
-        return self.file.array(self._file_names[name])
+        """A weight dequantised to float32 (the reference interpreter's view of it), with the
+        values a GGUF file would hold (a family's hf_array: Gemma's norms as 1 + w)."""
+        array = self.file.array(self._file_names[name])
+        return array if self.file.kind == "gguf" else self.family.hf_array(name, array)
 
     def embedding(self, last_hidden):
         """A prompt's embedding (unit length) from its last token's final hidden state."""

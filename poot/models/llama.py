@@ -163,6 +163,11 @@ def gguf_name(hf_name):
     return None
 
 
+def hf_array(name, array):
+    """A Hugging Face tensor holds the values its GGUF twin does."""
+    return array
+
+
 def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     """The decoder step as a graph. `weights` maps GGUF tensor names to (shape, dtype).
 

@@ -12,10 +12,13 @@ import json
 import numpy as np
 import pytest
 
+import poot
 from poot.formats import open_model
 from poot.formats.gguf import GGUFFile
 from poot.ir.reference import ReferenceInterpreter
 from poot.models import gemma, hf_family
+from tests.models import tiny_gemma
+from tests.test_device_runner import greedy, prefill_of, split_runner, step
 from tests.test_llama import Harness, hf_logits, rel_err
 
 torch = pytest.importorskip("torch")
@@ -236,3 +239,38 @@ def test_window_and_softcap_attention_reference_by_definition():
             p = np.exp(s - s.max())
             want = (p / p.sum()) @ values[list(seen), h // 2]
             assert np.allclose(got[t, h], want, atol=1e-5)
+
+
+# -- a tiny Gemma through the device runner ---------------------------------------------------
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_on_the_device_gives_the_reference_tokens(tmp_path, device, arch):
+    """Greedy decode past the window of 8 (blocks of 16): scaled embeddings, post-norms,
+    sliding and global layers, soft-capped scores and logits (Gemma 2), q/k norms (Gemma 3)."""
+    model = poot.load(tiny_gemma(tmp_path, arch))
+    assert model.family is gemma and any(model.config.sliding)
+    table = list(np.random.default_rng().permutation(32))
+    prompt = model.tokenizer.encode("The quick brown fox")
+    want_ids, want = greedy(model.runner(None, num_blocks=32), prompt, 20, table)
+    got_ids, got = greedy(model.runner(device, num_blocks=32), prompt, 20, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3   # f16 KV cache
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_prefill_and_split_decode_match_reference(tmp_path, device, arch):
+    """A 40-token prefill (on ptx: the tensor-core tiles, with their window and cap), then
+    decode with attention split every 16 tokens (splits before the window scan nothing)."""
+    model = poot.load(tiny_gemma(tmp_path, arch))
+    batch = prefill_of(40)
+    want = model.runner(None, num_blocks=16).logits(batch)
+    got = model.runner(device, num_blocks=16, max_tokens=128).logits(batch)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+    table = list(np.random.default_rng().permutation(32))
+    prompt = np.random.default_rng().integers(10, 300, 16).tolist()
+    runner = split_runner(model, device, 32, 16)
+    want_ids, want = greedy(model.runner(None, num_blocks=32), prompt, 30, table)
+    ids = prompt + want_ids
+    got = [runner.logits(step(prompt, 0, table))[-1]]
+    got += [runner.logits(step(ids[n - 1:n], n - 1, table))[0]
+            for n in range(len(prompt) + 1, len(ids))]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3

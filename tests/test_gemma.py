@@ -8,6 +8,7 @@ decode over a shared paged cache, and a GGUF copy written with gguf-py's writer 
 converter writes Gemma (norms stored as 1 + w, its metadata keys, its tensor names).
 """
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -274,3 +275,93 @@ def test_tiny_gemma_prefill_and_split_decode_match_reference(tmp_path, device, a
     got += [runner.logits(step(ids[n - 1:n], n - 1, table))[0]
             for n in range(len(prompt) + 1, len(ids))]
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+# -- Gemma's tokenizer conventions, with sentencepiece as the oracle ---------------------------
+GEMMA_TEXT = ("The capital of France is Paris.\n  Two  spaces,\ttabs and 12345 digits; "
+              "café, naïve, 東京, emoji 🙂 and a trailing space ")
+
+
+def sentencepiece_gguf(tmp_path):
+    """A SentencePiece BPE trained with Gemma's settings (byte fallback, no dummy prefix, no
+    normalisation, digits split, the turn markers as symbols of their own), and the GGUF
+    metadata llama.cpp's converter makes of it (pieces, scores, types; the turn markers
+    control tokens, as Gemma's tokenizer_config marks them special)."""
+    spm = pytest.importorskip("sentencepiece")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join([GEMMA_TEXT.replace("🙂", "").replace("東京", "")] * 3 + [
+        "The quick brown fox jumps over the lazy dog.", "Hello, world! Hello again.",
+        "It is a truth universally acknowledged, that a single man in possession"]))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "sp"), model_type="bpe", vocab_size=420,
+        byte_fallback=True, add_dummy_prefix=False, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, pad_id=0, eos_id=1, bos_id=2,
+        unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        character_coverage=1.0, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i)
+             else 6 if sp.is_byte(i) else 1 for i in range(len(pieces))]
+    for i, piece in enumerate(pieces):
+        if piece in ("<start_of_turn>", "<end_of_turn>"):
+            types[i] = 3
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": pieces,
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(len(pieces))],
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 2,
+            "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+            "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.ggml.add_space_prefix": False}
+    return sp, meta
+
+
+def test_gemma_sentencepiece_encoding_matches_sentencepiece(tmp_path):
+    from poot.text.tokenizer import Tokenizer
+    sp, meta = sentencepiece_gguf(tmp_path)
+    tok = Tokenizer.from_gguf(meta)
+    texts = [GEMMA_TEXT, " leading space", "no prefix", "x" * 7 + " 2024-12-02",
+             "\n\nnew lines\n", "unseen: ß ∑ 🙂🙂 ½", "<start_of_turn>user\nHi there<end_of_turn>\n"]
+    for text in texts:
+        want = sp.encode(text)
+        assert tok.encode(text) == [2] + want, text
+        assert tok.encode(text, add_special=False) == want, text
+        assert tok.decode(want) == sp.decode(want) == text
+    byte_ids = {sp.piece_to_id(f"<0x{b:02X}>") for b in "🙂".encode()}
+    assert byte_ids <= set(tok.encode("🙂"))                     # byte fallback, no <unk>
+
+
+def test_gemma_turn_markers_and_end_of_generation(tmp_path):
+    """The chat template's turn markers become single control tokens, <end_of_turn> ends a
+    generation (GGUF files name it by its text alone), and the template's own <bos> is the
+    only one (chat prompts are encoded without adding specials)."""
+    from poot.text.chat import ChatTemplate
+    from poot.text.tokenizer import Tokenizer
+    sp, meta = sentencepiece_gguf(tmp_path)
+    tok = Tokenizer.from_gguf(meta)
+    start, end = sp.piece_to_id("<start_of_turn>"), sp.piece_to_id("<end_of_turn>")
+    assert tok.eos_ids == {1, end}
+    template = (pathlib.Path(__file__).parent / "data/chat_templates/gemma-3-it.jinja")
+    chat = ChatTemplate(template.read_text(), bos_token="<bos>", eos_token="<eos>")
+    text = chat.render([{"role": "user", "content": "Hello"},
+                        {"role": "assistant", "content": "Hi"},
+                        {"role": "user", "content": "Bye"}], add_generation_prompt=True)
+    ids = tok.encode(text, add_special=False)
+    assert ids[0] == 2 and ids.count(2) == 1
+    assert ids.count(start) == 4 and ids.count(end) == 3
+    tail = [start] + sp.encode("model\n")
+    assert ids[-len(tail):] == tail
+    assert tok.decode(ids, skip_special=True) == text.replace("<bos>", "").replace(
+        "<start_of_turn>", "").replace("<end_of_turn>", "")
+
+
+def test_random_gemma_file_tokenizes_as_gemma(tmp_path):
+    """The tiny random Gemma's vocabulary follows the same conventions (its tests' prompts)."""
+    model = poot.load(tiny_gemma(tmp_path, "gemma3"), weights=False)
+    tok = model.tokenizer
+    ids = tok.encode("The fox 🙂")
+    assert ids[0] == tok.bos_id == 2 and tok.token_bytes(ids[1]).startswith(b"T")
+    assert tok.decode(ids, skip_special=True) == "The fox 🙂"
+    assert tok.token_to_id("<end_of_turn>") in tok.eos_ids
+    prompt = model.chat_template.render([{"role": "user", "content": "Hi"}],
+                                        add_generation_prompt=True)
+    assert prompt == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"

@@ -110,7 +110,8 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     prep = list({k.name: k for d in mma_vec.DTYPES if d in dtypes
                  for k in (mma_vec.norm_x16(d), mma_vec.reduce_norm_x16(d, 2),
                            mma_vec.reduce_norm_x16(d, 5), mma_vec.reduce_norm_x16(d, 8),
-                           matmul.split_sum(glu="silu", x16=d))}.values())
+                           matmul.split_sum(glu="silu", x16=d),
+                           matmul.split_sum(glu="gelu_tanh", x16=d))}.values())
     attention = [ops.attention_tiles(d, h) for d, h in ((64, 3), (64, 4), (128, 4), (128, 1))]
     attention += [ops.attention_tiles(256, h, **mods) for h in (1, 2, 8) for mods in GEMMA_MODS]
     decode = [matmul.dequant_f16(d) for d in dtypes if d not in ("F16", "BF16")]

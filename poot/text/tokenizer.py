@@ -22,6 +22,9 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPACE = "[" + "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in WHITE_SPACE) + "]*"
 _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
+# End-of-generation tokens a GGUF file names by their text alone (no *_token_id key): the chat
+# models stop at them, as llama.cpp finds them. Gemma's end of a turn.
+EOG_TEXTS = ("<end_of_turn>",)
 
 
 class Tokenizer:
@@ -104,11 +107,13 @@ class Tokenizer:
         else:
             raise TokenizerUnsupported("model", kind, ["gpt2", "llama"])
         add_eos = bool(get("add_eos_token", False))
+        eog = {i for i, (text, kind) in enumerate(zip(tokens, types))
+               if kind == CONTROL and text in EOG_TEXTS}
         return cls(tokens, types, model, pre, byte_level=kind == "gpt2",
                    bos_id=None if bos is None else int(bos),
                    pad_id=None if pad is None else int(pad),
                    eos_ids={int(get(k)) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
-                            if get(k) is not None},
+                            if get(k) is not None} | eog,
                    prefix_ids=[int(bos)] if add_bos and bos is not None else [],
                    suffix_ids=[int(eos)] if add_eos and eos is not None else [],
                    strip_leading_space=space_prefix)

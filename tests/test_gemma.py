@@ -365,3 +365,27 @@ def test_random_gemma_file_tokenizes_as_gemma(tmp_path):
     prompt = model.chat_template.render([{"role": "user", "content": "Hi"}],
                                         add_generation_prompt=True)
     assert prompt == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+
+
+# -- device groups: the arithmetic of the split, in numpy (as tests/test_placement.py) --------
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_tensor_shards_and_pipeline_stages_give_the_whole_model(tmp_path, arch):
+    """Post-norms read whole sums: each block's partial sums are reduced before its norm."""
+    from poot.engine import placement
+    from poot.ir.reference import run_group
+    from tests.test_placement import interpreter, steps, whole_logits
+    model = poot.load(tiny_gemma(tmp_path, arch, dtype="F32"))
+    cfg = model.config
+    want = whole_logits(model)
+    parts = placement.tensor_parts(cfg, model.weight_shapes(), 2)
+    ranks = [interpreter(model, p) for p in parts]
+    for inputs, expected in zip(steps(np.random.default_rng(1), cfg.vocab_size), want):
+        np.testing.assert_allclose(run_group(ranks, [inputs] * 2)[0]["logits"], expected,
+                                   rtol=1e-4, atol=1e-4)
+    chain = [interpreter(model, p) for p in placement.pipeline_parts(cfg, 2, 10, 3, 3)]
+    for inputs, expected in zip(steps(np.random.default_rng(1), cfg.vocab_size), want):
+        hidden = None
+        for stage in chain:
+            out = stage.run(dict(inputs, hidden=hidden) if hidden is not None else inputs)
+            hidden = out.get("hidden")
+        np.testing.assert_allclose(out["logits"], expected, rtol=1e-5, atol=1e-5)

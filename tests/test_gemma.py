@@ -389,3 +389,24 @@ def test_gemma_tensor_shards_and_pipeline_stages_give_the_whole_model(tmp_path, 
             out = stage.run(dict(inputs, hidden=hidden) if hidden is not None else inputs)
             hidden = out.get("hidden")
         np.testing.assert_allclose(out["logits"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", VARIANTS)
+def test_safetensors_folder_on_the_device_matches_transformers(tmp_path, device, arch):
+    """A Hugging Face folder loaded as poot loads one (its norms uploaded as 1 + w) and run by
+    the device runner: every token's logits of a prompt past the window, against
+    transformers."""
+    tokenizers = pytest.importorskip("tokenizers")
+    model, folder = hf_model(tmp_path, arch)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={f"t{i}": i for i in range(VOCAB)},
+                                                     merges=[]))
+    tok.normalizer = tokenizers.normalizers.Replace(" ", "\u2581")     # as Gemma's does
+    tok.decoder = tokenizers.decoders.Replace("\u2581", " ")
+    tok.save(str(folder / "tokenizer.json"))
+    loaded = poot.load(folder)
+    assert loaded.family is gemma
+    ids = np.random.default_rng().integers(0, VOCAB, 30).tolist()
+    table = list(np.random.default_rng().permutation(8))
+    got = loaded.runner(device, num_blocks=8, max_seqs=32).logits(step(ids, 0, table))
+    want = hf_logits(model, ids)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3    # f16 KV cache

@@ -410,3 +410,10 @@ def test_safetensors_folder_on_the_device_matches_transformers(tmp_path, device,
     got = loaded.runner(device, num_blocks=8, max_seqs=32).logits(step(ids, 0, table))
     want = hf_logits(model, ids)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3    # f16 KV cache
+
+
+def test_rope_frequency_factors_are_refused_naming_the_file():
+    from poot.errors import ModelFileError
+    meta = {"general.architecture": "gemma3", "gemma3.block_count": 2}
+    with pytest.raises(ModelFileError, match="rope_freqs"):
+        gemma.config_from_gguf("m.gguf", meta, {"rope_freqs.weight": None})

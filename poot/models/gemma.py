@@ -79,6 +79,9 @@ def sliding_pattern(n_layers, pattern):
 def config_from_gguf(path, metadata, tensor_names):
     arch = metadata["general.architecture"]         # one of GGUF_ARCHS (models.gguf_family)
     defaults = DEFAULTS[arch]
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelFileError(path, "tensor rope_freqs.weight: Gemma takes no rope frequency "
+                                   "factors")
 
     def key(name, default=None):
         value = metadata.get(f"{arch}.{name}", default)
@@ -216,9 +219,7 @@ def hf_array(name, array):
 def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     """The decoder step as a graph. `weights` maps GGUF tensor names to (shape, dtype);
     `part` (engine/placement.py) makes one device's graph of a group, as llama.forward's does.
-    `freq_factors` (GGUF rope_freqs, a Llama 3.1 table) has no Gemma meaning and is refused."""
-    if freq_factors is not None:
-        raise ValueError("Gemma takes no rope frequency factors")
+    `freq_factors` is always None: config_from_gguf refuses a file that has them."""
     g = Graph()
     tokens = g.input("tokens", ("T",))
     positions = g.input("positions", ("T",))
@@ -256,7 +257,7 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     whole = (kv0, kv1, f0, f1) == (0, Hkv, 0, F)
     if whole:
         q_rows = kv_rows = None
-    if part.first:
+    if part.first:      # sqrt(E) in f32, as llama.cpp (transformers rounds it to the dtype)
         x = g.embedding(w("token_embd.weight", cfg.vocab_size, E), tokens, np.sqrt(E))
     else:
         x = g.input("hidden", ("T", E), "f32")

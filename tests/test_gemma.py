@@ -417,3 +417,15 @@ def test_rope_frequency_factors_are_refused_naming_the_file():
     meta = {"general.architecture": "gemma3", "gemma3.block_count": 2}
     with pytest.raises(ModelFileError, match="rope_freqs"):
         gemma.config_from_gguf("m.gguf", meta, {"rope_freqs.weight": None})
+
+
+def test_a_chat_stops_at_end_of_turn(tmp_path):
+    """A Gemma chat ends where the model writes <end_of_turn> (made certain here by a logit
+    bias after four tokens' worth of min_tokens), with the marker not in the text."""
+    llm = poot.LLM(tiny_gemma(tmp_path, "gemma2"), backend="reference")
+    end = llm.tokenizer.token_to_id("<end_of_turn>")
+    out = llm.chat([{"role": "user", "content": "Hi"}], max_tokens=20, temperature=0,
+                   min_tokens=4, logit_bias={end: 100})
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 5
+    assert "<end_of_turn>" not in out.text
+    assert out.prompt_token_ids[:2] == [2, llm.tokenizer.token_to_id("<start_of_turn>")]

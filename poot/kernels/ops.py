@@ -11,7 +11,7 @@ import math
 from functools import cache
 
 from . import activations
-from .softcap import capped, suffix, window_start
+from .softcap import capped, first_key, sees, suffix, window_start
 from .lang import F16, F32, I32, U32, KernelBuilder
 from .quant import reader
 
@@ -474,17 +474,8 @@ def attention_tiles(head_dim, heads, window=0, softcap=0.0):
     g, quad = lane >> 2, lane & 3
     tokens = [k.min(t0 + g, t_last), k.min(t0 + g + 8, t_last)]     # the lane's two rows
     limits = [positions[t] for t in tokens]
-    first = 0
-    if window:
-        first = positions[t0]
-        for i in range(1, ATTENTION_TILE):
-            first = k.min(first, positions[k.min(t0 + i, t_last)])
-        first = window_start(k, first, window)
-
-    def seen(j, r):
-        """Whether the lane's row r sees key j."""
-        inside = j <= limits[r]
-        return inside & (j > limits[r] - window) if window else inside
+    first = window and first_key(
+        k, [positions[k.min(t0 + i, t_last)] for i in range(ATTENTION_TILE)], window)
     qa = []                     # A of S: q * scale rounded, k16 step s
     for s in range(head_dim // 16):
         words = []
@@ -525,7 +516,7 @@ def attention_tiles(head_dim, heads, window=0, softcap=0.0):
                     scores[n] = k.mma(F16, qa[s], b, [k.coerce(v, F32) for v in scores[n]])
         # masks: key j0 + 8 n + 2 quad + e % 2 of row e // 2
         for n in range(KEY_BLOCK // 8):
-            scores[n] = [k.select(seen(j0 + 8 * n + 2 * quad + e % 2, e // 2),
+            scores[n] = [k.select(sees(j0 + 8 * n + 2 * quad + e % 2, limits[e // 2], window),
                                   capped(k, v, softcap) if softcap else v, LOWEST)
                          for e, v in enumerate(scores[n])]
         corrections, probs = [], [[None] * 4 for _ in scores]
@@ -538,7 +529,7 @@ def attention_tiles(head_dim, heads, window=0, softcap=0.0):
             total = None
             for n in range(KEY_BLOCK // 8):
                 for e in (2 * r, 2 * r + 1):
-                    keep = seen(j0 + 8 * n + 2 * quad + e % 2, r)
+                    keep = sees(j0 + 8 * n + 2 * quad + e % 2, limits[r], window)
                     probs[n][e] = k.select(keep, k.exp(scores[n][e] - top), 0.0)
                     total = probs[n][e] if total is None else total + probs[n][e]
             total = total + k.shuffle_xor(total, 1)

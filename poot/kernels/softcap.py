@@ -2,9 +2,10 @@
 families lack, written once for every kernel that needs them.
 
 `capped` is the cap of one value (the attention kernels cap their scores with it), `softcap`
-the kernel that caps a step's logits (the graph IR's `softcap` op), `window_start` the first
-key a token of a sliding-window layer sees, and `suffix` the part of an attention kernel's name
-that says which of these it has (none: the name and the code are those of the plain kernel).
+the kernel that caps a step's logits (the graph IR's `softcap` op), `window_start`,
+`first_key` and `sees` the keys tokens of a sliding-window layer see, and `suffix` the part of
+an attention kernel's name that says which of these it has (none: the name and the code are
+those of the plain kernel).
 """
 from functools import cache
 
@@ -23,6 +24,20 @@ def capped(k, x, cap):
 def window_start(k, position, window):
     """The first position a token at `position` attends to in a layer of this `window`."""
     return k.max(position - (window - 1), 0)
+
+
+def first_key(k, positions, window):
+    """The first key any of the tokens at `positions` sees in a layer of this `window`."""
+    least = positions[0]
+    for p in positions[1:]:
+        least = k.min(least, p)
+    return window_start(k, least, window)
+
+
+def sees(j, position, window):
+    """Whether a token at `position` sees key j: causally, and within its window if any."""
+    inside = j <= position
+    return inside & (j > position - window) if window else inside
 
 
 def suffix(window=0, softcap=0.0):

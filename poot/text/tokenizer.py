@@ -22,8 +22,8 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPACE = "[" + "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in WHITE_SPACE) + "]*"
 _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
-# End-of-generation tokens a GGUF file names by their text alone (no *_token_id key): the chat
-# models stop at them, as llama.cpp finds them. Gemma's end of a turn.
+# End-of-generation tokens a file may name by their text alone (GGUF files carry no id for
+# them): chat models stop at them, as llama.cpp finds them. Gemma's end of a turn.
 EOG_TEXTS = ("<end_of_turn>",)
 
 
@@ -42,7 +42,9 @@ class Tokenizer:
         self.tokens, self.token_types = list(tokens), list(token_types)
         self.model, self.pre = model, pre
         self.bos_id, self.pad_id = bos_id, pad_id
-        self.eos_ids = frozenset(eos_ids)
+        self.eos_ids = frozenset(eos_ids) | {
+            i for i, (text, kind) in enumerate(zip(self.tokens, self.token_types))
+            if kind == CONTROL and text in EOG_TEXTS}
         self.prefix_ids, self.suffix_ids = list(prefix_ids), list(suffix_ids)
         self.strip_leading_space = strip_leading_space
         self.vocab_size = len(self.tokens)
@@ -107,13 +109,11 @@ class Tokenizer:
         else:
             raise TokenizerUnsupported("model", kind, ["gpt2", "llama"])
         add_eos = bool(get("add_eos_token", False))
-        eog = {i for i, (text, kind) in enumerate(zip(tokens, types))
-               if kind == CONTROL and text in EOG_TEXTS}
         return cls(tokens, types, model, pre, byte_level=kind == "gpt2",
                    bos_id=None if bos is None else int(bos),
                    pad_id=None if pad is None else int(pad),
                    eos_ids={int(get(k)) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
-                            if get(k) is not None} | eog,
+                            if get(k) is not None},
                    prefix_ids=[int(bos)] if add_bos and bos is not None else [],
                    suffix_ids=[int(eos)] if add_eos and eos is not None else [],
                    strip_leading_space=space_prefix)

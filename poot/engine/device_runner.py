@@ -460,7 +460,7 @@ class DeviceRunner(StepRunner):
         table, ids = op.inputs
         self._launch(ops.embedding(table.dtype, "scale" in op.attrs), (T,),
                      *self._weight_planes(table), self._buffer(ids), self._buffer(op.output),
-                     table.shape[1], *[op.attrs[a] for a in ("scale",) if a in op.attrs])
+                     table.shape[1], *([op.attrs["scale"]] if "scale" in op.attrs else []))
 
     def _softcap(self, op, T, R, i, long):
         n = int(np.prod(self._shape(op.output, T, R)))

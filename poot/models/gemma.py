@@ -303,8 +303,6 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     logits = g.matmul(x, w(output, cfg.vocab_size, E, rows=part.vocab))
     if part.vocab is not None:
         logits = g.all_gather(logits, part.world, cfg.vocab_size)
-    if cfg.final_softcap:
-        logits = g.softcap(logits, cfg.final_softcap)
-    if part.logits:
-        g.output("logits", logits)
+    if part.logits:         # (a tensor group's other ranks leave the logits to rank 0)
+        g.output("logits", g.softcap(logits, cfg.final_softcap) if cfg.final_softcap else logits)
     return g

@@ -20,6 +20,7 @@ from poot.ir.reference import ReferenceInterpreter
 from poot.models import gemma, hf_family
 from tests.models import tiny_gemma
 from tests.test_device_runner import greedy, prefill_of, split_runner, step
+from tests.test_group import group, one_device, same_greedy  # noqa: F401  (fixtures)
 from tests.test_llama import Harness, hf_logits, rel_err
 
 torch = pytest.importorskip("torch")
@@ -429,3 +430,26 @@ def test_a_chat_stops_at_end_of_turn(tmp_path):
     assert out.finish_reason == "stop" and len(out.token_ids) <= 5
     assert "<end_of_turn>" not in out.text
     assert out.prompt_token_ids[:2] == [2, llm.tokenizer.token_to_id("<start_of_turn>")]
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_parts_on_one_device_equal_the_whole_model(tmp_path, one_device, kind, arch):
+    """The device runners of a group's parts (two ranks on one Vulkan device, as
+    tests/test_group.py runs them): their greedy tokens are the whole model's."""
+    from poot.engine.group import GroupRunner
+    model = poot.load(tiny_gemma(tmp_path, arch))
+    whole = model.runner(one_device.devices[0], num_blocks=32)
+    parts = GroupRunner(model, one_device, kind, 32)
+    parts.allocate()
+    parts.upload()
+    same_greedy(whole, parts, 12)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_over_two_gpus_equals_one(tmp_path, group, kind, arch):
+    """On two CUDA devices (ptx: peer copies, all_reduce before each post-norm)."""
+    from tests.test_group import runners
+    whole, parts = runners(poot.load(tiny_gemma(tmp_path, arch)), group, kind, 32)
+    same_greedy(whole, parts, 24)

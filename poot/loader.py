@@ -51,6 +51,16 @@ class LoadedModel:
         self.chat_template = template and ChatTemplate(
             template, bos_token=self._token_text(self.tokenizer.bos_id),
             eos_token=self._token_text(min(self.tokenizer.eos_ids, default=None)))
+        # the token that ends a turn of the family's chat format ends generation (a family's
+        # optional END_OF_TURN), as llama.cpp ends generation on such tokens by their text; a
+        # vocabulary alone may name no family
+        try:
+            family = (gguf_family(self.path, self.file.metadata) if self.file.kind == "gguf"
+                      else hf_family(self.path, self.file.config or {}))
+        except ModelFileError:
+            family = None
+        ends = {self.tokenizer.token_to_id(t) for t in getattr(family, "END_OF_TURN", ())}
+        self.tokenizer.eos_ids = self.tokenizer.eos_ids | (ends - {None})
         if weights:
             self._read_weights()
 
@@ -76,10 +86,6 @@ class LoadedModel:
         self.freq_factors = (self.file.array(self._file_names[factors])
                              if factors in self._file_names else None)
         self.context_length = self.config.context_length
-        # the token that ends a turn of the family's chat format ends generation (a family's
-        # optional END_OF_TURN), as llama.cpp ends generation on such tokens by their text
-        ends = {self.tokenizer.token_to_id(t) for t in getattr(self.family, "END_OF_TURN", ())}
-        self.tokenizer.eos_ids = self.tokenizer.eos_ids | (ends - {None})
         self.step_graph(num_blocks=1, block_size=1)
 
     def _token_text(self, token):
@@ -91,8 +97,11 @@ class LoadedModel:
                 for name, file_name in self._file_names.items()}
 
     def weight_array(self, name):
-        """A weight dequantised to float32 (the reference interpreter's view of it)."""
-        return self.file.array(self._file_names[name])
+        """A weight dequantised to float32 (the reference interpreter's view of it), with the
+        values a GGUF file would hold (a family's hf_array: Gemma's norms as 1 + w)."""
+        array = self.file.array(self._file_names[name])
+        as_gguf = getattr(self.family, "hf_array", None)
+        return array if self.file.kind == "gguf" or as_gguf is None else as_gguf(name, array)
 
     def embedding(self, last_hidden):
         """A prompt's embedding (unit length) from its last token's final hidden state."""

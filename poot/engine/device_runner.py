@@ -21,11 +21,11 @@ import numpy as np
 
 from ..errors import ModelRefused
 from ..formats.quants import slice_raw
-from ..kernels import choice, matmul, mma_vec, ops
+from ..kernels import choice, matmul, mma_vec, ops, softcap
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from .kernel_choice import (ARGMAX_CHUNKS, MAX_SPLITS, SPLIT_MIN_CONTEXT, SPLIT_TOKENS,
-                            TWO_PHASE_FLOATS, KernelChoice, runs_mma, tiled_norm_x16,
-                            tiled_x16_format)
+                            TWO_PHASE_FLOATS, KernelChoice, attention_mods, runs_mma,
+                            tiled_norm_x16, tiled_x16_format)
 from .lowering import assign_slots, lower, next_matmul, normed_after, shared_buffers
 from . import placement
 from .device_choice import EDITS_PER_ROW, DeviceChoice
@@ -389,8 +389,14 @@ class DeviceRunner(DeviceChoice, StepRunner):
     # -- each kind of step: STEPS's issue methods (op, T, R, its index, long) ------------------
     def _embedding(self, op, T, R, i, long):
         table, ids = op.inputs
-        self._launch(ops.embedding(table.dtype), (T,), *self._weight_planes(table),
-                     self._buffer(ids), self._buffer(op.output), table.shape[1])
+        self._launch(ops.embedding(table.dtype, "scale" in op.attrs), (T,),
+                     *self._weight_planes(table), self._buffer(ids), self._buffer(op.output),
+                     table.shape[1], *([op.attrs["scale"]] if "scale" in op.attrs else []))
+
+    def _softcap(self, op, T, R, i, long):
+        n = int(np.prod(self._shape(op.output, T, R)))
+        self._launch(softcap.softcap(op.attrs["cap"]), (-(-n // ops.WG),),
+                     self._buffer(op.inputs[0]), self._buffer(op.output), n)
 
     def _rms_norm(self, op, T, R, i, long):
         shape = self._shape(op.inputs[0], T, R)
@@ -468,11 +474,12 @@ class DeviceRunner(DeviceChoice, StepRunner):
         heads, kv_heads = q.shape[1], kc.shape[2]
         cache = (B(kc), B(vc), B(positions), B(seq_rows), B(tables_t), heads,
                  kv_heads, self.table_width, self.block_size, op.attrs["scale"])
-        shared = self.choice.attention_heads(T, heads, kv_heads)
-        tiles = self.choice.attention_tiles(heads, kv_heads)
+        shared, mods = self.choice.attention_heads(T, heads, kv_heads), attention_mods(op)
+        tiles = self.choice.attention_tiles(heads, kv_heads, **mods)
         if self._splits_attention(T):
             splits, partials = self.attention_splits, self.buffers["attention_partials"]
-            self._launch(ops.attention_split(sg, head_dim, shared), (T * heads // shared, splits),
+            self._launch(ops.attention_split(sg, head_dim, shared, **mods),
+                         (T * heads // shared, splits),
                          B(q), partials, *cache, self.split_tokens)
             self._launch(ops.attention_combine(head_dim), (T * heads,), partials, B(out), splits)
         elif T > R and tiles and any(taken := self._tiled_tokens(T)):
@@ -480,10 +487,10 @@ class DeviceRunner(DeviceChoice, StepRunner):
                                  heads // ops.attention_tile_heads(heads, kv_heads)),
                          B(q), B(out), *cache, T)
             if not all(taken):
-                self._launch(ops.attention(sg, head_dim, shared, untiled=True),
+                self._launch(ops.attention(sg, head_dim, shared, untiled=True, **mods),
                              (T * heads // shared,), B(q), B(out), *cache, T)
         else:
-            self._launch(ops.attention(sg, head_dim, shared), (T * heads // shared,),
+            self._launch(ops.attention(sg, head_dim, shared, **mods), (T * heads // shared,),
                          B(q), B(out), *cache)
 
     def _gather(self, op, T, R, i, long):
@@ -753,8 +760,11 @@ def _one(make):
 
 
 STEPS = {
-    "embedding": StepKind(_one(lambda r, op: ops.embedding(op.inputs[0].dtype)),
+    "embedding": StepKind(_one(lambda r, op: ops.embedding(op.inputs[0].dtype,
+                                                           "scale" in op.attrs)),
                           DeviceRunner._embedding),
+    "softcap": StepKind(_one(lambda r, op: softcap.softcap(op.attrs["cap"])),
+                        DeviceRunner._softcap),
     "rms_norm": StepKind(_one(lambda r, op: ops.rms_norm(r.device.subgroup_size)),
                          DeviceRunner._rms_norm),
     "matmul": StepKind(lambda r, steps, i, long: r.choice.matmul_kernels(

@@ -84,6 +84,12 @@ def runs_mma(graph, caps):
     return bool(dtypes) and all(matmul.mma_tiled(d).caps <= caps for d in dtypes)
 
 
+def attention_mods(op):
+    """The attributes of an attention op its kernels are built with (a sliding `window`, a
+    `softcap`: kernels/softcap.py), where the op has them."""
+    return {key: op.attrs[key] for key in ("window", "softcap") if key in op.attrs}
+
+
 class KernelChoice:
     """The kernels of one runner's lowered steps on its device. Choices are made once for each
     weight shape and variant (the layers repeat them; a plan builds a runner for each of its
@@ -275,13 +281,14 @@ class KernelChoice:
             for kernel in self.mma_kernels(op, launch, after, n)]
 
     # ---- attention ----------------------------------------------------------------------------
-    def attention_tiles(self, heads, kv_heads):
+    def attention_tiles(self, heads, kv_heads, **mods):
         """The tensor-core attention of steps with prompt tokens (ops.attention_tiles), or None
-        where the device lacks its instructions or the head size does not suit it."""
+        where the device lacks its instructions or the head size does not suit it. `mods`:
+        the step's attention_mods."""
         head_dim = self.model.config.head_dim
         if head_dim % 16 or head_dim > 256:
             return None
-        kernel = ops.attention_tiles(head_dim, ops.attention_tile_heads(heads, kv_heads))
+        kernel = ops.attention_tiles(head_dim, ops.attention_tile_heads(heads, kv_heads), **mods)
         return kernel if kernel.caps <= self.device.caps else None
 
     def attention_heads(self, T, heads, kv_heads):
@@ -301,9 +308,10 @@ class KernelChoice:
         sg, head_dim = self.device.subgroup_size, self.model.config.head_dim
         heads, kv_heads = op.inputs[0].shape[1], op.inputs[1].shape[2]
         shares = {1, self.attention_heads(self.max_tokens, heads, kv_heads)}
-        tiles = self.attention_tiles(heads, kv_heads)
+        mods = attention_mods(op)
+        tiles = self.attention_tiles(heads, kv_heads, **mods)
         return [kernel for shared in sorted(shares) for kernel in (
-            [ops.attention(sg, head_dim, shared)]
-            + ([ops.attention(sg, head_dim, shared, untiled=True)] if tiles else [])
-            + ([ops.attention_split(sg, head_dim, shared)] if split else []))] + \
+            [ops.attention(sg, head_dim, shared, **mods)]
+            + ([ops.attention(sg, head_dim, shared, untiled=True, **mods)] if tiles else [])
+            + ([ops.attention_split(sg, head_dim, shared, **mods)] if split else []))] + \
             ([ops.attention_combine(head_dim)] if split else []) + ([tiles] if tiles else [])

@@ -14,7 +14,7 @@ import numpy as np
 # The operations a graph may use, with what each computes (the reference interpreter is the
 # executable definition).
 OPS = {
-    "embedding":  "out[t] = table[ids[t]]",
+    "embedding":  "out[t] = table[ids[t]] * scale   (scale 1 unless given: Gemma's sqrt(d_model))",
     "rms_norm":   "out = x / sqrt(mean(x*x, last axis) + eps) * weight",
     "matmul":     "out[n, m] = sum_k x[n, k] * w[m, k]   (w in its storage dtype)",
     "add":        "out = a + b   (b broadcast over leading axes)",
@@ -22,9 +22,11 @@ OPS = {
     "rope":       "rotate pairs of x[t, h, :] by positions[t] * inv_freq (normal or neox pairing), "
                   "the rotated pairs times scale",
     "store_kv":   "write k, v of each token into its paged cache slot",
-    "attention":  "causal attention of q over the paged cache of its sequence, grouped KV heads",
+    "attention":  "causal attention of q over the paged cache of its sequence, grouped KV heads; "
+                  "optionally only the last `window` positions, scores soft-capped at `softcap`",
     "glu":        "out = activation(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU)",
     "gather":     "out[r] = x[index[r]]",
+    "softcap":    "out = tanh(x / cap) * cap   (Gemma 2's final logits)",
     "all_reduce": "out = the sum of x over the devices of a group (each holds a partial sum)",
     "all_gather": "out = the concatenation along the last axis of x over the devices of a group, "
                   "in the group's order (each holds a slice, the slices' lengths may differ)",
@@ -129,8 +131,10 @@ class Graph:
         self.ops.append(Op(kind, tuple(inputs), out, dict(attrs or {})))
         return out
 
-    def embedding(self, table, ids):
-        return self._op("embedding", (table, ids), (ids.shape[0], table.shape[1]))
+    def embedding(self, table, ids, scale=1.0):
+        """Rows of `table`; a `scale` other than 1 multiplies them (an attribute only then)."""
+        attrs = {} if scale == 1.0 else {"scale": float(scale)}
+        return self._op("embedding", (table, ids), (ids.shape[0], table.shape[1]), attrs)
 
     def rms_norm(self, x, weight, eps):
         if x.shape[-1] != weight.shape[0]:
@@ -165,9 +169,18 @@ class Graph:
         self.ops.append(op)
         return k_cache
 
-    def attention(self, q, k_cache, v_cache, positions, seq_rows, block_tables, scale):
+    def attention(self, q, k_cache, v_cache, positions, seq_rows, block_tables, scale,
+                  window=0, softcap=0.0):
+        """`window` > 0: a token at position p attends to positions p - window + 1 .. p only
+        (sliding-window layers); `softcap` > 0: each scaled score s becomes
+        tanh(s / softcap) * softcap before the softmax. Either is an attribute only when used."""
+        attrs = {"scale": float(scale)}
+        if window:
+            attrs["window"] = int(window)
+        if softcap:
+            attrs["softcap"] = float(softcap)
         return self._op("attention", (q, k_cache, v_cache, positions, seq_rows, block_tables),
-                        q.shape, {"scale": float(scale)})
+                        q.shape, attrs)
 
     def glu(self, gate, up, activation):
         """A gated linear unit: activation(gate) * up, of an activation in ACTIVATIONS."""
@@ -177,6 +190,9 @@ class Graph:
 
     def gather(self, x, index):
         return self._op("gather", (x, index), (index.shape[0],) + x.shape[1:])
+
+    def softcap(self, x, cap):
+        return self._op("softcap", (x,), x.shape, {"cap": float(cap)})
 
     def all_reduce(self, x, world):
         return self._op("all_reduce", (x,), x.shape, {"world": int(world)})

@@ -93,8 +93,8 @@ def all_gather(parts):
 COLLECTIVES = {"all_reduce": all_reduce, "all_gather": all_gather}
 
 
-def embedding(table, ids):
-    return table[ids]
+def embedding(table, ids, scale=1.0):
+    return table[ids] * np.float32(scale)
 
 
 def rms_norm(x, weight, eps):
@@ -151,8 +151,11 @@ def store_kv(k, v, k_cache, v_cache, positions, seq_rows, block_tables):
     return k_cache
 
 
-def attention(q, k_cache, v_cache, positions, seq_rows, block_tables, scale):
-    """Each token attends to positions 0..its own of its sequence; KV heads serve H/Hkv heads."""
+def attention(q, k_cache, v_cache, positions, seq_rows, block_tables, scale, window=0,
+              softcap=0.0):
+    """Each token attends to positions 0..its own of its sequence (with a `window`, only the
+    last `window` of them); KV heads serve H/Hkv heads; a `softcap` bounds the scaled scores
+    smoothly to (-softcap, softcap)."""
     n_tokens, n_heads, head_dim = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
@@ -166,7 +169,11 @@ def attention(q, k_cache, v_cache, positions, seq_rows, block_tables, scale):
         keys = np.repeat(keys, group, axis=1).transpose(1, 2, 0)             # [H, D, L]
         values = np.repeat(values, group, axis=1).transpose(1, 0, 2)         # [H, L, D]
         scores = (q[mine].transpose(1, 0, 2) @ keys) * scale                # [H, t, L]
+        if softcap:
+            scores = capped(scores, softcap)
         causal = np.arange(length)[None, :] > positions[mine][:, None]       # [t, L]
+        if window:
+            causal |= np.arange(length)[None, :] <= positions[mine][:, None] - window
         scores[:, causal] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         weights = np.exp(scores)
@@ -190,8 +197,12 @@ def gather(x, index):
     return x[index]
 
 
+def capped(x, cap):
+    return (np.tanh(x / cap) * cap).astype(np.float32)
+
+
 KERNELS = {
     "embedding": embedding, "rms_norm": rms_norm, "matmul": matmul, "add": add,
     "reshape": reshape, "rope": rope, "store_kv": store_kv, "attention": attention,
-    "glu": glu, "gather": gather,
+    "glu": glu, "gather": gather, "softcap": capped,
 }

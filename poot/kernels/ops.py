@@ -12,6 +12,7 @@ import struct
 from functools import cache
 
 from . import activations
+from .softcap import capped, first_key, sees, suffix, window_start
 from .lang import F16, F32, I32, U32, KernelBuilder
 from .quant import reader
 
@@ -92,18 +93,20 @@ def gather_rows():
 
 
 @cache
-def embedding(dtype):
-    """out[t, :] = table[ids[t], :] from the table's device planes; grid (T)."""
+def embedding(dtype, scaled=False):
+    """out[t, :] = table[ids[t], :] from the table's device planes (`scaled`: times a further
+    scalar, the graph's scale); grid (T)."""
     r = reader(dtype)
-    k = KernelBuilder(f"embedding_{dtype.lower()}", (WG,))
+    k = KernelBuilder(f"embedding_{dtype.lower()}" + "_scaled" * scaled, (WG,))
     buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
     ids, out = k.buffer("ids", I32), k.buffer("out", F32, "w")
     cols = k.scalar("cols", I32)
+    scale = k.scalar("scale", F32) if scaled else None
     t = k.block_id()
     row = ids[t]
     with k.for_(k.thread_id(), cols // r.block_elems, WG) as block:
         for j, v in enumerate(r.decode(k, buf, row, block, cols)):
-            out[t * cols + block * r.block_elems + j] = v
+            out[t * cols + block * r.block_elems + j] = v if scale is None else v * scale
     return k.build()
 
 
@@ -291,13 +294,14 @@ def _attention_params(k, out):
     return (*buffers, *scalars, k.scalar("scale", F32))
 
 
-def _attention(subgroup_size, head_dim, split, heads, untiled=False):
+def _attention(subgroup_size, head_dim, split, heads, untiled=False, window=0, softcap=0.0):
     """The body of both attention kernels: the subgroups of one workgroup share the keys
     [lo, hi) of its token and `heads` query heads of one KV head, each subgroup taking
     KEYS_PER_ROUND consecutive keys a round (every head scoring the same K and V rows), with
     its own running max and sum per head (see `attention`); the subgroups' sums are then
     combined and either normalised (split=False: lo, hi = 0, L) or written as the partials of
-    split block_id(1) (split=True)."""
+    split block_id(1) (split=True). A `window` starts the keys at window_start, a `softcap`
+    caps each score (kernels/softcap.py)."""
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim}: even")
     half, sg = head_dim // 2, subgroup_size
@@ -306,7 +310,7 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False):
     rounds = KEYS_PER_ROUND
     name = "attention_split" if split else "attention"
     k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}" + f"_h{heads}" * (heads > 1)
-                      + "_untiled" * untiled, (WG,))
+                      + "_untiled" * untiled + suffix(window, softcap), (WG,))
     q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
         block_size, scale = _attention_params(k, "partials" if split else "out")
     split_tokens = k.scalar("split_tokens", I32) if split else None
@@ -327,6 +331,8 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False):
         hi = k.min(lo + split_tokens, length)
     else:
         lo, hi = 0, length
+    if window:
+        lo = k.max(window_start(k, length - 1, window), lo)
     row = seq_rows[t]
     # lane's words of a key row: lane, lane + sg, ...; past half (a wide subgroup, a small head)
     # a lane reads word 0 and weighs it nothing
@@ -358,6 +364,7 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False):
                 for (qa, qb), (ka, kb) in zip(qv[hh], kw[u]):
                     dot = k.fma(ka, qa, kb * qb if dot is None else k.fma(kb, qb, dot))
                 score = k.subgroup_add(dot)
+                score = capped(k, score, softcap) if softcap else score
                 scores.append(score if u == 0 else k.select(j0 + u < hi, score, LOWEST))
             new_max = running_max[hh].get()
             for score in scores:
@@ -446,7 +453,7 @@ def attention_tile_heads(n_heads, n_kv_heads):
 
 
 @cache
-def attention_tiles(head_dim, heads):
+def attention_tiles(head_dim, heads, window=0, softcap=0.0):
     """The tiles of `attention` on the tensor cores (flash attention; fragment_load and mma,
     f16 operands, f32 sums): workgroup (i, g) takes the step's tokens 16 i.. (ATTENTION_TILE)
     where tiled_token_tile says they are two or more of one sequence, and `heads` query heads
@@ -457,11 +464,14 @@ def attention_tiles(head_dim, heads):
     O += P V with P the scores' exponentials rounded to f16 (the accumulator of S is the A
     operand of P V as it lies), V by transposed fragment loads. out as `attention` writes it;
     the other tiles are left to attention(untiled=True). head_dim a multiple of 16, at most 256.
+    A `window` starts the rounds at the tile's first window_start and masks the keys before
+    each token's, a `softcap` caps the scores (kernels/softcap.py).
     grid (ceil(T / ATTENTION_TILE), n_heads / heads)."""
     if head_dim % 16 or head_dim > 256:
         raise ValueError(f"attention_tiles: head_dim {head_dim} is no multiple of 16 up to 256")
     half, row_words = head_dim // 2, head_dim // 2 + 4     # rows padded: ldmatrix's 8 rows
-    k = KernelBuilder(f"attention_tiles_d{head_dim}_h{heads}", (32 * heads,))
+    k = KernelBuilder(f"attention_tiles_d{head_dim}_h{heads}" + suffix(window, softcap),
+                      (32 * heads,))
     q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
         block_size, scale = _attention_params(k, "out")
     n_tokens = k.scalar("n_tokens", I32)
@@ -481,6 +491,8 @@ def attention_tiles(head_dim, heads):
     g, quad = lane >> 2, lane & 3
     tokens = [k.min(t0 + g, t_last), k.min(t0 + g + 8, t_last)]     # the lane's two rows
     limits = [positions[t] for t in tokens]
+    first = window and first_key(
+        k, [positions[k.min(t0 + i, t_last)] for i in range(ATTENTION_TILE)], window)
     qa = []                     # A of S: q * scale rounded, k16 step s
     for s in range(head_dim // 16):
         words = []
@@ -492,7 +504,7 @@ def attention_tiles(head_dim, heads):
     running_sum = [k.var(F32, 0.0) for _ in range(2)]
     acc = [[k.var(F32, 0.0) for _ in range(4)] for _ in range(head_dim // 8)]
     parts = KEY_BLOCK * half // 4                           # 16-byte parts of a round's rows
-    with k.for_(0, last + 1, KEY_BLOCK) as j0:
+    with k.for_(first, last + 1, KEY_BLOCK) as j0:
         k.barrier()                                         # the last round is done with them
         for p in range(-(-parts // (32 * heads))):
             i = tid + p * 32 * heads
@@ -521,7 +533,8 @@ def attention_tiles(head_dim, heads):
                     scores[n] = k.mma(F16, qa[s], b, [k.coerce(v, F32) for v in scores[n]])
         # masks: key j0 + 8 n + 2 quad + e % 2 of row e // 2
         for n in range(KEY_BLOCK // 8):
-            scores[n] = [k.select(j0 + 8 * n + 2 * quad + e % 2 <= limits[e // 2], v, LOWEST)
+            scores[n] = [k.select(sees(j0 + 8 * n + 2 * quad + e % 2, limits[e // 2], window),
+                                  capped(k, v, softcap) if softcap else v, LOWEST)
                          for e, v in enumerate(scores[n])]
         corrections, probs = [], [[None] * 4 for _ in scores]
         for r in range(2):
@@ -533,7 +546,7 @@ def attention_tiles(head_dim, heads):
             total = None
             for n in range(KEY_BLOCK // 8):
                 for e in (2 * r, 2 * r + 1):
-                    keep = j0 + 8 * n + 2 * quad + e % 2 <= limits[r]
+                    keep = sees(j0 + 8 * n + 2 * quad + e % 2, limits[r], window)
                     probs[n][e] = k.select(keep, k.exp(scores[n][e] - top), 0.0)
                     total = probs[n][e] if total is None else total + probs[n][e]
             total = total + k.shuffle_xor(total, 1)
@@ -565,7 +578,7 @@ def attention_tiles(head_dim, heads):
 
 
 @cache
-def attention(subgroup_size, head_dim, heads=1, untiled=False):
+def attention(subgroup_size, head_dim, heads=1, untiled=False, window=0, softcap=0.0):
     """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
     f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
     token and `heads` query heads of one KV head (attention_heads: they read its K and V rows
@@ -574,19 +587,20 @@ def attention(subgroup_size, head_dim, heads=1, untiled=False):
     lane holding the same few words of q, K and V rows (a subgroup sum gives a key's score);
     each subgroup keeps its own running max, sum and weighted sum of values for each head, and
     the subgroups' are combined at the end. grid (T * n_heads / heads). `untiled`: the tokens
-    attention_tiles takes (tiled_token_tile; a further scalar n_tokens) are left to it."""
-    return _attention(subgroup_size, head_dim, False, heads, untiled)
+    attention_tiles takes (tiled_token_tile; a further scalar n_tokens) are left to it.
+    `window`, `softcap`: the graph's attention attributes (kernels/softcap.py)."""
+    return _attention(subgroup_size, head_dim, False, heads, untiled, window, softcap)
 
 
 @cache
-def attention_split(subgroup_size, head_dim, heads=1):
+def attention_split(subgroup_size, head_dim, heads=1, window=0, softcap=0.0):
     """The first half of split attention (flash decoding), for when the one-pass workgroups
     would leave the device idle: workgroup (t, heads h.., s) scans keys [s * split_tokens,
     min((s + 1) * split_tokens, L)) as `attention` does and writes, unnormalised,
     partials[t, h, s] = (sum_j p_j V_j [head_dim], m, l), m = the range's largest score,
     p_j = exp(score_j - m), l = sum_j p_j. A split past L writes (0..., lowest f32, 0), which
     weighs nothing in `attention_combine`. grid (T * n_heads / heads, splits)."""
-    return _attention(subgroup_size, head_dim, True, heads)
+    return _attention(subgroup_size, head_dim, True, heads, window=window, softcap=softcap)
 
 
 @cache

@@ -1,10 +1,12 @@
-"""Llama- and Phi-3-shaped GGUF files with random weights, for tests and benchmarks on machines
-with no network: tiny ones for fast end-to-end tests, Llama-3.2-1B and Llama-3.1-8B shapes for
-speed.
+"""Llama-, Phi-3- and Gemma-shaped GGUF files with random weights, for tests and benchmarks on
+machines with no network: tiny ones for fast end-to-end tests, Llama-3.2-1B and Llama-3.1-8B
+shapes for speed.
 
-The tokenizer is a real byte-level BPE (every byte a token, plus merges learnt from a short
-text) with ChatML special tokens and template, so generated files run everywhere a real model
-runs. Weights are drawn so activations stay of order one through the layers.
+A Llama's tokenizer is a real byte-level BPE (every byte a token, plus merges learnt from a
+short text) with ChatML special tokens and template; a Gemma's a real SentencePiece BPE with
+Gemma's conventions (byte fallback, no space prefix, <start_of_turn>/<end_of_turn> and its turn
+template). Generated files run everywhere a real model runs. Weights are drawn so activations
+stay of order one through the layers.
 """
 from collections import Counter
 from dataclasses import dataclass
@@ -199,6 +201,111 @@ def write_random_phi3(path, shape="tiny", dtype="F16", seed=0, longrope=False, r
     specs.append(("output_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)))
     if not tied:
         specs.append(("output.weight", dtype, RandomArray((s.vocab_size, s.d_model))))
+    for index, (_, _, values) in enumerate(specs):
+        values.seed = (seed, index)
+    write_gguf(path, meta, specs)
+    return path
+
+
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + "
+                  "('model' if message['role'] == 'assistant' else message['role']) + '\\n' + "
+                  "message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>",
+                  "<end_of_turn>"]
+
+
+def sentencepiece_vocab(vocab_size, n_merges=40):
+    """Gemma-style SentencePiece BPE pieces: specials, the 256 byte-fallback tokens <0xXX>,
+    the corpus's characters (spaces spelled '▁', no space prefixed), then merged pairs;
+    (tokens, scores, GGUF token types). A merge's score is minus its rank: higher merges
+    first."""
+    words = [list(w) for w in CORPUS.replace(" ", "▁").split("▁")]
+    words = [(["▁"] if i else []) + w for i, w in enumerate(words) if w]
+    tokens = GEMMA_SPECIALS + [f"<0x{b:02X}>" for b in range(256)]
+    types = [3, 3, 3, 2, 3, 3, 3] + [6] * 256
+    chars = sorted({c for w in words for c in w})
+    tokens += chars
+    types += [1] * len(chars)
+    scores = [0.0] * (len(tokens) - len(chars)) + [-1e6] * len(chars)
+    for rank in range(n_merges):
+        pairs = Counter(p for w in words for p in zip(w, w[1:]))
+        if not pairs:
+            break
+        (a, b), _ = pairs.most_common(1)[0]
+        tokens.append(a + b)
+        types.append(1)
+        scores.append(-float(rank))
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == (a, b):
+                    w[i:i + 2] = [a + b]
+                i += 1
+    n = vocab_size - len(tokens)
+    if n < 0:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the SentencePiece base")
+    return (tokens + [f"<unused{i}>" for i in range(n)], scores + [0.0] * n, types + [5] * n)
+
+
+GEMMA_SHAPES = {"gemma2": dict(n_layers=3, attn_softcap=5.0, final_softcap=10.0),
+                "gemma3": dict(n_layers=6, rope_scaling=4.0)}   # five sliding, one global
+
+
+def write_random_gemma(path, arch="gemma2", dtype="F16", seed=0, d_model=64, n_heads=4,
+                       n_kv_heads=2, head_dim=32, d_ff=128, vocab_size=400, window=8):
+    """Writes a tiny random Gemma 2 or 3 (`arch`) as llama.cpp's converter writes one: norms
+    as 1 + w (drawn around 1), the embedding table as the output head, Gemma 2's soft-caps,
+    Gemma 3's q/k norms and global layers' rope scaling; a sliding `window` short enough for
+    tests to cross. Matrices in `dtype`, norms in F32."""
+    shape = GEMMA_SHAPES[arch]
+    n_layers = shape["n_layers"]
+    tokens, scores, types = sentencepiece_vocab(vocab_size)
+    meta = {
+        "general.architecture": arch, "general.name": f"random-{arch}",
+        f"{arch}.block_count": n_layers, f"{arch}.context_length": 512,
+        f"{arch}.embedding_length": d_model, f"{arch}.feed_forward_length": d_ff,
+        f"{arch}.attention.head_count": n_heads, f"{arch}.attention.head_count_kv": n_kv_heads,
+        f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+        f"{arch}.attention.sliding_window": window,
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.chat_template": GEMMA_TEMPLATE,
+    }
+    if arch == "gemma2":
+        meta[f"{arch}.attn_logit_softcapping"] = shape["attn_softcap"]
+        meta[f"{arch}.final_logit_softcapping"] = shape["final_softcap"]
+    else:
+        meta[f"{arch}.rope.freq_base"] = 1000000.0
+        meta[f"{arch}.rope.scaling.type"] = "linear"
+        meta[f"{arch}.rope.scaling.factor"] = shape["rope_scaling"]
+
+    def norm(name, n):
+        return (name, "F32", RandomArray((n,), 0.1, 1.0))
+
+    # the embedding, times sqrt(d_model) in the graph, of unit scale there
+    specs = [("token_embd.weight", dtype, RandomArray((vocab_size, d_model), 1.0))]
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        specs += [norm(p + "attn_norm.weight", d_model),
+                  (p + "attn_q.weight", dtype, RandomArray((n_heads * head_dim, d_model))),
+                  (p + "attn_k.weight", dtype, RandomArray((n_kv_heads * head_dim, d_model))),
+                  (p + "attn_v.weight", dtype, RandomArray((n_kv_heads * head_dim, d_model))),
+                  (p + "attn_output.weight", dtype, RandomArray((d_model, n_heads * head_dim))),
+                  norm(p + "post_attention_norm.weight", d_model),
+                  norm(p + "ffn_norm.weight", d_model),
+                  (p + "ffn_gate.weight", dtype, RandomArray((d_ff, d_model))),
+                  (p + "ffn_up.weight", dtype, RandomArray((d_ff, d_model))),
+                  (p + "ffn_down.weight", dtype, RandomArray((d_model, d_ff))),
+                  norm(p + "post_ffw_norm.weight", d_model)]
+        if arch == "gemma3":
+            specs += [norm(p + "attn_q_norm.weight", head_dim),
+                      norm(p + "attn_k_norm.weight", head_dim)]
+    specs.append(norm("output_norm.weight", d_model))
     for index, (_, _, values) in enumerate(specs):
         values.seed = (seed, index)
     write_gguf(path, meta, specs)

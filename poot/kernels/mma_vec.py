@@ -119,7 +119,9 @@ def shape(dtype, rows, cols, multiprocessors, token_tiles=1):
     split = 1
     while split < WORKGROUP // SUBGROUP and grid(rows, 1, tiles, split)[0] < 1.5 * multiprocessors:
         split *= 2
-    return dict(tiles=tiles, split=split, unroll=2,
+    # the IQ4 formats' code lookups take the registers of a second group's loads (ptxas spills
+    # hundreds of bytes of a gated unit's with two): one group a round
+    return dict(tiles=tiles, split=split, unroll=1 if dtype in ("IQ4_NL", "IQ4_XS") else 2,
                 chains=2 if dtype == "Q4_0" and token_tiles == 1 else 1,
                 pipeline=grid(rows, 1, tiles, split)[0] < multiprocessors and rounds(split) >= 2,
                 token_tiles=token_tiles)

@@ -349,21 +349,26 @@ def _q2_k(k, words, unit):
     return segments
 
 
-# IQ4_VALUES as signed bytes, four a word
-IQ4_WORDS = [int.from_bytes(IQ4_VALUES[i:i + 4].tobytes(), "little") for i in range(0, 16, 4)]
+# IQ4_VALUES[i] = 16 i - 12 (i // 8) - 127 + c_i, c_i in 0..14: the c_i, 4 bits each, of codes
+# 0..7 in one word and of 8..15 in another (a lookup of one select and shifts, fewer registers
+# than one among four words of the values themselves)
+IQ4_OFFSETS = [sum((int(IQ4_VALUES[8 * h + j]) - 16 * (8 * h + j) + 12 * h + 127) << (4 * j)
+                   for j in range(8)) for h in range(2)]
 
 
 def _iq4(k, words):
     """The IQ4_VALUES of the codes in 4 words (nibbles as Q4_0's: low ones values 0..15), as
-    f32: the code's byte of a word of IQ4_WORDS, chosen by selects, as a signed byte."""
-    table = [k.const(w, U32) for w in IQ4_WORDS]
+    f32, by IQ4_OFFSETS."""
     out = []
     for shift in (0, 4):
         for w in words:
             for e in range(4):
                 code = (w >> (8 * e + shift)) & 0xF
-                word = _pick(k, code >> 2, table)
-                out.append(_small_int(word >> ((code & 3) << 3), 0xFF, 128))
+                high = code >> 3
+                offsets = k.select(high.eq(0), k.const(IQ4_OFFSETS[0], U32),
+                                   k.const(IQ4_OFFSETS[1], U32))
+                bits = (code << 4) - high * 12 + ((offsets >> ((code & 7) << 2)) & 0xF)
+                out.append(_small_int(bits, 0xFF, 127))
     return out
 
 

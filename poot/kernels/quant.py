@@ -6,7 +6,9 @@ aligned 32-bit loads (wgpu's shader translator has no 8- or 16-bit storage): eac
 format's block (scales, quants, high bits...) goes to its own plane, each row of a plane padded
 to whole words. `planes(dtype, raw)` makes them on the host from the file's bytes; a
 `BlockReader` emits the kernel code that turns one unit of a row (8 to 64 values) into float32
-values. Both follow the ggml block definitions (see poot/formats/quants.py).
+values. Both follow the ggml block definitions (see poot/formats/quants.py). Formats beyond the
+first eight are one entry each of UNIT_FORMATS (below): the words a unit of 32 values loads and
+how they become values and scales, which every weight-reading kernel takes from the reader.
 """
 from dataclasses import dataclass
 from typing import Callable

@@ -865,6 +865,18 @@ def test_mixed_dtypes_fuse_what_shares_a_dtype(tmp_path, device):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
+def test_k_quant_mix_with_q5_0_layers_matches_reference(tmp_path, device):
+    """A Q5_K_M / Gemma-3-Q4_K_M-like mix of the formats read through quant.UNIT_FORMATS beside
+    the older ones: Q5_K matrices, v in Q6_K, down in Q5_0, up in Q4_K."""
+    mixed = (("attn_v", "Q6_K"), ("ffn_down", "Q5_0"), ("ffn_up", "Q4_K"))
+    model = poot.load(tiny_model(tmp_path, dtype="Q5_K", mixed=mixed))
+    table = list(np.random.default_rng().permutation(32))
+    want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
+    got_ids, got = greedy(model.runner(device, num_blocks=32), [5, 80, 9, 41], 12, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
 @pytest.mark.parametrize("k", [5, 20])
 def test_forced_rows_score_their_token_from_candidates_or_the_row_read_back(device,
                                                                              monkeypatch, k):

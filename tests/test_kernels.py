@@ -192,7 +192,7 @@ MMA_SHAPES_BLOCK32 = [(130, 200, 96)]
 def mma_shapes(dtype):
     if dtype in ("F32", "F16", "BF16"):
         return MMA_SHAPES + MMA_SHAPES_FLOAT
-    return MMA_SHAPES + (MMA_SHAPES_BLOCK32 if dtype in ("Q8_0", "Q4_0", "Q4_1") else [])
+    return MMA_SHAPES + (MMA_SHAPES_BLOCK32 if QUANTS[dtype].block_elems == 32 else [])
 
 
 def check_mma(got, x, dense, r, dtype, where):
@@ -285,8 +285,7 @@ def test_mma_tiled_matmul(cuda_device, dtype, variant):
 
 def split_cols_of(dtype):
     """Column counts for split cases: one that ends mid-step where the format's blocks allow."""
-    return {"F32": 1032, "F16": 1032, "BF16": 1032, "Q8_0": 1056, "Q4_0": 1056,
-            "Q4_1": 1056}.get(dtype, 1280)
+    return {1: 1032, 32: 1056}.get(QUANTS[dtype].block_elems, 1280)
 
 
 def split_mma(device, dtype, launch, w_planes, x, r, rows, cols, variant=None):

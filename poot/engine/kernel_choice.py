@@ -11,6 +11,7 @@ behind each constant are in docs/benchmarks.md. Nothing here allocates or launch
 import math
 from collections import Counter
 
+from ..formats.quants import QUANTS
 from ..kernels import matmul, mma_vec, ops
 from ..kernels.lang import WGMMA
 from .lowering import part_rows
@@ -71,9 +72,9 @@ def matvec_rows(dtype, group, matrices=1):
     gate/up SwiGLU) for one token, so that each x value it loads serves them all: two for float
     weights, four for the 32-value block quants (a block's 18-34 bytes would otherwise ask for
     128 bytes of x), two of each matrix for their SwiGLU (four spill registers on RDNA); the K
-    quants keep one, their decoding leaves no registers for more. Several tokens (group > 1)
-    already share each row's loads: one row."""
-    if group > 1 or dtype in ("Q4_K", "Q6_K"):
+    quants (256-value super-blocks) keep one, their decoding leaves no registers for more.
+    Several tokens (group > 1) already share each row's loads: one row."""
+    if group > 1 or QUANTS[dtype].block_elems == 256:
         return 1
     return 2 if dtype in ("F32", "F16", "BF16") else 4 // matrices
 

@@ -16,7 +16,6 @@ import pytest
 import poot
 from poot.formats import open_model
 from poot.formats.gguf import GGUFFile
-from poot.ir.reference import ReferenceInterpreter
 from poot.models import gemma, hf_family
 from tests.models import tiny_gemma
 from tests.test_device_runner import greedy, prefill_of, split_runner, step

@@ -298,10 +298,10 @@ class DeviceRunner(StepRunner):
         _, parts = self.stacked.get(t.name, (t, (t,)))
         each = []
         for p in parts:
-            info = self.model.file.tensors[self.model._file_names[p.name]]
-            raw = self.model.file.raw(info.name)
+            raw = self.model.weight_raw(p.name)
             if p.name in self.graph.slices:
-                raw = slice_raw(p.dtype, raw, info.shape, *self.graph.slices[p.name])
+                shape = self.model.weight_shapes()[p.name][0]
+                raw = slice_raw(p.dtype, raw, shape, *self.graph.slices[p.name])
             each.append(planes(p.dtype, raw, p.shape))
         if len(each) == 1:
             return each[0]

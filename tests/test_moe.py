@@ -1,0 +1,163 @@
+"""Mixtures of experts (Mixtral, Qwen3-MoE), interpreted by the reference, against Hugging Face
+transformers.
+
+Tiny random models of each are built with transformers, saved as safetensors (one tensor per
+expert, which the loader stacks) and copied into GGUF files (the experts stacked as llama.cpp's
+converter writes them); both give transformers' logits, and both formats' configs agree.
+"""
+import numpy as np
+import pytest
+
+from poot.errors import ModelFileError
+from poot.formats import open_model
+from poot.formats.gguf import GGUFFile, write_gguf
+from poot.ir import reference
+from poot.loader import hf_weight_names
+from poot.models import llama
+from tests.test_llama import Harness, hf_logits, permute_for_gguf, rel_err
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+
+
+def hf_moe(tmp_path, kind, **extra):
+    """A random transformers model of `kind` (mixtral or qwen3moe), saved to a folder."""
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=False, num_experts_per_tok=2)
+    if kind == "mixtral":
+        common.update(intermediate_size=96, num_local_experts=4)
+        config, cls = transformers.MixtralConfig, transformers.MixtralForCausalLM
+    else:
+        common.update(intermediate_size=128, moe_intermediate_size=32, num_experts=6,
+                      head_dim=32)
+        config, cls = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+    common.update(extra)
+    model = cls(config(**common)).eval()
+    with torch.no_grad():                     # norms away from 1, routers decisive
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+            elif name.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+    folder = tmp_path / kind
+    model.save_pretrained(folder, safe_serialization=True)
+    return model, folder
+
+
+def from_folder(folder):
+    f = open_model(folder)
+    names = hf_weight_names(folder, llama, f.tensors)
+    cfg = llama.config_from_hf(folder, f.config)
+
+    def weight(name):
+        parts = names[name]
+        return np.stack([f.array(n) for n in parts]) if isinstance(parts, tuple) else f.array(parts)
+    shapes = {g: (weight(g).shape, "F32") for g in names}
+    return cfg, shapes, weight
+
+
+def to_gguf(path, folder, cfg):
+    """The folder's model as a GGUF file: llama's q/k rows permuted, experts stacked."""
+    _, _, weight = from_folder(folder)
+    names = hf_weight_names(folder, llama, open_model(folder).tensors)
+    tensors = []
+    for g in names:
+        w = weight(g)
+        if cfg.arch == "llama" and g.endswith("attn_q.weight"):
+            w = permute_for_gguf(w, cfg.n_heads)
+        elif cfg.arch == "llama" and g.endswith("attn_k.weight"):
+            w = permute_for_gguf(w, cfg.n_kv_heads)
+        tensors.append((g, "F32", w))
+    a = cfg.arch
+    meta = {"general.architecture": a, f"{a}.block_count": cfg.n_layers,
+            f"{a}.context_length": 256, f"{a}.embedding_length": cfg.d_model,
+            f"{a}.attention.head_count": cfg.n_heads, f"{a}.vocab_size": VOCAB,
+            f"{a}.attention.head_count_kv": cfg.n_kv_heads,
+            f"{a}.attention.key_length": cfg.head_dim,
+            f"{a}.attention.layer_norm_rms_epsilon": cfg.norm_eps,
+            f"{a}.rope.freq_base": cfg.rope_theta, f"{a}.expert_count": cfg.n_experts,
+            f"{a}.expert_used_count": cfg.experts_used}
+    if a == "qwen3moe":     # the dense width too, which a model of experts only does not use
+        meta.update({f"{a}.feed_forward_length": 4 * cfg.d_ff,
+                     f"{a}.expert_feed_forward_length": cfg.d_ff,
+                     f"{a}.expert_weights_norm": cfg.norm_topk})
+    else:
+        meta[f"{a}.feed_forward_length"] = cfg.d_ff
+    write_gguf(path, meta, tensors)
+    return GGUFFile(path)
+
+
+VARIANTS = [("mixtral", {}), ("qwen3moe", {"norm_topk_prob": True}),
+            ("qwen3moe", {"norm_topk_prob": False})]
+
+
+@pytest.mark.parametrize("kind,extra", VARIANTS)
+def test_safetensors_and_gguf_match_transformers(tmp_path, kind, extra):
+    model, folder = hf_moe(tmp_path, kind, **extra)
+    cfg, shapes, weight = from_folder(folder)
+    assert (cfg.n_experts, cfg.experts_used) == ((4, 2) if kind == "mixtral" else (6, 2))
+    assert cfg.norm_topk == extra.get("norm_topk_prob", True)
+    ids = np.random.default_rng().integers(0, VOCAB, 40).tolist()
+    theirs = hf_logits(model, ids)
+    assert rel_err(Harness(cfg, shapes, weight).run([(0, 0, ids)]), theirs) < 1e-4
+
+    gguf = to_gguf(tmp_path / "m.gguf", folder, cfg)
+    gcfg = llama.config_from_gguf(gguf.path, gguf.metadata, gguf.tensors)
+    assert gcfg == cfg.__class__(**{**cfg.__dict__, "context_length": 256,
+                                    "norm_eps": float(np.float32(cfg.norm_eps)),
+                                    "rope_style": "normal" if kind == "mixtral" else "neox"})
+    gshapes = {n: (t.shape, t.dtype) for n, t in gguf.tensors.items()}
+    assert gshapes["blk.1.ffn_down_exps.weight"][0] == (cfg.n_experts, cfg.d_model, cfg.d_ff)
+    harness = Harness(gcfg, gshapes, gguf.array)
+    got = [harness.run([(0, 0, ids[:25])]), harness.run([(0, 25, ids[25:])])]
+    assert rel_err(np.concatenate(got), theirs) < 1e-4
+
+
+def test_route_and_expert_ops_mean_what_they_say():
+    """The routing ops against a direct, per-token reading of their definitions."""
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((5, 8)).astype(np.float32)
+    logits[0, 2] = logits[0, 6] = 5.0                  # a tie goes to the lower index
+    ids = reference.top_k(logits, 3)
+    for t in range(5):
+        assert logits[t, ids[t]].tolist() == sorted(logits[t], reverse=True)[:3]
+    assert ids[0, :2].tolist() == [2, 6]
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    for normalize in (False, True):
+        w = reference.route_weights(logits, ids, normalize)
+        chosen = np.take_along_axis(probs, ids, -1)
+        assert np.allclose(w, chosen / chosen.sum(-1, keepdims=True) if normalize else chosen)
+    experts = rng.standard_normal((8, 6, 4)).astype(np.float32)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = reference.expert_matmul(x, experts, ids)
+    for t in range(5):
+        for j in range(3):
+            assert np.allclose(y[t, j], experts[ids[t, j]] @ x[t], atol=1e-5)
+    y2 = reference.expert_matmul(rng.standard_normal((5, 3, 6)).astype(np.float32),
+                                 experts.transpose(0, 2, 1).copy(), ids)
+    assert y2.shape == (5, 3, 4)
+    summed = reference.expert_sum(y, w)
+    assert np.allclose(summed[2], (w[2][:, None] * y[2]).sum(0), atol=1e-5)
+
+
+def test_experts_stored_one_tensor_each_are_refused(tmp_path):
+    """An older Mixtral conversion (blk.N.ffn_gate.E.weight) is refused by name."""
+    meta = {"general.architecture": "llama", "llama.block_count": 1, "llama.context_length": 64,
+            "llama.embedding_length": 32, "llama.feed_forward_length": 64,
+            "llama.attention.head_count": 4, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.expert_count": 2, "llama.expert_used_count": 1, "llama.vocab_size": 8}
+    names = ["blk.0.ffn_gate.0.weight", "blk.0.ffn_gate.1.weight"]
+    with pytest.raises(ModelFileError, match="one tensor each"):
+        llama.config_from_gguf(tmp_path / "old.gguf", meta, names)
+
+
+def test_an_incomplete_set_of_experts_is_refused(tmp_path):
+    _, folder = hf_moe(tmp_path, "qwen3moe")
+    tensors = dict(open_model(folder).tensors)
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(ModelFileError, match="ffn_up_exps.weight lacks its part 3"):
+        hf_weight_names(folder, llama, tensors)

@@ -13,6 +13,7 @@ from poot.ir.graph import ACTIVATIONS
 from poot.kernels import matmul, matvec, mma_vec, ops
 from poot.kernels.lang import WGMMA
 from poot.kernels.quant import DEVICE_DTYPES
+from tests.test_experts import expert_kernels
 
 
 # the matvec's fused variants the runner lowers to (engine/lowering.py: Matvec)
@@ -53,7 +54,7 @@ def runner_kernels(subgroup_size):
             ops.logit_edits()]
     out += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     out += [ops.all_gather(w) for w in (2, 8)]
-    return out
+    return out + expert_kernels(subgroup_size)
 
 
 def mma_vec_shapes(variant):

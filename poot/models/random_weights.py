@@ -1,10 +1,12 @@
 """Llama-shaped GGUF files with random weights, for tests and benchmarks on machines with no
-network: tiny ones for fast end-to-end tests, Llama-3.2-1B and Llama-3.1-8B shapes for speed.
+network: tiny ones for fast end-to-end tests, Llama-3.2-1B, Llama-3.1-8B and Qwen3-30B-A3B (a
+mixture of experts) shapes for speed.
 
 The tokenizer is a real byte-level BPE (every byte a token, plus merges learnt from a short
 text) with ChatML special tokens and template, so generated files run everywhere a real model
 runs. Weights are drawn so activations stay of order one through the layers.
 """
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,9 @@ class Shape:
     vocab_size: int
     context_length: int = 2048
     rope_theta: float = 10000.0
+    head_dim: int = 0            # 0: d_model / n_heads
+    n_experts: int = 0           # a mixture of experts: d_ff is each expert's width
+    experts_used: int = 0
 
 
 SHAPES = {
@@ -41,6 +46,9 @@ SHAPES = {
     "tiny-odd": Shape(3, 96, 6, 3, 192, 320, context_length=512),   # 3 KV heads: uneven shards
     "llama-1b": Shape(16, 2048, 32, 8, 8192, 128256, 131072, 500000.0),
     "llama-8b": Shape(32, 4096, 32, 8, 14336, 128256, 131072, 500000.0),
+    "tiny-moe": Shape(2, 64, 4, 2, 64, 320, context_length=512, n_experts=6, experts_used=2),
+    "qwen3-30b-a3b": Shape(48, 2048, 32, 4, 768, 151936, 40960, 1000000.0, head_dim=128,
+                           n_experts=128, experts_used=8),
 }
 
 
@@ -83,7 +91,9 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
     Matrices are stored in `dtype` (F32, F16, BF16 or a block quantisation); norms in F32.
     `mixed` gives some matrices another dtype, as quantisation mixes do (Q4_K_M keeps attn_v
     in Q6_K): (("attn_v", "Q6_K"), ...) by the name's part after the layer.
-    `arch` "qwen2" adds q/k/v biases, "qwen3" q/k norms. `tied`: no output.weight, the
+    `arch` "qwen2" adds q/k/v biases, "qwen3" q/k norms; a shape with experts makes a mixture
+    of experts (arch "llama": Mixtral's layout, "qwen3moe": Qwen3-MoE's, with q/k norms), its
+    router in F32 as llama.cpp's quantiser keeps it. `tied`: no output.weight, the
     embedding table serves as the output head (as in SmolLM2 and the small Qwens).
     `pool_rows` (for benchmarks): each matrix draws and encodes only that many random rows and
     fills its rows from them in random order, so an 8B-shaped file is written in the time its
@@ -94,7 +104,7 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
         return dict(mixed).get(name.split(".")[-2], dtype)
 
     s = SHAPES[shape] if isinstance(shape, str) else shape
-    head_dim = s.d_model // s.n_heads
+    head_dim = s.head_dim or s.d_model // s.n_heads
     tokens, merges = byte_level_vocab(s.vocab_size)
     types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
     meta = {
@@ -111,24 +121,41 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
         "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": CHATML,
     }
+    if s.head_dim:
+        meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = head_dim
+    if s.n_experts:
+        meta.update({f"{arch}.expert_count": s.n_experts,
+                     f"{arch}.expert_used_count": s.experts_used})
+    if arch == "qwen3moe":
+        meta[f"{arch}.expert_feed_forward_length"] = s.d_ff
 
     specs = [("token_embd.weight", dtype, RandomArray((s.vocab_size, s.d_model), 4.0))]
     for i in range(s.n_layers):
         p = f"blk.{i}."
         specs.append((p + "attn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)))
-        for name, rows in (("attn_q", s.d_model), ("attn_k", s.n_kv_heads * head_dim),
+        for name, rows in (("attn_q", s.n_heads * head_dim), ("attn_k", s.n_kv_heads * head_dim),
                            ("attn_v", s.n_kv_heads * head_dim)):
             specs.append((p + name + ".weight", matrix(p + name + ".weight"),
                           RandomArray((rows, s.d_model))))
             if arch == "qwen2":
                 specs.append((p + name + ".bias", "F32", RandomArray((rows,), 0.1)))
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             specs.append((p + "attn_q_norm.weight", "F32", RandomArray((head_dim,), 0.1, 1.0)))
             specs.append((p + "attn_k_norm.weight", "F32", RandomArray((head_dim,), 0.1, 1.0)))
         specs += [(p + "attn_output.weight", matrix(p + "attn_output.weight"),
-                   RandomArray((s.d_model, s.d_model))),
-                  (p + "ffn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)),
-                  (p + "ffn_gate.weight", matrix(p + "ffn_gate.weight"),
+                   RandomArray((s.d_model, s.n_heads * head_dim))),
+                  (p + "ffn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0))]
+        if s.n_experts:
+            X = s.n_experts
+            specs += [(p + "ffn_gate_inp.weight", "F32", RandomArray((X, s.d_model), 2.0)),
+                      (p + "ffn_gate_exps.weight", matrix(p + "ffn_gate_exps.weight"),
+                       RandomArray((X, s.d_ff, s.d_model))),
+                      (p + "ffn_up_exps.weight", matrix(p + "ffn_up_exps.weight"),
+                       RandomArray((X, s.d_ff, s.d_model))),
+                      (p + "ffn_down_exps.weight", matrix(p + "ffn_down_exps.weight"),
+                       RandomArray((X, s.d_model, s.d_ff)))]
+            continue
+        specs += [(p + "ffn_gate.weight", matrix(p + "ffn_gate.weight"),
                    RandomArray((s.d_ff, s.d_model))),
                   (p + "ffn_up.weight", matrix(p + "ffn_up.weight"),
                    RandomArray((s.d_ff, s.d_model))),
@@ -140,7 +167,7 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
     for index, (_, _, values) in enumerate(specs):
         values.seed = (seed, index)
     if pool_rows:
-        specs = [(name, d, values.pooled(d, pool_rows) if len(values.shape) == 2 else values)
+        specs = [(name, d, values.pooled(d, pool_rows) if len(values.shape) >= 2 else values)
                  for name, d, values in specs]
     write_gguf(path, meta, specs)
     return path
@@ -154,8 +181,9 @@ class RandomArray:
         self.shape, self.scale, self.offset, self.seed = shape, scale, offset, 0
 
     def pooled(self, dtype, rows):
-        """The matrix encoded in `dtype` with its rows drawn from `rows` random ones."""
-        n_rows, cols = self.shape
+        """The matrix (or stack of them) encoded in `dtype` with its rows drawn from `rows`
+        random ones."""
+        n_rows, cols = math.prod(self.shape[:-1]), self.shape[-1]
         if n_rows <= rows:
             return self
         pool = RandomArray((rows, cols), self.scale, self.offset)
@@ -166,7 +194,7 @@ class RandomArray:
 
     def __array__(self, dtype=None, copy=None):
         values = np.random.default_rng(self.seed).standard_normal(self.shape, dtype=np.float32)
-        scale = self.scale / np.sqrt(self.shape[1]) if len(self.shape) == 2 else self.scale
+        scale = self.scale / np.sqrt(self.shape[-1]) if len(self.shape) >= 2 else self.scale
         return (values * np.float32(scale) + np.float32(self.offset)).astype(dtype or np.float32)
 
 

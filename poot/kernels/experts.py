@@ -1,0 +1,177 @@
+"""The kernels of a mixture-of-experts block: the router's choice (`top_k`, `route_weights`),
+the routes grouped by expert (`expert_groups`), each expert's matrix over its routes
+(`expert_matvec`) and the weighted sum of a token's experts (`expert_sum`). Their numpy meanings
+are the ops of the same names in poot/ir/reference.py (expert_groups is the runner's own: the
+order in which expert_matvec takes the routes).
+
+A route is one (token, chosen expert) pair, numbered t * used + j; the expert ids stay on the
+device from the router to the sum, so a step reads nothing back. expert_matvec streams each
+chosen expert's rows once for all the routes that chose it (a step of many tokens reads each
+expert once, not once a token), from the stacked weight [experts * rows, cols] in its device
+layout (quant.py).
+"""
+from functools import cache
+
+from . import activations
+from .lang import F32, I32, U32, KernelBuilder
+from .ops import LOWEST
+from .quant import reader
+
+WG = 256
+MAX_EXPERTS = 1024      # expert_groups counts each expert's routes in shared memory
+
+
+@cache
+def top_k(subgroup_size, used):
+    """ids[t, j] = the j-th largest of logits[t, :n] (ties to the lower index); one subgroup a
+    token, `used` rounds of a subgroup maximum over the experts not yet chosen. grid (T)."""
+    k = KernelBuilder(f"top_k{used}_s{subgroup_size}", (subgroup_size,))
+    logits, ids = k.buffer("logits", F32), k.buffer("ids", I32, "w")
+    n = k.scalar("n", I32)
+    t, lane = k.block_id(), k.lane_id()
+    chosen = []
+    for j in range(used):
+        best, best_at = k.var(F32, LOWEST), k.var(I32, n)
+        with k.for_(lane, n, subgroup_size) as e:
+            v = logits[t * n + e]
+            free = v > best.get()
+            for c in chosen:
+                free = free & e.ne(c)
+            with k.if_(free):          # each lane's experts rise: the first of equals stays
+                best.set(v)
+                best_at.set(e)
+        top = k.subgroup_max(best.get())
+        at = k.subgroup_min(k.select(best.get().eq(top), best_at.get(), n))
+        chosen.append(at)
+        with k.if_(lane.eq(0)):
+            ids[t * used + j] = at
+    return k.build()
+
+
+@cache
+def route_weights(subgroup_size, used, normalize):
+    """w[t, j] = softmax(logits[t, :n])[ids[t, j]], divided by their sum over j where
+    `normalize`; one subgroup a token. grid (T)."""
+    k = KernelBuilder(f"route_weights{used}_s{subgroup_size}" + "_norm" * normalize,
+                      (subgroup_size,))
+    logits, ids, w = k.buffer("logits", F32), k.buffer("ids", I32), k.buffer("w", F32, "w")
+    n = k.scalar("n", I32)
+    t, lane = k.block_id(), k.lane_id()
+    most = k.var(F32, LOWEST)
+    with k.for_(lane, n, subgroup_size) as e:
+        most.set(k.max(most.get(), logits[t * n + e]))
+    top = k.subgroup_max(most.get())
+    total = k.var(F32, 0.0)
+    with k.for_(lane, n, subgroup_size) as e:
+        total.set(total.get() + k.exp(logits[t * n + e] - top))
+    denominator = k.subgroup_add(total.get())
+    chosen = [k.exp(logits[t * n + ids[t * used + j]] - top) for j in range(used)]
+    if normalize:
+        denominator = chosen[0]
+        for c in chosen[1:]:
+            denominator = denominator + c
+    with k.if_(lane.eq(0)):
+        for j, c in enumerate(chosen):
+            w[t * used + j] = c / denominator
+    return k.build()
+
+
+@cache
+def expert_groups():
+    """The routes grouped by expert, in route order within each: offsets[e] .. offsets[e + 1]
+    are expert e's entries of routes; one workgroup, a thread an expert (n_experts <=
+    MAX_EXPERTS). grid (1)."""
+    k = KernelBuilder("expert_groups", (WG,))
+    ids = k.buffer("ids", I32)
+    offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
+    n_routes, n_experts = k.scalar("n_routes", I32), k.scalar("n_experts", I32)
+    counts = k.shared("counts", I32, MAX_EXPERTS + 1)
+    tid = k.thread_id()
+    with k.for_(tid, n_experts, WG) as e:
+        count = k.var(I32, 0)
+        with k.for_(0, n_routes) as r:
+            with k.if_(ids[r].eq(e)):
+                count.set(count.get() + 1)
+        counts[e + 1] = count.get()
+    k.barrier()
+    with k.if_(tid.eq(0)):             # a running sum over the experts: a few hundred adds
+        counts[0] = 0
+        offsets[0] = 0
+        with k.for_(1, n_experts + 1) as e:
+            counts[e] = counts[e] + counts[e - 1]
+            offsets[e] = counts[e]
+    k.barrier()
+    with k.for_(tid, n_experts, WG) as e:
+        at = k.var(I32, counts[e])
+        with k.for_(0, n_routes) as r:
+            with k.if_(ids[r].eq(e)):
+                routes[at.get()] = r
+                at.set(at.get() + 1)
+    return k.build()
+
+
+@cache
+def expert_matvec(dtype, subgroup_size, tokens=1, glu=None):
+    """y[r, m] = W[e, m, :] . x[r / x_per, :] for every route r of expert e; with `glu` (gate
+    then up planes) y[r, m] = glu(gate[e, m] . x, up[e, m] . x). A subgroup streams one row of
+    one expert for `tokens` of its routes at a time (more routes: the row again, from cache).
+    grid (ceil(rows / subgroups a workgroup), experts).
+
+    Buffers: W's planes (u32; [experts * rows, cols]), x f32, offsets and routes
+    (expert_groups), y f32 [routes, rows]; scalars rows, cols, x_per (the routes a row of x
+    serves: a token's `used` where x is the token's, 1 where each route has its own)."""
+    r = reader(dtype)
+    matrices = ("gate", "up") if glu else ("w",)
+    name = f"expert_matvec_{dtype.lower()}_t{tokens}_s{subgroup_size}"
+    k = KernelBuilder(name + (f"_{activations.UNITS[glu]}" if glu else ""), (WG,))
+    bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in r.plane_names} for m in matrices]
+    x, offsets, routes = k.buffer("x", F32), k.buffer("offsets", I32), k.buffer("routes", I32)
+    y = k.buffer("y", F32, "w")
+    rows, cols, x_per = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("x_per", I32)
+    n_sub = WG // subgroup_size
+    m = k.block_id(0) * n_sub + k.subgroup_id()
+    expert, lane = k.block_id(1), k.lane_id()
+    start = offsets[expert]
+    count = offsets[expert + 1] - start
+    with k.if_((m >= rows) | count.eq(0)):
+        k.return_()
+    row = expert * rows + m
+    with k.for_(0, count, tokens) as c:
+        mine = [routes[start + k.min(c + t, count - 1)] for t in range(tokens)]
+        acc = [[k.var(F32, 0.0) for _ in range(tokens)] for _ in matrices]
+        with k.for_(lane, cols // r.block_elems, subgroup_size) as block:
+            values = [r.decode(k, buf, row, block, cols) for buf in bufs]
+            for t in range(tokens):
+                xrow = (mine[t] / x_per) * cols + block * r.block_elems
+                xs = [v for i in range(0, r.block_elems, 4) for v in x.load(xrow + i, 4)]
+                for a, vs in zip(acc, values):
+                    total = a[t].get()
+                    for v, xv in zip(vs, xs):
+                        total = k.fma(v, xv, total)
+                    a[t].set(total)
+        for t in range(tokens):
+            sums = [k.subgroup_add(a[t].get()) for a in acc]
+            value = activations.glu(k, glu, *sums) if glu else sums[0]
+            with k.if_(lane.eq(0) & (c + t < count)):
+                y[mine[t] * rows + m] = value
+    return k.build()
+
+
+@cache
+def expert_sum(used, residual=False):
+    """out[t, m] = sum_j w[t, j] * y[t, j, m] (+ res[t, m], read at out's index, so it may be
+    out itself). grid (ceil(T * cols / WG))."""
+    k = KernelBuilder(f"expert_sum{used}" + "_residual" * residual, (WG,))
+    y, w = k.buffer("y", F32), k.buffer("w", F32)
+    res = k.buffer("residual", F32) if residual else None
+    out = k.buffer("out", F32, "w")
+    n_tokens, cols = k.scalar("n_tokens", I32), k.scalar("cols", I32)
+    i = k.block_id() * WG + k.thread_id()
+    with k.if_(i < n_tokens * cols):
+        t, m = i / cols, i % cols
+        total = res[i] if residual else None
+        for j in range(used):
+            part = w[t * used + j] * y[(t * used + j) * cols + m]
+            total = part if total is None else total + part
+        out[i] = total
+    return k.build()

@@ -8,12 +8,15 @@ converter writes them); both give transformers' logits, and both formats' config
 import numpy as np
 import pytest
 
+import poot
 from poot.errors import ModelFileError
 from poot.formats import open_model
 from poot.formats.gguf import GGUFFile, write_gguf
 from poot.ir import reference
 from poot.loader import hf_weight_names
 from poot.models import llama
+from tests.models import tiny_model
+from tests.test_device_runner import greedy, prefill_of
 from tests.test_llama import Harness, hf_logits, permute_for_gguf, rel_err
 
 torch = pytest.importorskip("torch")
@@ -161,3 +164,73 @@ def test_an_incomplete_set_of_experts_is_refused(tmp_path):
     del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
     with pytest.raises(ModelFileError, match="ffn_up_exps.weight lacks its part 3"):
         hf_weight_names(folder, llama, tensors)
+
+
+def clear_routing(monkeypatch, attempts=10):
+    """A function running its argument (a reference run of random inputs) until the routing
+    has no near tie: every top_k's k-th largest router logit at least MARGIN above the next.
+    Closer than that, the device's rounding (its f16 KV cache) may choose the other expert,
+    a different and equally right model output, which no logit bound can take."""
+    margins = []
+
+    def recorded(x, k):
+        ordered = -np.sort(-x, axis=-1)
+        margins.append(float((ordered[:, k - 1] - ordered[:, k]).min()))
+        return top_k(x, k)
+    top_k = reference.KERNELS["top_k"]
+    monkeypatch.setitem(reference.KERNELS, "top_k", recorded)
+
+    def run(draw):
+        for _ in range(attempts):
+            margins.clear()
+            result = draw()
+            if min(margins) >= MARGIN:
+                return result
+        pytest.fail(f"no draw of {attempts} routes its tokens clear of ties")
+    return run
+
+
+MARGIN = 1e-3
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "F16"), ("qwen3moe", "Q4_0"),
+                                        ("qwen3moe", "Q8_0"), ("llama", "Q4_K")])
+def test_tiny_moe_on_a_device_matches_the_reference(tmp_path, device, arch, dtype, monkeypatch):
+    """A random Mixtral- or Qwen3-MoE-shaped file through the device runner: greedy decoding
+    gives the reference runner's tokens, and a 50-token prefill (routes grouped by expert,
+    several a subgroup) its logits; on prompts whose routing is clear of ties."""
+    model = poot.load(tiny_model(tmp_path, dtype=dtype, arch=arch, shape="tiny-moe"))
+    assert model.config.n_experts == 6 and model.config.experts_used == 2
+    rng = np.random.default_rng()
+    clear = clear_routing(monkeypatch)
+    table = list(rng.permutation(32))
+
+    def decode():
+        prompt = rng.integers(3, 300, 4).tolist()
+        return prompt, greedy(model.runner(None, num_blocks=32), prompt, 12, table)
+    prompt, (want_ids, want) = clear(decode)
+    runner = model.runner(device, num_blocks=32, max_tokens=64)
+    got_ids, got = greedy(runner, prompt, 12, table)
+    assert got_ids == want_ids
+    assert rel_err(got, want) < 2e-3                  # f16 KV cache
+
+    def prefill():
+        batch = prefill_of(50)
+        return batch, model.runner(None, num_blocks=32).logits(batch)
+    batch, want = clear(prefill)
+    assert rel_err(runner.logits(batch), want) < 2e-3
+
+
+def test_a_moe_layer_lowers_to_its_expert_steps(tmp_path):
+    """The router's matmul, top_k (with the grouping), route_weights, one expert matvec for
+    gate and up with their SwiGLU, one for down, and the weighted sum with the residual."""
+    from poot.engine.lowering import lower
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_0", arch="qwen3moe", shape="tiny-moe"))
+    steps, _ = lower(model.step_graph(8, 16))
+    kinds = [s.kind for s in steps if s.kind != "reshape"]
+    layer = kinds[kinds.index("top_k") - 2:kinds.index("expert_sum") + 1]
+    assert layer == ["rms_norm", "matmul", "top_k", "route_weights", "expert_matmul",
+                     "expert_matmul", "expert_sum"]
+    gate_up = next(s for s in steps if s.kind == "expert_matmul")
+    assert gate_up.glu == "silu" and gate_up.up.name == "blk.0.ffn_up_exps.weight"
+    assert next(s for s in steps if s.kind == "expert_sum").attrs == {"residual": True}

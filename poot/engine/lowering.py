@@ -42,6 +42,23 @@ class Matvec:
                     outputs=len(self.outputs), glu=self.glu)
 
 
+@dataclass(frozen=True)
+class ExpertMatvec:
+    """One expert_matvec launch (kernels/experts.py): each route's product with its chosen
+    expert's matrix (`weight` [experts, rows, cols]; `ids` the router's choice), or gate and up
+    with the gated unit of the two (`up`, `glu`), as Matvec's."""
+    x: object
+    weight: object
+    ids: object
+    outputs: tuple
+    up: object = None
+    glu: str = None
+    kind = "expert_matmul"
+
+    @property
+    def inputs(self):
+        return tuple(t for t in (self.x, self.weight, self.up, self.ids) if t is not None)
+
 
 def shared_buffers(graph):
     """What a tensor group reads from each other's memory lives in buffers of its own, not
@@ -71,6 +88,9 @@ def lower(graph, stack_glu=False):
       each part's rows written to its own output, so q, k and v stay separate values;
     - the ropes of q and k and the store_kv of k become one kernel, where q goes on only
       to the attention that reads that cache;
+    - a glu of two expert_matmuls of one input and routing becomes one ExpertMatvec over
+      both (the others are one each), and an add of an expert_sum used only there the sum's
+      epilogue;
     - an add of an all_reduce's sum (a tensor group's) becomes the reduction's epilogue.
     With stack_glu (a device that runs the tensor-core matmul) a gated unit's gate and up
     weights are stacked too, so that mma_tiled reads them in one launch (twice the rows, a
@@ -101,6 +121,12 @@ def lower(graph, stack_glu=False):
                 if reduce is not None and op.inputs[other].kind == "value":
                     place[id(reduce)] = Op("all_reduce", (reduce.inputs[0], op.inputs[other]),
                                              op.output, dict(reduce.attrs, residual=True))
+                    place[id(op)] = None
+                    break
+                total = made_once(op.inputs[mine], "expert_sum")
+                if total is not None and op.inputs[other].kind == "value":
+                    place[id(total)] = Op("expert_sum", (*total.inputs, op.inputs[other]),
+                                          op.output, {"residual": True})
                     place[id(op)] = None
                     break
         elif op.kind == "all_reduce":
@@ -136,6 +162,17 @@ def lower(graph, stack_glu=False):
                 place[id(second)] = place[id(op)] = None
                 if stack_glu:
                     pair.append((gate.inputs[1], up.inputs[1]))
+                continue
+            gate, up = (made_once(t, "expert_matmul") for t in op.inputs)
+            if gate and up and [t.name for t in gate.inputs[::2]] == \
+                    [t.name for t in up.inputs[::2]] and \
+                    (gate.inputs[1].dtype, gate.inputs[1].shape) == \
+                    (up.inputs[1].dtype, up.inputs[1].shape):
+                first, second = sorted((gate, up), key=lambda m: order[id(m)])
+                x, w, ids = gate.inputs
+                place[id(first)] = ExpertMatvec(x, w, ids, (op.output,), up=up.inputs[1],
+                                                glu=op.attrs["activation"])
+                place[id(second)] = place[id(op)] = None
         elif op.kind == "add":
             for mine, other in ((0, 1), (1, 0)):
                 maker = made_once(op.inputs[mine], "matmul")
@@ -148,6 +185,9 @@ def lower(graph, stack_glu=False):
         elif op.kind == "store_kv":
             _fuse_rope_store_kv(op, users, order, made_once, place)
 
+    for op in ops_:
+        if op.kind == "expert_matmul" and id(op) not in place:
+            place[id(op)] = ExpertMatvec(*op.inputs, (op.output,))
     groups = {}
     for op in ops_:
         if op.kind == "matmul" and id(op) not in place:

@@ -46,7 +46,7 @@ SHAPES = {
     "tiny-odd": Shape(3, 96, 6, 3, 192, 320, context_length=512),   # 3 KV heads: uneven shards
     "llama-1b": Shape(16, 2048, 32, 8, 8192, 128256, 131072, 500000.0),
     "llama-8b": Shape(32, 4096, 32, 8, 14336, 128256, 131072, 500000.0),
-    "tiny-moe": Shape(2, 64, 4, 2, 64, 320, context_length=512, n_experts=6, experts_used=2),
+    "tiny-moe": Shape(2, 256, 4, 2, 256, 320, context_length=512, n_experts=6, experts_used=2),
     "qwen3-30b-a3b": Shape(48, 2048, 32, 4, 768, 151936, 40960, 1000000.0, head_dim=128,
                            n_experts=128, experts_used=8),
 }

@@ -234,3 +234,38 @@ def test_a_moe_layer_lowers_to_its_expert_steps(tmp_path):
     gate_up = next(s for s in steps if s.kind == "expert_matmul")
     assert gate_up.glu == "silu" and gate_up.up.name == "blk.0.ffn_up_exps.weight"
     assert next(s for s in steps if s.kind == "expert_sum").attrs == {"residual": True}
+
+
+def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path):
+    """On the host, as the ptx runner plans and launches (test_device_runner.LaunchLog): every
+    step length, each layer's expert launches in order, each a kernel the runner builds with
+    its arguments, the expert matvec over every expert; and the plan holds every expert's
+    weights in their format's planes."""
+    from poot.engine.device_runner import DeviceRunner
+    from poot.kernels.quant import reader
+    from tests.test_device_runner import LaunchLog
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_0", arch="qwen3moe", shape="tiny-moe"))
+    log = LaunchLog()
+    runner = DeviceRunner(model, log, num_blocks=16, max_tokens=100, max_seqs=16)
+    runner.programs = {k.name: k for k in runner._kernels()}
+    runner.buffers = {a.name: a for a in runner.allocations()}
+    cfg = model.config
+    planes = {a.name: a.nbytes for a in runner.allocations()
+              if a.name.startswith("blk.0.ffn_down_exps.weight:")}
+    r = reader("Q4_0")
+    assert planes == {f"blk.0.ffn_down_exps.weight:{p}":
+                      cfg.n_experts * cfg.d_model * r.row_words(p, cfg.d_ff) * 4
+                      for p in r.plane_names}
+    for T in (1, 2, 7, 33, 100):
+        log.launched.clear()
+        for _ in runner.launches(T, min(T, 16)):
+            pass
+        names = [kernel.name for kernel, _, _ in log.launched]
+        at = names.index("top_k2_s32")
+        group = next(g for g in (1, 2, 4, 8) if g >= T) if T <= 8 else 8
+        assert names[at:at + 6] == ["top_k2_s32", "expert_groups", "route_weights2_s32_norm",
+                                    f"expert_matvec_q4_0_t{group}_s32_swiglu",
+                                    f"expert_matvec_q4_0_t{group}_s32", "expert_sum2_residual"]
+        assert names.count("expert_groups") == cfg.n_layers
+        for kernel, grid, args in log.launched[at + 3:at + 5]:
+            assert grid[1] == cfg.n_experts and runner.buffers["expert_routes"] in args

@@ -198,13 +198,16 @@ class RandomArray:
         return (values * np.float32(scale) + np.float32(self.offset)).astype(dtype or np.float32)
 
 
-SPEC_SHAPES = {"tiny": "tiny-k", "1b": "llama-1b", "8b": "llama-8b"}
+SPEC_SHAPES = {"tiny": "tiny-k", "1b": "llama-1b", "8b": "llama-8b", "tiny-moe": "tiny-moe",
+               "30b-a3b": "qwen3-30b-a3b"}
+SHAPE_ARCHS = {"tiny-moe": "qwen3moe", "qwen3-30b-a3b": "qwen3moe"}   # the others: llama
 POOL_ROWS = 512         # a benchmark matrix's rows drawn from this many random ones
 
 
 def model_file(spec, folder):
     """The file of a model named as the scripts name them: 'default' (the default model), or
-    SIZE:FORMAT (tiny, 1b or 8b, e.g. 8b:F16) for a random Llama of that shape, written into
+    SIZE:FORMAT (tiny, 1b, 8b, tiny-moe or 30b-a3b, e.g. 8b:F16; the last two mixtures of
+    experts, Qwen3-MoE-shaped) for a random model of that shape, written into
     `folder` once (matrices pooled from POOL_ROWS rows: an 8B file is written in seconds)."""
     from ..loader import default_model_path
     if spec == "default":
@@ -216,5 +219,7 @@ def model_file(spec, folder):
     path = Path(folder) / f"random-{size}-{dtype.lower()}-pooled.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_random_llama(path, SPEC_SHAPES[size], dtype=dtype, pool_rows=POOL_ROWS)
+        shape = SPEC_SHAPES[size]
+        write_random_llama(path, shape, dtype=dtype, pool_rows=POOL_ROWS,
+                           arch=SHAPE_ARCHS.get(shape, "llama"))
     return path

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from poot.codegen.ptx import render_ptx
-from poot.engine.kernel_choice import TOKEN_GROUPS
+from poot.engine.kernel_choice import TOKEN_GROUPS, matvec_rows
 from poot.formats.quants import dequantize, quantize
 from poot.ir import reference as ref
 from poot.kernels import experts
@@ -68,11 +68,12 @@ def stacked_weight(dtype, n_experts, rows, cols):
 
 
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("n_tokens,tokens,glu,per_route", [
-    (1, 1, None, False), (1, 1, "silu", False), (7, 4, "silu", False), (5, 2, None, True),
-    (12, 8, None, True)])
-def test_expert_matvec(device, dtype, n_tokens, tokens, glu, per_route):
-    """x per token (gate/up: every route of a token reads its row) or per route (down)."""
+@pytest.mark.parametrize("n_tokens,tokens,glu,per_route,rows_per", [
+    (1, 1, None, False, 1), (1, 1, "silu", False, 2), (1, 1, None, True, 4),
+    (7, 4, "silu", False, 1), (5, 2, None, True, 3), (12, 8, None, True, 1)])
+def test_expert_matvec(device, dtype, n_tokens, tokens, glu, per_route, rows_per):
+    """x per token (gate/up: every route of a token reads its row) or per route (down); a
+    subgroup's rows_per rows (3: the last subgroup holds fewer than that)."""
     n_experts, used, rows, cols = 6, 2, 40, 256
     ids = np.stack([rng.permutation(n_experts)[:used] for _ in range(n_tokens)]).astype(np.int32)
     offsets, routes = groups(device, ids, n_experts)
@@ -80,8 +81,8 @@ def test_expert_matvec(device, dtype, n_tokens, tokens, glu, per_route):
     x = x.astype(np.float32)
     weights = [stacked_weight(dtype, n_experts, rows, cols) for _ in range(2 if glu else 1)]
     args = [p for w_planes, _ in weights for p in w_planes]
-    kernel = experts.expert_matvec(dtype, device.subgroup_size, tokens, glu)
-    grid = (-(-rows // (experts.WG // device.subgroup_size)), n_experts)
+    kernel = experts.expert_matvec(dtype, device.subgroup_size, tokens, glu, rows_per)
+    grid = experts.expert_grid(rows, n_experts, device.subgroup_size, rows_per)
     got = run(device, kernel, grid, *args, x, offsets, routes,
               np.zeros((n_tokens, used, rows), np.float32), rows, cols,
               1 if per_route else used)["y"]
@@ -111,8 +112,9 @@ def expert_kernels(subgroup_size):
            experts.route_weights(subgroup_size, 8, True),
            experts.route_weights(subgroup_size, 2, False), experts.expert_groups(),
            experts.expert_sum(8), experts.expert_sum(8, residual=True)]
-    return out + [experts.expert_matvec(d, subgroup_size, tokens, glu) for d in DEVICE_DTYPES
-                  for tokens in TOKEN_GROUPS for glu in (None, "silu")]
+    return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per)
+                  for d in DEVICE_DTYPES for tokens in TOKEN_GROUPS for glu in (None, "silu")
+                  for rows_per in {1, matvec_rows(d, tokens, 2 if glu else 1)}]
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")

@@ -263,9 +263,11 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path):
         names = [kernel.name for kernel, _, _ in log.launched]
         at = names.index("top_k2_s32")
         group = next(g for g in (1, 2, 4, 8) if g >= T) if T <= 8 else 8
+        rows = "_r2" * (group == 1), "_r4" * (group == 1)   # a subgroup's rows (matvec_rows)
         assert names[at:at + 6] == ["top_k2_s32", "expert_groups", "route_weights2_s32_norm",
-                                    f"expert_matvec_q4_0_t{group}_s32_swiglu",
-                                    f"expert_matvec_q4_0_t{group}_s32", "expert_sum2_residual"]
+                                    f"expert_matvec_q4_0_t{group}_s32{rows[0]}_swiglu",
+                                    f"expert_matvec_q4_0_t{group}_s32{rows[1]}",
+                                    "expert_sum2_residual"]
         assert names.count("expert_groups") == cfg.n_layers
         for kernel, grid, args in log.launched[at + 3:at + 5]:
             assert grid[1] == cfg.n_experts and runner.buffers["expert_routes"] in args

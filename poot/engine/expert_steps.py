@@ -9,7 +9,7 @@ launches' grids cover every expert, and an expert no route chose returns at once
 import math
 
 from ..kernels import experts
-from .kernel_choice import TOKEN_GROUPS
+from .kernel_choice import TOKEN_GROUPS, matvec_rows
 
 
 def buffers(graph, max_tokens):
@@ -59,19 +59,25 @@ def route_weights(runner, op, T, R, i, long):
                    B(op.output), logits.shape[1])
 
 
+def matvec_kernel(runner, op, group):
+    """The expert_matvec of an ExpertMatvec step (lowering.py) for a token group, and its
+    rows a subgroup (as a dense matvec's: kernel_choice.matvec_rows)."""
+    rows_per = matvec_rows(op.weight.dtype, group, 2 if op.glu else 1)
+    return experts.expert_matvec(op.weight.dtype, runner.device.subgroup_size, group, op.glu,
+                                 rows_per), rows_per
+
+
 def matvec_kernels(runner, steps, i, long):
-    op = steps[i]
-    return [experts.expert_matvec(op.weight.dtype, runner.device.subgroup_size, group, op.glu)
-            for group in TOKEN_GROUPS]
+    return [matvec_kernel(runner, steps[i], group)[0] for group in TOKEN_GROUPS]
 
 
 def matvec(runner, op, T, R, i, long):
-    """An ExpertMatvec (lowering.py): each expert's rows over the routes that chose it."""
+    """An ExpertMatvec: each expert's rows over the routes that chose it."""
     sg, (n_experts, rows, cols) = runner.device.subgroup_size, op.weight.shape
     x_per = op.ids.shape[1] if len(op.x.shape) == 2 else 1     # x a token's, or a route's
     planes = runner._weight_planes(op.weight) + (runner._weight_planes(op.up) if op.up else [])
-    kernel = experts.expert_matvec(op.weight.dtype, sg, token_group(T), op.glu)
-    grid = (-(-rows // (experts.WG // sg)), n_experts)
+    kernel, rows_per = matvec_kernel(runner, op, token_group(T))
+    grid = experts.expert_grid(rows, n_experts, sg, rows_per)
     runner._launch(kernel, grid, *planes, runner._buffer(op.x),
                    runner.buffers["expert_offsets"], runner.buffers["expert_routes"],
                    runner._buffer(op.outputs[0]), rows, cols, x_per)

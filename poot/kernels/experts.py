@@ -111,50 +111,59 @@ def expert_groups():
 
 
 @cache
-def expert_matvec(dtype, subgroup_size, tokens=1, glu=None):
+def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1):
     """y[r, m] = W[e, m, :] . x[r / x_per, :] for every route r of expert e; with `glu` (gate
-    then up planes) y[r, m] = glu(gate[e, m] . x, up[e, m] . x). A subgroup streams one row of
-    one expert for `tokens` of its routes at a time (more routes: the row again, from cache).
-    grid (ceil(rows / subgroups a workgroup), experts).
+    then up planes) y[r, m] = glu(gate[e, m] . x, up[e, m] . x). A subgroup streams `rows_per`
+    consecutive rows of one expert (so that each x value it loads serves them all, as
+    matvec.matvec's do) for `tokens` of its routes at a time (more routes: the rows again, from
+    cache). grid expert_grid(rows, experts, subgroup_size, rows_per).
 
     Buffers: W's planes (u32; [experts * rows, cols]), x f32, offsets and routes
     (expert_groups), y f32 [routes, rows]; scalars rows, cols, x_per (the routes a row of x
     serves: a token's `used` where x is the token's, 1 where each route has its own)."""
     r = reader(dtype)
     matrices = ("gate", "up") if glu else ("w",)
-    name = f"expert_matvec_{dtype.lower()}_t{tokens}_s{subgroup_size}"
+    name = f"expert_matvec_{dtype.lower()}_t{tokens}_s{subgroup_size}" + f"_r{rows_per}" * (
+        rows_per > 1)
     k = KernelBuilder(name + (f"_{activations.UNITS[glu]}" if glu else ""), (WG,))
     bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in r.plane_names} for m in matrices]
     x, offsets, routes = k.buffer("x", F32), k.buffer("offsets", I32), k.buffer("routes", I32)
     y = k.buffer("y", F32, "w")
     rows, cols, x_per = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("x_per", I32)
-    n_sub = WG // subgroup_size
-    m = k.block_id(0) * n_sub + k.subgroup_id()
+    first = (k.block_id(0) * (WG // subgroup_size) + k.subgroup_id()) * rows_per
     expert, lane = k.block_id(1), k.lane_id()
     start = offsets[expert]
     count = offsets[expert + 1] - start
-    with k.if_((m >= rows) | count.eq(0)):
+    with k.if_((first >= rows) | count.eq(0)):
         k.return_()
-    row = expert * rows + m
+    # rows past the end read the last row again and store nothing
+    mine_rows = [expert * rows + k.min(first + q, rows - 1) for q in range(rows_per)]
     with k.for_(0, count, tokens) as c:
         mine = [routes[start + k.min(c + t, count - 1)] for t in range(tokens)]
-        acc = [[k.var(F32, 0.0) for _ in range(tokens)] for _ in matrices]
+        acc = [[[k.var(F32, 0.0) for _ in range(tokens)] for _ in mine_rows] for _ in matrices]
         with k.for_(lane, cols // r.block_elems, subgroup_size) as block:
-            values = [r.decode(k, buf, row, block, cols) for buf in bufs]
+            values = [[r.decode(k, buf, row, block, cols) for row in mine_rows] for buf in bufs]
             for t in range(tokens):
                 xrow = (mine[t] / x_per) * cols + block * r.block_elems
                 xs = [v for i in range(0, r.block_elems, 4) for v in x.load(xrow + i, 4)]
-                for a, vs in zip(acc, values):
-                    total = a[t].get()
-                    for v, xv in zip(vs, xs):
-                        total = k.fma(v, xv, total)
-                    a[t].set(total)
-        for t in range(tokens):
-            sums = [k.subgroup_add(a[t].get()) for a in acc]
-            value = activations.glu(k, glu, *sums) if glu else sums[0]
-            with k.if_(lane.eq(0) & (c + t < count)):
-                y[mine[t] * rows + m] = value
+                for per_matrix, per_values in zip(acc, values):
+                    for per_row, vs in zip(per_matrix, per_values):
+                        total = per_row[t].get()
+                        for v, xv in zip(vs, xs):
+                            total = k.fma(v, xv, total)
+                        per_row[t].set(total)
+        for q in range(rows_per):
+            for t in range(tokens):
+                sums = [k.subgroup_add(per_matrix[q][t].get()) for per_matrix in acc]
+                value = activations.glu(k, glu, *sums) if glu else sums[0]
+                with k.if_(lane.eq(0) & (c + t < count) & (first + q < rows)):
+                    y[mine[t] * rows + first + q] = value
     return k.build()
+
+
+def expert_grid(rows, n_experts, subgroup_size, rows_per=1):
+    """The grid of an expert_matvec launch: every expert, each of its rows once."""
+    return (-(-rows // (WG // subgroup_size * rows_per)), n_experts)
 
 
 @cache

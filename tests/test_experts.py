@@ -21,25 +21,17 @@ from tests.test_kernels import rel_err, run
 rng = np.random.default_rng()
 
 
-@pytest.mark.parametrize("n_experts,used", [(8, 2), (128, 8), (60, 4), (7, 7)])
-def test_top_k(device, n_experts, used):
-    T = 5
-    logits = rng.standard_normal((T, n_experts)).astype(np.float32)
-    logits[1, 3] = logits[1, n_experts - 1] = 9.0            # a tie: the lower index first
-    got = run(device, experts.top_k(device.subgroup_size, used), (T,), logits,
-              np.zeros((T, used), np.int32), n_experts)["ids"]
-    assert np.array_equal(got, ref.top_k(logits, used))
-
-
 @pytest.mark.parametrize("normalize", [False, True])
-@pytest.mark.parametrize("n_experts,used", [(8, 2), (128, 8)])
-def test_route_weights(device, n_experts, used, normalize):
-    T = 6
+@pytest.mark.parametrize("n_experts,used", [(8, 2), (128, 8), (60, 4), (7, 7)])
+def test_route(device, n_experts, used, normalize):
+    """The ids exactly (top_k), the weights to float32 rounding (route_weights)."""
+    T = 5
     logits = (3 * rng.standard_normal((T, n_experts))).astype(np.float32)
-    ids = np.stack([rng.permutation(n_experts)[:used] for _ in range(T)]).astype(np.int32)
-    got = run(device, experts.route_weights(device.subgroup_size, used, normalize), (T,),
-              logits, ids, np.zeros((T, used), np.float32), n_experts)["w"]
-    assert rel_err(got, ref.route_weights(logits, ids, normalize)) < 1e-5
+    logits[1, 3] = logits[1, n_experts - 1] = 12.0            # a tie: the lower index first
+    out = run(device, experts.route(device.subgroup_size, used, normalize), (T,), logits,
+              np.zeros((T, used), np.int32), np.zeros((T, used), np.float32), n_experts)
+    assert np.array_equal(out["ids"], ref.top_k(logits, used))
+    assert rel_err(out["w"], ref.route_weights(logits, out["ids"], normalize)) < 1e-5
 
 
 def groups(device, ids, n_experts):
@@ -108,9 +100,8 @@ def test_expert_sum(device, residual):
 def expert_kernels(subgroup_size):
     """The expert kernels the runner launches (engine/expert_steps.py), in each format and
     token group."""
-    out = [experts.top_k(subgroup_size, 8), experts.top_k(subgroup_size, 2),
-           experts.route_weights(subgroup_size, 8, True),
-           experts.route_weights(subgroup_size, 2, False), experts.expert_groups(),
+    out = [experts.route(subgroup_size, 8, True), experts.route(subgroup_size, 2, False),
+           experts.expert_groups(),
            experts.expert_sum(8), experts.expert_sum(8, residual=True)]
     return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per)
                   for d in DEVICE_DTYPES for tokens in TOKEN_GROUPS for glu in (None, "silu")

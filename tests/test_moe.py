@@ -222,15 +222,16 @@ def test_tiny_moe_on_a_device_matches_the_reference(tmp_path, device, arch, dtyp
 
 
 def test_a_moe_layer_lowers_to_its_expert_steps(tmp_path):
-    """The router's matmul, top_k (with the grouping), route_weights, one expert matvec for
-    gate and up with their SwiGLU, one for down, and the weighted sum with the residual."""
+    """The router's matmul, its choice and weights in one step (with the grouping), one expert
+    matvec for gate and up with their SwiGLU, one for down, and the weighted sum with the
+    residual."""
     from poot.engine.lowering import lower
     model = poot.load(tiny_model(tmp_path, dtype="Q4_0", arch="qwen3moe", shape="tiny-moe"))
     steps, _ = lower(model.step_graph(8, 16))
     kinds = [s.kind for s in steps if s.kind != "reshape"]
-    layer = kinds[kinds.index("top_k") - 2:kinds.index("expert_sum") + 1]
-    assert layer == ["rms_norm", "matmul", "top_k", "route_weights", "expert_matmul",
-                     "expert_matmul", "expert_sum"]
+    layer = kinds[kinds.index("route") - 2:kinds.index("expert_sum") + 1]
+    assert layer == ["rms_norm", "matmul", "route", "expert_matmul", "expert_matmul",
+                     "expert_sum"]
     gate_up = next(s for s in steps if s.kind == "expert_matmul")
     assert gate_up.glu == "silu" and gate_up.up.name == "blk.0.ffn_up_exps.weight"
     assert next(s for s in steps if s.kind == "expert_sum").attrs == {"residual": True}
@@ -261,13 +262,13 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path):
         for _ in runner.launches(T, min(T, 16)):
             pass
         names = [kernel.name for kernel, _, _ in log.launched]
-        at = names.index("top_k2_s32")
+        at = names.index("route2_s32_norm")
         group = next(g for g in (1, 2, 4, 8) if g >= T) if T <= 8 else 8
         rows = "_r2" * (group == 1), "_r4" * (group == 1)   # a subgroup's rows (matvec_rows)
-        assert names[at:at + 6] == ["top_k2_s32", "expert_groups", "route_weights2_s32_norm",
+        assert names[at:at + 5] == ["route2_s32_norm", "expert_groups",
                                     f"expert_matvec_q4_0_t{group}_s32{rows[0]}_swiglu",
                                     f"expert_matvec_q4_0_t{group}_s32{rows[1]}",
                                     "expert_sum2_residual"]
         assert names.count("expert_groups") == cfg.n_layers
-        for kernel, grid, args in log.launched[at + 3:at + 5]:
+        for kernel, grid, args in log.launched[at + 2:at + 4]:
             assert grid[1] == cfg.n_experts and runner.buffers["expert_routes"] in args

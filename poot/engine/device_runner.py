@@ -869,8 +869,7 @@ STEPS = {
     "all_gather": StepKind(_one(lambda r, op: ops.all_gather(op.attrs["world"])),
                            DeviceRunner._gather_slices),
     "reshape": StepKind(lambda r, steps, i, long: [], DeviceRunner._reshape),
-    "top_k": StepKind(expert_steps.top_k_kernels, expert_steps.top_k),
-    "route_weights": StepKind(expert_steps.route_weights_kernels, expert_steps.route_weights),
+    "route": StepKind(expert_steps.route_kernels, expert_steps.route),
     "expert_matmul": StepKind(expert_steps.matvec_kernels, expert_steps.matvec),
     "expert_sum": StepKind(expert_steps.sum_kernels, expert_steps.expert_sum),
 }

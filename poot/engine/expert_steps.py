@@ -1,7 +1,7 @@
 """The device runner's steps of a mixture-of-experts block (device_runner.STEPS's entries for
 them): for each kind, the kernels it may launch and how it launches them (kernels/experts.py).
 
-top_k also groups the routes by expert (expert_groups) into two buffers of the runner's own,
+A route step also groups the routes by expert (expert_groups) into two buffers of the runner's own,
 `expert_offsets` and `expert_routes`, which the layer's expert matvecs read: every layer
 rewrites them, in order, so one pair serves them all. Nothing is read back to the host: the
 launches' grids cover every expert, and an expert no route chose returns at once.
@@ -31,32 +31,21 @@ def token_group(T):
     return next((g for g in TOKEN_GROUPS if g >= T), TOKEN_GROUPS[-1])
 
 
-def top_k_kernels(runner, steps, i, long):
-    return [experts.top_k(runner.device.subgroup_size, steps[i].attrs["k"]),
+def route_kernels(runner, steps, i, long):
+    op = steps[i]
+    return [experts.route(runner.device.subgroup_size, op.used, op.normalize),
             experts.expert_groups()]
 
 
-def top_k(runner, op, T, R, i, long):
-    logits, ids = op.inputs[0], op.output
-    n_experts, used = logits.shape[1], op.attrs["k"]
+def route(runner, op, T, R, i, long):
+    """A Route (lowering.py): each token's experts and their weights, then the step's routes
+    grouped by expert."""
+    (kernel, groups), (ids, weights) = route_kernels(runner, [op], 0, long), op.outputs
+    n_experts = op.logits.shape[1]
     B = runner._buffer
-    runner._launch(experts.top_k(runner.device.subgroup_size, used), (T,), B(logits), B(ids),
-                   n_experts)
-    runner._launch(experts.expert_groups(), (1,), B(ids), runner.buffers["expert_offsets"],
-                   runner.buffers["expert_routes"], T * used, n_experts)
-
-
-def route_weights_kernels(runner, steps, i, long):
-    op = steps[i]
-    return [experts.route_weights(runner.device.subgroup_size, op.inputs[1].shape[1],
-                                  op.attrs["normalize"])]
-
-
-def route_weights(runner, op, T, R, i, long):
-    logits, ids = op.inputs
-    B = runner._buffer
-    runner._launch(route_weights_kernels(runner, [op], 0, long)[0], (T,), B(logits), B(ids),
-                   B(op.output), logits.shape[1])
+    runner._launch(kernel, (T,), B(op.logits), B(ids), B(weights), n_experts)
+    runner._launch(groups, (1,), B(ids), runner.buffers["expert_offsets"],
+                   runner.buffers["expert_routes"], T * op.used, n_experts)
 
 
 def matvec_kernel(runner, op, group):

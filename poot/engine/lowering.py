@@ -60,6 +60,21 @@ class ExpertMatvec:
         return tuple(t for t in (self.x, self.weight, self.up, self.ids) if t is not None)
 
 
+@dataclass(frozen=True)
+class Route:
+    """A router's top_k and the route_weights of its choice, one launch (kernels/experts.py:
+    route), in top_k's place: outputs (ids, weights)."""
+    logits: object
+    outputs: tuple
+    used: int
+    normalize: bool
+    kind = "route"
+
+    @property
+    def inputs(self):
+        return (self.logits,)
+
+
 def shared_buffers(graph):
     """What a tensor group reads from each other's memory lives in buffers of its own, not
     in the arenas: the partial sums of the all_reduces in two buffers used in turn, each
@@ -88,9 +103,9 @@ def lower(graph, stack_glu=False):
       each part's rows written to its own output, so q, k and v stay separate values;
     - the ropes of q and k and the store_kv of k become one kernel, where q goes on only
       to the attention that reads that cache;
-    - a glu of two expert_matmuls of one input and routing becomes one ExpertMatvec over
-      both (the others are one each), and an add of an expert_sum used only there the sum's
-      epilogue;
+    - a route_weights of a top_k's choice over the same logits becomes one Route with it; a
+      glu of two expert_matmuls of one input and routing one ExpertMatvec over both (the
+      others are one each), and an add of an expert_sum used only there the sum's epilogue;
     - an add of an all_reduce's sum (a tensor group's) becomes the reduction's epilogue.
     With stack_glu (a device that runs the tensor-core matmul) a gated unit's gate and up
     weights are stacked too, so that mma_tiled reads them in one launch (twice the rows, a
@@ -188,6 +203,12 @@ def lower(graph, stack_glu=False):
     for op in ops_:
         if op.kind == "expert_matmul" and id(op) not in place:
             place[id(op)] = ExpertMatvec(*op.inputs, (op.output,))
+        chooser = producer.get(op.inputs[1].name) if op.kind == "route_weights" else None
+        if chooser is not None and chooser.kind == "top_k" and \
+                chooser.inputs[0].name == op.inputs[0].name:
+            place[id(chooser)] = Route(op.inputs[0], (chooser.output, op.output),
+                                       chooser.attrs["k"], op.attrs["normalize"])
+            place[id(op)] = None
     groups = {}
     for op in ops_:
         if op.kind == "matmul" and id(op) not in place:

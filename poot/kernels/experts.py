@@ -1,8 +1,8 @@
-"""The kernels of a mixture-of-experts block: the router's choice (`top_k`, `route_weights`),
-the routes grouped by expert (`expert_groups`), each expert's matrix over its routes
-(`expert_matvec`) and the weighted sum of a token's experts (`expert_sum`). Their numpy meanings
-are the ops of the same names in poot/ir/reference.py (expert_groups is the runner's own: the
-order in which expert_matvec takes the routes).
+"""The kernels of a mixture-of-experts block: the router's choice (`route`: the ops top_k and
+route_weights), the routes grouped by expert (`expert_groups`), each expert's matrix over its
+routes (`expert_matvec`) and the weighted sum of a token's experts (`expert_sum`). Their numpy
+meanings are the ops of those names in poot/ir/reference.py (expert_groups is the runner's own:
+the order in which expert_matvec takes the routes).
 
 A route is one (token, chosen expert) pair, numbered t * used + j; the expert ids stay on the
 device from the router to the sum, so a step reads nothing back. expert_matvec streams each
@@ -22,15 +22,19 @@ MAX_EXPERTS = 1024      # expert_groups counts each expert's routes in shared me
 
 
 @cache
-def top_k(subgroup_size, used):
-    """ids[t, j] = the j-th largest of logits[t, :n] (ties to the lower index); one subgroup a
-    token, `used` rounds of a subgroup maximum over the experts not yet chosen. grid (T)."""
-    k = KernelBuilder(f"top_k{used}_s{subgroup_size}", (subgroup_size,))
-    logits, ids = k.buffer("logits", F32), k.buffer("ids", I32, "w")
+def route(subgroup_size, used, normalize):
+    """A router's choice, the ops top_k and route_weights in one launch: ids[t, j] = the j-th
+    largest of logits[t, :n] (ties to the lower index) and w[t, j] = its softmax probability
+    over all n, divided by the chosen ones' sum where `normalize`. One subgroup a token:
+    `used` rounds of a subgroup maximum over the experts not yet chosen, then the softmax's
+    denominator from the first (the largest). grid (T)."""
+    k = KernelBuilder(f"route{used}_s{subgroup_size}" + "_norm" * normalize, (subgroup_size,))
+    logits = k.buffer("logits", F32)
+    ids, w = k.buffer("ids", I32, "w"), k.buffer("w", F32, "w")
     n = k.scalar("n", I32)
     t, lane = k.block_id(), k.lane_id()
-    chosen = []
-    for j in range(used):
+    chosen, tops = [], []
+    for _ in range(used):
         best, best_at = k.var(F32, LOWEST), k.var(I32, n)
         with k.for_(lane, n, subgroup_size) as e:
             v = logits[t * n + e]
@@ -41,38 +45,21 @@ def top_k(subgroup_size, used):
                 best.set(v)
                 best_at.set(e)
         top = k.subgroup_max(best.get())
-        at = k.subgroup_min(k.select(best.get().eq(top), best_at.get(), n))
-        chosen.append(at)
-        with k.if_(lane.eq(0)):
-            ids[t * used + j] = at
-    return k.build()
-
-
-@cache
-def route_weights(subgroup_size, used, normalize):
-    """w[t, j] = softmax(logits[t, :n])[ids[t, j]], divided by their sum over j where
-    `normalize`; one subgroup a token. grid (T)."""
-    k = KernelBuilder(f"route_weights{used}_s{subgroup_size}" + "_norm" * normalize,
-                      (subgroup_size,))
-    logits, ids, w = k.buffer("logits", F32), k.buffer("ids", I32), k.buffer("w", F32, "w")
-    n = k.scalar("n", I32)
-    t, lane = k.block_id(), k.lane_id()
-    most = k.var(F32, LOWEST)
-    with k.for_(lane, n, subgroup_size) as e:
-        most.set(k.max(most.get(), logits[t * n + e]))
-    top = k.subgroup_max(most.get())
+        chosen.append(k.subgroup_min(k.select(best.get().eq(top), best_at.get(), n)))
+        tops.append(top)
     total = k.var(F32, 0.0)
     with k.for_(lane, n, subgroup_size) as e:
-        total.set(total.get() + k.exp(logits[t * n + e] - top))
+        total.set(total.get() + k.exp(logits[t * n + e] - tops[0]))
+    shares = [k.exp(top - tops[0]) for top in tops]
     denominator = k.subgroup_add(total.get())
-    chosen = [k.exp(logits[t * n + ids[t * used + j]] - top) for j in range(used)]
     if normalize:
-        denominator = chosen[0]
-        for c in chosen[1:]:
-            denominator = denominator + c
+        denominator = shares[0]
+        for share in shares[1:]:
+            denominator = denominator + share
     with k.if_(lane.eq(0)):
-        for j, c in enumerate(chosen):
-            w[t * used + j] = c / denominator
+        for j, (at, share) in enumerate(zip(chosen, shares)):
+            ids[t * used + j] = at
+            w[t * used + j] = share / denominator
     return k.build()
 
 

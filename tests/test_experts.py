@@ -60,12 +60,13 @@ def stacked_weight(dtype, n_experts, rows, cols):
 
 
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("n_tokens,tokens,glu,per_route,rows_per", [
-    (1, 1, None, False, 1), (1, 1, "silu", False, 2), (1, 1, None, True, 4),
-    (7, 4, "silu", False, 1), (5, 2, None, True, 3), (12, 8, None, True, 1)])
-def test_expert_matvec(device, dtype, n_tokens, tokens, glu, per_route, rows_per):
-    """x per token (gate/up: every route of a token reads its row) or per route (down); a
-    subgroup's rows_per rows (3: the last subgroup holds fewer than that)."""
+@pytest.mark.parametrize("n_tokens,tokens,glu,per_route,rows_per,norm", [
+    (1, 1, None, False, 1, False), (1, 1, "silu", False, 2, True), (1, 1, None, True, 4, False),
+    (7, 4, "silu", False, 1, True), (5, 2, None, True, 3, False), (12, 8, None, True, 1, False)])
+def test_expert_matvec(device, dtype, n_tokens, tokens, glu, per_route, rows_per, norm):
+    """x per token (gate/up: every route of a token reads its row, RMS-normalised first with
+    `norm`) or per route (down); a subgroup's rows_per rows (3: the last subgroup holds fewer
+    than that)."""
     n_experts, used, rows, cols = 6, 2, 40, 256
     ids = np.stack([rng.permutation(n_experts)[:used] for _ in range(n_tokens)]).astype(np.int32)
     offsets, routes = groups(device, ids, n_experts)
@@ -73,11 +74,14 @@ def test_expert_matvec(device, dtype, n_tokens, tokens, glu, per_route, rows_per
     x = x.astype(np.float32)
     weights = [stacked_weight(dtype, n_experts, rows, cols) for _ in range(2 if glu else 1)]
     args = [p for w_planes, _ in weights for p in w_planes]
-    kernel = experts.expert_matvec(dtype, device.subgroup_size, tokens, glu, rows_per)
+    kernel = experts.expert_matvec(dtype, device.subgroup_size, tokens, glu, rows_per, norm)
     grid = experts.expert_grid(rows, n_experts, device.subgroup_size, rows_per)
-    got = run(device, kernel, grid, *args, x, offsets, routes,
+    gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
+    got = run(device, kernel, grid, *args, x, *([gain] if norm else []), offsets, routes,
               np.zeros((n_tokens, used, rows), np.float32), rows, cols,
-              1 if per_route else used)["y"]
+              1 if per_route else used, *([1e-5] if norm else []))["y"]
+    if norm:
+        x = ref.rms_norm(x, gain, 1e-5)
     want = ref.expert_matmul(x, weights[0][1], ids)
     if glu:
         want = ref.glu(want, ref.expert_matmul(x, weights[1][1], ids), glu)
@@ -103,7 +107,7 @@ def expert_kernels(subgroup_size):
     out = [experts.route(subgroup_size, 8, True), experts.route(subgroup_size, 2, False),
            experts.expert_groups(),
            experts.expert_sum(8), experts.expert_sum(8, residual=True)]
-    return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per)
+    return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per, glu is not None)
                   for d in DEVICE_DTYPES for tokens in TOKEN_GROUPS for glu in (None, "silu")
                   for rows_per in {1, matvec_rows(d, tokens, 2 if glu else 1)}]
 

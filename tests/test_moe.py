@@ -224,15 +224,17 @@ def test_tiny_moe_on_a_device_matches_the_reference(tmp_path, device, arch, dtyp
 def test_a_moe_layer_lowers_to_its_expert_steps(tmp_path):
     """The router's matmul, its choice and weights in one step (with the grouping), one expert
     matvec for gate and up with their SwiGLU, one for down, and the weighted sum with the
-    residual."""
+    residual; the feed-forward norm folded into the router's and the experts' gate/up."""
     from poot.engine.lowering import lower
     model = poot.load(tiny_model(tmp_path, dtype="Q4_0", arch="qwen3moe", shape="tiny-moe"))
     steps, _ = lower(model.step_graph(8, 16))
     kinds = [s.kind for s in steps if s.kind != "reshape"]
-    layer = kinds[kinds.index("route") - 2:kinds.index("expert_sum") + 1]
-    assert layer == ["rms_norm", "matmul", "route", "expert_matmul", "expert_matmul",
-                     "expert_sum"]
+    layer = kinds[kinds.index("route") - 1:kinds.index("expert_sum") + 1]
+    assert layer == ["matmul", "route", "expert_matmul", "expert_matmul", "expert_sum"]
+    assert not any(s.kind == "rms_norm" and "ffn_norm" in s.inputs[1].name for s in steps)
+    router = steps[[s.kind for s in steps].index("route") - 1]
     gate_up = next(s for s in steps if s.kind == "expert_matmul")
+    assert router.norm.name == gate_up.norm.name == "blk.0.ffn_norm.weight"
     assert gate_up.glu == "silu" and gate_up.up.name == "blk.0.ffn_up_exps.weight"
     assert next(s for s in steps if s.kind == "expert_sum").attrs == {"residual": True}
 
@@ -266,7 +268,7 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path):
         group = next(g for g in (1, 2, 4, 8) if g >= T) if T <= 8 else 8
         rows = "_r2" * (group == 1), "_r4" * (group == 1)   # a subgroup's rows (matvec_rows)
         assert names[at:at + 5] == ["route2_s32_norm", "expert_groups",
-                                    f"expert_matvec_q4_0_t{group}_s32{rows[0]}_swiglu",
+                                    f"expert_matvec_q4_0_t{group}_s32{rows[0]}_norm_swiglu",
                                     f"expert_matvec_q4_0_t{group}_s32{rows[1]}",
                                     "expert_sum2_residual"]
         assert names.count("expert_groups") == cfg.n_layers

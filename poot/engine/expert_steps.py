@@ -53,7 +53,7 @@ def matvec_kernel(runner, op, group):
     rows a subgroup (as a dense matvec's: kernel_choice.matvec_rows)."""
     rows_per = matvec_rows(op.weight.dtype, group, 2 if op.glu else 1)
     return experts.expert_matvec(op.weight.dtype, runner.device.subgroup_size, group, op.glu,
-                                 rows_per), rows_per
+                                 rows_per, op.norm is not None), rows_per
 
 
 def matvec_kernels(runner, steps, i, long):
@@ -67,9 +67,11 @@ def matvec(runner, op, T, R, i, long):
     planes = runner._weight_planes(op.weight) + (runner._weight_planes(op.up) if op.up else [])
     kernel, rows_per = matvec_kernel(runner, op, token_group(T))
     grid = experts.expert_grid(rows, n_experts, sg, rows_per)
-    runner._launch(kernel, grid, *planes, runner._buffer(op.x),
+    norm = [] if op.norm is None else [runner._buffer(op.norm)]
+    eps = [] if op.norm is None else [op.eps]
+    runner._launch(kernel, grid, *planes, runner._buffer(op.x), *norm,
                    runner.buffers["expert_offsets"], runner.buffers["expert_routes"],
-                   runner._buffer(op.outputs[0]), rows, cols, x_per)
+                   runner._buffer(op.outputs[0]), rows, cols, x_per, *eps)
 
 
 def sum_kernels(runner, steps, i, long):

@@ -46,18 +46,22 @@ class Matvec:
 class ExpertMatvec:
     """One expert_matvec launch (kernels/experts.py): each route's product with its chosen
     expert's matrix (`weight` [experts, rows, cols]; `ids` the router's choice), or gate and up
-    with the gated unit of the two (`up`, `glu`), as Matvec's."""
+    with the gated unit of the two (`up`, `glu`), and the RMSNorm of its input (`norm`), as
+    Matvec's."""
     x: object
     weight: object
     ids: object
     outputs: tuple
     up: object = None
     glu: str = None
+    norm: object = None
+    eps: float = 0.0
     kind = "expert_matmul"
 
     @property
     def inputs(self):
-        return tuple(t for t in (self.x, self.weight, self.up, self.ids) if t is not None)
+        return tuple(t for t in (self.x, self.norm, self.weight, self.up, self.ids)
+                     if t is not None)
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ def shared_buffers(graph):
 def lower(graph, stack_glu=False):
     """The graph's ops as launch steps, fusing ops into one kernel where what passes
     between them is used only there:
-    - an rms_norm read only by matmuls is folded into each of them;
+    - an rms_norm read only by matmuls (and expert_matmuls) is folded into each of them;
     - a glu (gated unit) of two matmuls of one input becomes one matmul over both weights;
     - an add whose input is a matmul used only there (a residual add) becomes the matmul's
       epilogue;
@@ -151,8 +155,8 @@ def lower(graph, stack_glu=False):
     for op in ops_:
         readers = users.get(op.output.name, [])
         if op.kind == "rms_norm" and readers and uses[op.output.name] == len(readers) and \
-                all(r.kind == "matmul" and r.inputs[0].name == op.output.name
-                    for r in readers):
+                all(r.kind in ("matmul", "expert_matmul") and
+                    r.inputs[0].name == op.output.name for r in readers):
             norm_of[op.output.name] = op
             place[id(op)] = None
 
@@ -162,6 +166,13 @@ def lower(graph, stack_glu=False):
             fused.update(norm=norm.inputs[1], eps=norm.attrs["eps"])
             x = norm.inputs[0]
         return Matvec(x, weight, tuple(outputs), **fused)
+
+    def expert_matvec(x, weight, ids, outputs, **fused):
+        norm = norm_of.get(x.name)
+        if norm is not None:
+            fused.update(norm=norm.inputs[1], eps=norm.attrs["eps"])
+            x = norm.inputs[0]
+        return ExpertMatvec(x, weight, ids, tuple(outputs), **fused)
 
     for op in ops_:
         if id(op) in place:
@@ -185,8 +196,8 @@ def lower(graph, stack_glu=False):
                     (up.inputs[1].dtype, up.inputs[1].shape):
                 first, second = sorted((gate, up), key=lambda m: order[id(m)])
                 x, w, ids = gate.inputs
-                place[id(first)] = ExpertMatvec(x, w, ids, (op.output,), up=up.inputs[1],
-                                                glu=op.attrs["activation"])
+                place[id(first)] = expert_matvec(x, w, ids, [op.output], up=up.inputs[1],
+                                                 glu=op.attrs["activation"])
                 place[id(second)] = place[id(op)] = None
         elif op.kind == "add":
             for mine, other in ((0, 1), (1, 0)):
@@ -202,7 +213,7 @@ def lower(graph, stack_glu=False):
 
     for op in ops_:
         if op.kind == "expert_matmul" and id(op) not in place:
-            place[id(op)] = ExpertMatvec(*op.inputs, (op.output,))
+            place[id(op)] = expert_matvec(*op.inputs, [op.output])
         chooser = producer.get(op.inputs[1].name) if op.kind == "route_weights" else None
         if chooser is not None and chooser.kind == "top_k" and \
                 chooser.inputs[0].name == op.inputs[0].name:

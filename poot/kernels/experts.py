@@ -98,7 +98,7 @@ def expert_groups():
 
 
 @cache
-def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1):
+def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1, norm=False):
     """y[r, m] = W[e, m, :] . x[r / x_per, :] for every route r of expert e; with `glu` (gate
     then up planes) y[r, m] = glu(gate[e, m] . x, up[e, m] . x). A subgroup streams `rows_per`
     consecutive rows of one expert (so that each x value it loads serves them all, as
@@ -107,16 +107,21 @@ def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1):
 
     Buffers: W's planes (u32; [experts * rows, cols]), x f32, offsets and routes
     (expert_groups), y f32 [routes, rows]; scalars rows, cols, x_per (the routes a row of x
-    serves: a token's `used` where x is the token's, 1 where each route has its own)."""
+    serves: a token's `used` where x is the token's, 1 where each route has its own). With
+    `norm`, x is RMS-normalised first as in matvec.matvec (its gain g f32 [cols], buffer
+    `norm` after x, and scalar eps last): the subgroup streams all of x for its rows anyway."""
     r = reader(dtype)
     matrices = ("gate", "up") if glu else ("w",)
     name = f"expert_matvec_{dtype.lower()}_t{tokens}_s{subgroup_size}" + f"_r{rows_per}" * (
-        rows_per > 1)
+        rows_per > 1) + "_norm" * norm
     k = KernelBuilder(name + (f"_{activations.UNITS[glu]}" if glu else ""), (WG,))
     bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in r.plane_names} for m in matrices]
-    x, offsets, routes = k.buffer("x", F32), k.buffer("offsets", I32), k.buffer("routes", I32)
+    x = k.buffer("x", F32)
+    gain = k.buffer("norm", F32) if norm else None
+    offsets, routes = k.buffer("offsets", I32), k.buffer("routes", I32)
     y = k.buffer("y", F32, "w")
     rows, cols, x_per = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("x_per", I32)
+    eps = k.scalar("eps", F32) if norm else None
     first = (k.block_id(0) * (WG // subgroup_size) + k.subgroup_id()) * rows_per
     expert, lane = k.block_id(1), k.lane_id()
     start = offsets[expert]
@@ -128,20 +133,32 @@ def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1):
     with k.for_(0, count, tokens) as c:
         mine = [routes[start + k.min(c + t, count - 1)] for t in range(tokens)]
         acc = [[[k.var(F32, 0.0) for _ in range(tokens)] for _ in mine_rows] for _ in matrices]
+        squares = [k.var(F32, 0.0) for _ in range(tokens)] if norm else []
         with k.for_(lane, cols // r.block_elems, subgroup_size) as block:
             values = [[r.decode(k, buf, row, block, cols) for row in mine_rows] for buf in bufs]
+            gains = [v for i in range(0, r.block_elems, 4)
+                     for v in gain.load(block * r.block_elems + i, 4)] if norm else []
             for t in range(tokens):
                 xrow = (mine[t] / x_per) * cols + block * r.block_elems
                 xs = [v for i in range(0, r.block_elems, 4) for v in x.load(xrow + i, 4)]
+                if norm:
+                    square = squares[t].get()
+                    for xv in xs:
+                        square = k.fma(xv, xv, square)
+                    squares[t].set(square)
+                    xs = [xv * g for xv, g in zip(xs, gains)]
                 for per_matrix, per_values in zip(acc, values):
                     for per_row, vs in zip(per_matrix, per_values):
                         total = per_row[t].get()
                         for v, xv in zip(vs, xs):
                             total = k.fma(v, xv, total)
                         per_row[t].set(total)
+        scales = [k.rsqrt(k.subgroup_add(sq.get()) / cols.to(F32) + eps) for sq in squares]
         for q in range(rows_per):
             for t in range(tokens):
                 sums = [k.subgroup_add(per_matrix[q][t].get()) for per_matrix in acc]
+                if norm:
+                    sums = [v * scales[t] for v in sums]
                 value = activations.glu(k, glu, *sums) if glu else sums[0]
                 with k.if_(lane.eq(0) & (c + t < count) & (first + q < rows)):
                     y[mine[t] * rows + first + q] = value

@@ -121,3 +121,18 @@ def test_expert_kernels_assemble_with_ptxas(tmp_path, sm):
         result = subprocess.run(["ptxas", f"-arch=sm_{sm}", str(source), "-o", "/dev/null"],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{kernel.name}: {result.stderr}"
+
+
+@pytest.mark.parametrize("isa,wavefront", [("gfx90a", 64), ("gfx1030", 32)])
+def test_expert_kernels_build_for_amd_without_scratch(isa, wavefront):
+    """comgr builds each expert kernel into a code object (skipped without libamd_comgr)."""
+    from drivers import LibraryNotFound
+    from poot.codegen.amdgpu import build_code_object, compiler_isas
+    try:
+        compiler_isas()
+    except LibraryNotFound as error:
+        pytest.skip(f"libamd_comgr not found (tried {', '.join(p for p, _ in error.tried)})")
+    for kernel in expert_kernels(wavefront):
+        code = build_code_object(kernel, isa, wavefront)
+        assert code.group_segment_size == kernel.shared_bytes, kernel.name
+        assert code.private_segment_size == 0, f"{kernel.name} spills to scratch"

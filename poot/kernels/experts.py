@@ -136,23 +136,26 @@ def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1, norm=Fal
         squares = [k.var(F32, 0.0) for _ in range(tokens)] if norm else []
         with k.for_(lane, cols // r.block_elems, subgroup_size) as block:
             values = [[r.decode(k, buf, row, block, cols) for row in mine_rows] for buf in bufs]
-            gains = [v for i in range(0, r.block_elems, 4)
-                     for v in gain.load(block * r.block_elems + i, 4)] if norm else []
             for t in range(tokens):
                 xrow = (mine[t] / x_per) * cols + block * r.block_elems
-                xs = [v for i in range(0, r.block_elems, 4) for v in x.load(xrow + i, 4)]
-                if norm:
-                    square = squares[t].get()
-                    for xv in xs:
-                        square = k.fma(xv, xv, square)
-                    squares[t].set(square)
-                    xs = [xv * g for xv, g in zip(xs, gains)]
-                for per_matrix, per_values in zip(acc, values):
-                    for per_row, vs in zip(per_matrix, per_values):
-                        total = per_row[t].get()
-                        for v, xv in zip(vs, xs):
-                            total = k.fma(v, xv, total)
+                totals = [[per_row[t].get() for per_row in per_matrix] for per_matrix in acc]
+                square = squares[t].get() if norm else None
+                for i in range(0, r.block_elems, 4):      # 4 x values live at a time
+                    xs = x.load(xrow + i, 4)
+                    if norm:
+                        gains = gain.load(block * r.block_elems + i, 4)
+                        for xv in xs:
+                            square = k.fma(xv, xv, square)
+                        xs = [xv * g for xv, g in zip(xs, gains)]
+                    for m, per_values in enumerate(values):
+                        for q, vs in enumerate(per_values):
+                            for v, xv in zip(vs[i:i + 4], xs):
+                                totals[m][q] = k.fma(v, xv, totals[m][q])
+                for per_matrix, row_totals in zip(acc, totals):
+                    for per_row, total in zip(per_matrix, row_totals):
                         per_row[t].set(total)
+                if norm:
+                    squares[t].set(square)
         scales = [k.rsqrt(k.subgroup_add(sq.get()) / cols.to(F32) + eps) for sq in squares]
         for q in range(rows_per):
             for t in range(tokens):

@@ -274,3 +274,30 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path):
         assert names.count("expert_groups") == cfg.n_layers
         for kernel, grid, args in log.launched[at + 2:at + 4]:
             assert grid[1] == cfg.n_experts and runner.buffers["expert_routes"] in args
+
+
+def test_a_hugging_face_moe_folder_on_a_device_matches_the_reference(tmp_path, device,
+                                                                    monkeypatch):
+    """A Qwen3-MoE safetensors folder (one tensor per expert, in BF16) loaded whole: the loader
+    stacks each layer's experts for the reference and, in their device planes, for the
+    device runner."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from poot.models.random_weights import byte_level_vocab
+    model, folder = hf_moe(tmp_path, "qwen3moe", vocab_size=320, norm_topk_prob=True,
+                           dtype="bfloat16")
+    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    vocab, merges = byte_level_vocab(320)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(
+        vocab={t: i for i, t in enumerate(vocab)}, merges=[tuple(m.split(" ")) for m in merges]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.save(str(folder / "tokenizer.json"))
+    loaded = poot.load(folder)
+    assert loaded.weight_shapes()["blk.1.ffn_gate_exps.weight"] == ((6, 32, 64), "BF16")
+    clear = clear_routing(monkeypatch)
+
+    def prefill():
+        batch = prefill_of(20)
+        return batch, loaded.runner(None, num_blocks=32).logits(batch)
+    batch, want = clear(prefill)
+    got = loaded.runner(device, num_blocks=32, max_tokens=32).logits(batch)
+    assert rel_err(got, want) < 2e-3

@@ -301,3 +301,12 @@ def test_a_hugging_face_moe_folder_on_a_device_matches_the_reference(tmp_path, d
     batch, want = clear(prefill)
     got = loaded.runner(device, num_blocks=32, max_tokens=32).logits(batch)
     assert rel_err(got, want) < 2e-3
+
+
+def test_tensor_placement_refuses_a_mixture_of_experts(tmp_path):
+    """Its experts are not split by columns over a tensor group (a pipeline splits layers)."""
+    from poot.engine.placement import tensor_parts
+    from poot.errors import PlacementRefused
+    model = poot.load(tiny_model(tmp_path, dtype="F16", arch="qwen3moe", shape="tiny-moe"))
+    with pytest.raises(PlacementRefused, match="mixture of experts"):
+        tensor_parts(model.config, model.weight_shapes(), 2)

@@ -37,18 +37,21 @@ def test_route(device, n_experts, used, normalize):
 def groups(device, ids, n_experts):
     flat = ids.reshape(-1)
     out = run(device, experts.expert_groups(), (1,), flat, np.zeros(n_experts + 1, np.int32),
-              np.zeros(len(flat), np.int32), len(flat), n_experts)
-    return out["offsets"], out["routes"]
+              np.zeros(len(flat), np.int32), np.zeros(n_experts, np.int32), len(flat),
+              n_experts)
+    return out["offsets"], out["routes"], out["active"]
 
 
 @pytest.mark.parametrize("n_tokens,n_experts,used", [(1, 128, 8), (9, 6, 2), (40, 300, 4)])
 def test_expert_groups(device, n_tokens, n_experts, used):
     ids = np.stack([rng.permutation(n_experts)[:used] for _ in range(n_tokens)]).astype(np.int32)
-    offsets, routes = groups(device, ids, n_experts)
+    offsets, routes, active = groups(device, ids, n_experts)
     flat = ids.reshape(-1)
     for e in range(n_experts):
         assert routes[offsets[e]:offsets[e + 1]].tolist() == np.nonzero(flat == e)[0].tolist()
     assert offsets[-1] == len(flat)
+    chosen = np.unique(flat).tolist()
+    assert active.tolist() == chosen + [-1] * (n_experts - len(chosen))
 
 
 def stacked_weight(dtype, n_experts, rows, cols):
@@ -69,16 +72,17 @@ def test_expert_matvec(device, dtype, n_tokens, tokens, glu, per_route, rows_per
     than that)."""
     n_experts, used, rows, cols = 6, 2, 40, 256
     ids = np.stack([rng.permutation(n_experts)[:used] for _ in range(n_tokens)]).astype(np.int32)
-    offsets, routes = groups(device, ids, n_experts)
+    offsets, routes, active = groups(device, ids, n_experts)
     x = rng.standard_normal((n_tokens, used, cols) if per_route else (n_tokens, cols))
     x = x.astype(np.float32)
     weights = [stacked_weight(dtype, n_experts, rows, cols) for _ in range(2 if glu else 1)]
     args = [p for w_planes, _ in weights for p in w_planes]
     kernel = experts.expert_matvec(dtype, device.subgroup_size, tokens, glu, rows_per, norm)
-    grid = experts.expert_grid(rows, n_experts, device.subgroup_size, rows_per)
+    grid = experts.expert_grid(rows, min(n_experts, n_tokens * used), device.subgroup_size,
+                               rows_per)
     gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
     got = run(device, kernel, grid, *args, x, *([gain] if norm else []), offsets, routes,
-              np.zeros((n_tokens, used, rows), np.float32), rows, cols,
+              active, np.zeros((n_tokens, used, rows), np.float32), rows, cols,
               1 if per_route else used, *([1e-5] if norm else []))["y"]
     if norm:
         x = ref.rms_norm(x, gain, 1e-5)

@@ -1,10 +1,11 @@
 """The device runner's steps of a mixture-of-experts block (device_runner.STEPS's entries for
 them): for each kind, the kernels it may launch and how it launches them (kernels/experts.py).
 
-A route step also groups the routes by expert (expert_groups) into two buffers of the runner's own,
-`expert_offsets` and `expert_routes`, which the layer's expert matvecs read: every layer
-rewrites them, in order, so one pair serves them all. Nothing is read back to the host: the
-launches' grids cover every expert, and an expert no route chose returns at once.
+A route step also groups the routes by expert (expert_groups) into buffers of the runner's own,
+`expert_offsets`, `expert_routes` and `expert_active`, which the layer's expert matvecs read:
+every layer rewrites them, in order, so one set serves them all. Nothing is read back to the
+host: an expert matvec's grid covers as many experts as the step's routes can choose, and a
+workgroup column past the chosen ones returns at once.
 """
 import math
 
@@ -22,7 +23,8 @@ def buffers(graph, max_tokens):
         raise ValueError(f"{n_experts} experts: expert_groups counts at most "
                          f"{experts.MAX_EXPERTS}")
     used = max(op.attrs["k"] for op in routers)
-    return [("expert_offsets", n_experts + 1), ("expert_routes", max_tokens * used)]
+    return [("expert_offsets", n_experts + 1), ("expert_routes", max_tokens * used),
+            ("expert_active", n_experts)]
 
 
 def token_group(T):
@@ -44,8 +46,11 @@ def route(runner, op, T, R, i, long):
     n_experts = op.logits.shape[1]
     B = runner._buffer
     runner._launch(kernel, (T,), B(op.logits), B(ids), B(weights), n_experts)
-    runner._launch(groups, (1,), B(ids), runner.buffers["expert_offsets"],
-                   runner.buffers["expert_routes"], T * op.used, n_experts)
+    runner._launch(groups, (1,), B(ids), *expert_buffers(runner), T * op.used, n_experts)
+
+
+def expert_buffers(runner):
+    return [runner.buffers[f"expert_{name}"] for name in ("offsets", "routes", "active")]
 
 
 def matvec_kernel(runner, op, group):
@@ -66,11 +71,10 @@ def matvec(runner, op, T, R, i, long):
     x_per = op.ids.shape[1] if len(op.x.shape) == 2 else 1     # x a token's, or a route's
     planes = runner._weight_planes(op.weight) + (runner._weight_planes(op.up) if op.up else [])
     kernel, rows_per = matvec_kernel(runner, op, token_group(T))
-    grid = experts.expert_grid(rows, n_experts, sg, rows_per)
+    grid = experts.expert_grid(rows, min(n_experts, T * op.ids.shape[1]), sg, rows_per)
     norm = [] if op.norm is None else [runner._buffer(op.norm)]
     eps = [] if op.norm is None else [op.eps]
-    runner._launch(kernel, grid, *planes, runner._buffer(op.x), *norm,
-                   runner.buffers["expert_offsets"], runner.buffers["expert_routes"],
+    runner._launch(kernel, grid, *planes, runner._buffer(op.x), *norm, *expert_buffers(runner),
                    runner._buffer(op.outputs[0]), rows, cols, x_per, *eps)
 
 

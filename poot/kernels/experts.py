@@ -5,7 +5,9 @@ meanings are the ops of those names in poot/ir/reference.py (expert_groups is th
 the order in which expert_matvec takes the routes).
 
 A route is one (token, chosen expert) pair, numbered t * used + j; the expert ids stay on the
-device from the router to the sum, so a step reads nothing back. expert_matvec streams each
+device from the router to the sum, so a step reads nothing back: expert_matvec's grid covers as
+many experts as the step's routes could choose, each workgroup column taking the next chosen
+one or none. expert_matvec streams each
 chosen expert's rows once for all the routes that chose it (a step of many tokens reads each
 expert once, not once a token), from the stacked weight [experts * rows, cols] in its device
 layout (quant.py).
@@ -66,11 +68,13 @@ def route(subgroup_size, used, normalize):
 @cache
 def expert_groups():
     """The routes grouped by expert, in route order within each: offsets[e] .. offsets[e + 1]
-    are expert e's entries of routes; one workgroup, a thread an expert (n_experts <=
-    MAX_EXPERTS). grid (1)."""
+    are expert e's entries of routes; active lists the experts some route chose, in order,
+    then -1s (so expert_matvec's grid need cover only as many experts as a step can choose);
+    one workgroup, a thread an expert (n_experts <= MAX_EXPERTS). grid (1)."""
     k = KernelBuilder("expert_groups", (WG,))
     ids = k.buffer("ids", I32)
     offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
+    active = k.buffer("active", I32, "w")
     n_routes, n_experts = k.scalar("n_routes", I32), k.scalar("n_experts", I32)
     counts = k.shared("counts", I32, MAX_EXPERTS + 1)
     tid = k.thread_id()
@@ -84,9 +88,15 @@ def expert_groups():
     with k.if_(tid.eq(0)):             # a running sum over the experts: a few hundred adds
         counts[0] = 0
         offsets[0] = 0
+        n_active = k.var(I32, 0)
         with k.for_(1, n_experts + 1) as e:
+            with k.if_(counts[e] > 0):
+                active[n_active.get()] = e - 1
+                n_active.set(n_active.get() + 1)
             counts[e] = counts[e] + counts[e - 1]
             offsets[e] = counts[e]
+        with k.for_(n_active.get(), n_experts) as e:
+            active[e] = -1
     k.barrier()
     with k.for_(tid, n_experts, WG) as e:
         at = k.var(I32, counts[e])
@@ -103,9 +113,10 @@ def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1, norm=Fal
     then up planes) y[r, m] = glu(gate[e, m] . x, up[e, m] . x). A subgroup streams `rows_per`
     consecutive rows of one expert (so that each x value it loads serves them all, as
     matvec.matvec's do) for `tokens` of its routes at a time (more routes: the rows again, from
-    cache). grid expert_grid(rows, experts, subgroup_size, rows_per).
+    cache). grid expert_grid(rows, slots, subgroup_size, rows_per): workgroup column s takes
+    the expert active[s] (expert_groups), none where that is -1.
 
-    Buffers: W's planes (u32; [experts * rows, cols]), x f32, offsets and routes
+    Buffers: W's planes (u32; [experts * rows, cols]), x f32, offsets, routes and active
     (expert_groups), y f32 [routes, rows]; scalars rows, cols, x_per (the routes a row of x
     serves: a token's `used` where x is the token's, 1 where each route has its own). With
     `norm`, x is RMS-normalised first as in matvec.matvec (its gain g f32 [cols], buffer
@@ -119,15 +130,16 @@ def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1, norm=Fal
     x = k.buffer("x", F32)
     gain = k.buffer("norm", F32) if norm else None
     offsets, routes = k.buffer("offsets", I32), k.buffer("routes", I32)
+    active = k.buffer("active", I32)
     y = k.buffer("y", F32, "w")
     rows, cols, x_per = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("x_per", I32)
     eps = k.scalar("eps", F32) if norm else None
     first = (k.block_id(0) * (WG // subgroup_size) + k.subgroup_id()) * rows_per
-    expert, lane = k.block_id(1), k.lane_id()
+    expert, lane = active[k.block_id(1)], k.lane_id()
+    with k.if_((first >= rows) | (expert < 0)):
+        k.return_()
     start = offsets[expert]
     count = offsets[expert + 1] - start
-    with k.if_((first >= rows) | count.eq(0)):
-        k.return_()
     # rows past the end read the last row again and store nothing
     mine_rows = [expert * rows + k.min(first + q, rows - 1) for q in range(rows_per)]
     with k.for_(0, count, tokens) as c:
@@ -168,9 +180,10 @@ def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1, norm=Fal
     return k.build()
 
 
-def expert_grid(rows, n_experts, subgroup_size, rows_per=1):
-    """The grid of an expert_matvec launch: every expert, each of its rows once."""
-    return (-(-rows // (WG // subgroup_size * rows_per)), n_experts)
+def expert_grid(rows, slots, subgroup_size, rows_per=1):
+    """The grid of an expert_matvec launch: each of its rows once for `slots` experts, as many
+    as the step's routes can choose (its tokens times the experts each uses, at most all)."""
+    return (-(-rows // (WG // subgroup_size * rows_per)), slots)
 
 
 @cache

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from poot.codegen.ptx import render_ptx
-from poot.engine.kernel_choice import TOKEN_GROUPS, matvec_rows
+from poot.engine.kernel_choice import matvec_rows
 from poot.formats.quants import dequantize, quantize
 from poot.ir import reference as ref
 from poot.kernels import experts
@@ -69,7 +69,8 @@ def stacked_weight(dtype, n_experts, rows, cols):
 def test_expert_matvec(device, dtype, n_tokens, tokens, glu, per_route, rows_per, norm):
     """x per token (gate/up: every route of a token reads its row, RMS-normalised first with
     `norm`) or per route (down); a subgroup's rows_per rows (3: the last subgroup holds fewer
-    than that)."""
+    than that); the token groups a format takes (experts.expert_tokens)."""
+    tokens = max(g for g in experts.expert_tokens(dtype) if g <= tokens)
     n_experts, used, rows, cols = 6, 2, 40, 256
     ids = np.stack([rng.permutation(n_experts)[:used] for _ in range(n_tokens)]).astype(np.int32)
     offsets, routes, active = groups(device, ids, n_experts)
@@ -112,7 +113,8 @@ def expert_kernels(subgroup_size):
            experts.expert_groups(),
            experts.expert_sum(8), experts.expert_sum(8, residual=True)]
     return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per, glu is not None)
-                  for d in DEVICE_DTYPES for tokens in TOKEN_GROUPS for glu in (None, "silu")
+                  for d in DEVICE_DTYPES for tokens in experts.expert_tokens(d)
+                  for glu in (None, "silu")
                   for rows_per in {1, matvec_rows(d, tokens, 2 if glu else 1)}]
 
 

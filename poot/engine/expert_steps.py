@@ -10,7 +10,7 @@ workgroup column past the chosen ones returns at once.
 import math
 
 from ..kernels import experts
-from .kernel_choice import TOKEN_GROUPS, matvec_rows
+from .kernel_choice import matvec_rows
 
 
 def buffers(graph, max_tokens):
@@ -27,10 +27,12 @@ def buffers(graph, max_tokens):
             ("expert_active", n_experts)]
 
 
-def token_group(T):
-    """The routes an expert_matvec subgroup takes at once in a T-token step: at most T choose
-    one expert (a token chooses it once), so the smallest group that holds them all."""
-    return next((g for g in TOKEN_GROUPS if g >= T), TOKEN_GROUPS[-1])
+def token_group(dtype, T):
+    """The routes an expert_matvec subgroup takes a pass in a T-token step: at most T choose
+    one expert (a token chooses it once), so the smallest group that holds them all, of those
+    the format takes (experts.expert_tokens)."""
+    groups = experts.expert_tokens(dtype)
+    return next((g for g in groups if g >= T), groups[-1])
 
 
 def route_kernels(runner, steps, i, long):
@@ -62,7 +64,9 @@ def matvec_kernel(runner, op, group):
 
 
 def matvec_kernels(runner, steps, i, long):
-    return [matvec_kernel(runner, steps[i], group)[0] for group in TOKEN_GROUPS]
+    op = steps[i]
+    return [matvec_kernel(runner, op, group)[0]
+            for group in experts.expert_tokens(op.weight.dtype)]
 
 
 def matvec(runner, op, T, R, i, long):
@@ -70,7 +74,7 @@ def matvec(runner, op, T, R, i, long):
     sg, (n_experts, rows, cols) = runner.device.subgroup_size, op.weight.shape
     x_per = op.ids.shape[1] if len(op.x.shape) == 2 else 1     # x a token's, or a route's
     planes = runner._weight_planes(op.weight) + (runner._weight_planes(op.up) if op.up else [])
-    kernel, rows_per = matvec_kernel(runner, op, token_group(T))
+    kernel, rows_per = matvec_kernel(runner, op, token_group(op.weight.dtype, T))
     grid = experts.expert_grid(rows, min(n_experts, T * op.ids.shape[1]), sg, rows_per)
     norm = [] if op.norm is None else [runner._buffer(op.norm)]
     eps = [] if op.norm is None else [op.eps]

@@ -20,7 +20,8 @@ from .ops import LOWEST
 from .quant import reader
 
 WG = 256
-MAX_EXPERTS = 1024      # expert_groups counts each expert's routes in shared memory
+MAX_EXPERTS = 1024
+TOKEN_GROUPS = (1, 2, 4, 8)     # routes an expert_matvec subgroup takes a pass      # expert_groups counts each expert's routes in shared memory
 
 
 @cache
@@ -142,6 +143,31 @@ def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1, norm=Fal
     count = offsets[expert + 1] - start
     # rows past the end read the last row again and store nothing
     mine_rows = [expert * rows + k.min(first + q, rows - 1) for q in range(rows_per)]
+
+    def accumulate(route, block, values, sums, squares):
+        """Adds a route's products with the block's decoded values (of each matrix and row)
+        to its sums (vars, [matrix][row]), 4 x values live at a time; with `norm`, the squares
+        of its x to its `squares` var."""
+        xrow = (route / x_per) * cols + block * r.block_elems
+        totals = [[v.get() for v in per_matrix] for per_matrix in sums]
+        square = squares.get() if norm else None
+        for i in range(0, r.block_elems, 4):
+            xs = x.load(xrow + i, 4)
+            if norm:
+                gains = gain.load(block * r.block_elems + i, 4)
+                for xv in xs:
+                    square = k.fma(xv, xv, square)
+                xs = [xv * g for xv, g in zip(xs, gains)]
+            for m, per_values in enumerate(values):
+                for q, vs in enumerate(per_values):
+                    for v, xv in zip(vs[i:i + 4], xs):
+                        totals[m][q] = k.fma(v, xv, totals[m][q])
+        for per_matrix, row_totals in zip(sums, totals):
+            for v, total in zip(per_matrix, row_totals):
+                v.set(total)
+        if norm:
+            squares.set(square)
+
     with k.for_(0, count, tokens) as c:
         mine = [routes[start + k.min(c + t, count - 1)] for t in range(tokens)]
         acc = [[[k.var(F32, 0.0) for _ in range(tokens)] for _ in mine_rows] for _ in matrices]
@@ -149,25 +175,10 @@ def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1, norm=Fal
         with k.for_(lane, cols // r.block_elems, subgroup_size) as block:
             values = [[r.decode(k, buf, row, block, cols) for row in mine_rows] for buf in bufs]
             for t in range(tokens):
-                xrow = (mine[t] / x_per) * cols + block * r.block_elems
-                totals = [[per_row[t].get() for per_row in per_matrix] for per_matrix in acc]
-                square = squares[t].get() if norm else None
-                for i in range(0, r.block_elems, 4):      # 4 x values live at a time
-                    xs = x.load(xrow + i, 4)
-                    if norm:
-                        gains = gain.load(block * r.block_elems + i, 4)
-                        for xv in xs:
-                            square = k.fma(xv, xv, square)
-                        xs = [xv * g for xv, g in zip(xs, gains)]
-                    for m, per_values in enumerate(values):
-                        for q, vs in enumerate(per_values):
-                            for v, xv in zip(vs[i:i + 4], xs):
-                                totals[m][q] = k.fma(v, xv, totals[m][q])
-                for per_matrix, row_totals in zip(acc, totals):
-                    for per_row, total in zip(per_matrix, row_totals):
-                        per_row[t].set(total)
-                if norm:
-                    squares[t].set(square)
+                with k.if_(c + t < count):          # the same in the whole subgroup
+                    accumulate(mine[t], block, values,
+                               [[per_row[t] for per_row in per_matrix] for per_matrix in acc],
+                               squares[t] if norm else None)
         scales = [k.rsqrt(k.subgroup_add(sq.get()) / cols.to(F32) + eps) for sq in squares]
         for q in range(rows_per):
             for t in range(tokens):
@@ -178,6 +189,13 @@ def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1, norm=Fal
                 with k.if_(lane.eq(0) & (c + t < count) & (first + q < rows)):
                     y[mine[t] * rows + first + q] = value
     return k.build()
+
+
+def expert_tokens(dtype):
+    """The routes an expert_matvec of a weight format may take a pass: TOKEN_GROUPS', but one
+    for the K quants, whose decoded units (64 values a matrix) leave no registers for the sums
+    of several."""
+    return (1,) if dtype in ("Q4_K", "Q6_K") else TOKEN_GROUPS
 
 
 def expert_grid(rows, slots, subgroup_size, rows_per=1):

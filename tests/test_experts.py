@@ -34,6 +34,22 @@ def test_route(device, n_experts, used, normalize):
     assert rel_err(out["w"], ref.route_weights(logits, out["ids"], normalize)) < 1e-5
 
 
+@pytest.mark.parametrize("n_tokens,n_experts,used", [(1, 128, 8), (64, 128, 8), (13, 6, 2)])
+def test_route_grouped(device, n_tokens, n_experts, used):
+    """route and expert_groups in one workgroup (a decode step's): their outputs, the same."""
+    logits = (3 * rng.standard_normal((n_tokens, n_experts))).astype(np.float32)
+    out = run(device, experts.route_grouped(device.subgroup_size, used, True), (1,), logits,
+              np.zeros((n_tokens, used), np.int32), np.zeros((n_tokens, used), np.float32),
+              np.zeros(n_experts + 1, np.int32), np.zeros(n_tokens * used, np.int32),
+              np.zeros(n_experts, np.int32), n_experts, n_tokens)
+    ids = ref.top_k(logits, used)
+    assert np.array_equal(out["ids"], ids)
+    assert rel_err(out["w"], ref.route_weights(logits, ids, True)) < 1e-5
+    want = groups(device, ids, n_experts)
+    for name, array in zip(("offsets", "routes", "active"), want):
+        assert np.array_equal(out[name], array), name
+
+
 def groups(device, ids, n_experts):
     flat = ids.reshape(-1)
     out = run(device, experts.expert_groups(), (1,), flat, np.zeros(n_experts + 1, np.int32),
@@ -110,7 +126,8 @@ def expert_kernels(subgroup_size):
     """The expert kernels the runner launches (engine/expert_steps.py), in each format and
     token group."""
     out = [experts.route(subgroup_size, 8, True), experts.route(subgroup_size, 2, False),
-           experts.expert_groups(),
+           experts.route_grouped(subgroup_size, 8, True),
+           experts.route_grouped(subgroup_size, 2, False), experts.expert_groups(),
            experts.expert_sum(8), experts.expert_sum(8, residual=True)]
     return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per, glu is not None)
                   for d in DEVICE_DTYPES for tokens in experts.expert_tokens(d)

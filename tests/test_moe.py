@@ -166,7 +166,7 @@ def test_an_incomplete_set_of_experts_is_refused(tmp_path):
         hf_weight_names(folder, llama, tensors)
 
 
-def clear_routing(monkeypatch, attempts=10):
+def clear_routing(monkeypatch, attempts=20):
     """A function running its argument (a reference run of random inputs) until the routing
     has no near tie: every top_k's k-th largest router logit at least MARGIN above the next.
     Closer than that, the device's rounding (its f16 KV cache) may choose the other expert,
@@ -190,14 +190,14 @@ def clear_routing(monkeypatch, attempts=10):
     return run
 
 
-MARGIN = 1e-3
+MARGIN = 5e-3
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama", "F16"), ("qwen3moe", "Q4_0"),
                                         ("qwen3moe", "Q8_0"), ("llama", "Q4_K")])
 def test_tiny_moe_on_a_device_matches_the_reference(tmp_path, device, arch, dtype, monkeypatch):
     """A random Mixtral- or Qwen3-MoE-shaped file through the device runner: greedy decoding
-    gives the reference runner's tokens, and a 50-token prefill (routes grouped by expert,
+    gives the reference runner's tokens, and a 30-token prefill (routes grouped by expert,
     several a subgroup) its logits; on prompts whose routing is clear of ties."""
     model = poot.load(tiny_model(tmp_path, dtype=dtype, arch=arch, shape="tiny-moe"))
     assert model.config.n_experts == 6 and model.config.experts_used == 2
@@ -207,15 +207,15 @@ def test_tiny_moe_on_a_device_matches_the_reference(tmp_path, device, arch, dtyp
 
     def decode():
         prompt = rng.integers(3, 300, 4).tolist()
-        return prompt, greedy(model.runner(None, num_blocks=32), prompt, 12, table)
+        return prompt, greedy(model.runner(None, num_blocks=32), prompt, 8, table)
     prompt, (want_ids, want) = clear(decode)
     runner = model.runner(device, num_blocks=32, max_tokens=64)
-    got_ids, got = greedy(runner, prompt, 12, table)
+    got_ids, got = greedy(runner, prompt, 8, table)
     assert got_ids == want_ids
     assert rel_err(got, want) < 2e-3                  # f16 KV cache
 
     def prefill():
-        batch = prefill_of(50)
+        batch = prefill_of(30)
         return batch, model.runner(None, num_blocks=32).logits(batch)
     batch, want = clear(prefill)
     assert rel_err(runner.logits(batch), want) < 2e-3
@@ -249,7 +249,7 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path):
     from tests.test_device_runner import LaunchLog
     model = poot.load(tiny_model(tmp_path, dtype="Q4_0", arch="qwen3moe", shape="tiny-moe"))
     log = LaunchLog()
-    runner = DeviceRunner(model, log, num_blocks=16, max_tokens=100, max_seqs=16)
+    runner = DeviceRunner(model, log, num_blocks=32, max_tokens=300, max_seqs=16)
     runner.programs = {k.name: k for k in runner._kernels()}
     runner.buffers = {a.name: a for a in runner.allocations()}
     cfg = model.config
@@ -259,20 +259,23 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path):
     assert planes == {f"blk.0.ffn_down_exps.weight:{p}":
                       cfg.n_experts * cfg.d_model * r.row_words(p, cfg.d_ff) * 4
                       for p in r.plane_names}
-    for T in (1, 2, 7, 33, 100):
+    for T in (1, 2, 7, 33, 300):
         log.launched.clear()
         for _ in runner.launches(T, min(T, 16)):
             pass
         names = [kernel.name for kernel, _, _ in log.launched]
-        at = names.index("route2_s32_norm")
+        # up to GROUPED_ROUTES routes (decode steps), the choice and grouping are one launch
+        routing = ["route_grouped2_s32_norm"] if T * 2 <= 512 else ["route2_s32_norm",
+                                                                      "expert_groups"]
+        at = names.index(routing[0])
         group = next(g for g in (1, 2, 4, 8) if g >= T) if T <= 8 else 8
         rows = "_r2" * (group == 1), "_r4" * (group == 1)   # a subgroup's rows (matvec_rows)
-        assert names[at:at + 5] == ["route2_s32_norm", "expert_groups",
-                                    f"expert_matvec_q4_0_t{group}_s32{rows[0]}_norm_swiglu",
-                                    f"expert_matvec_q4_0_t{group}_s32{rows[1]}",
-                                    "expert_sum2_residual"]
-        assert names.count("expert_groups") == cfg.n_layers
-        for kernel, grid, args in log.launched[at + 2:at + 4]:     # the experts T can choose
+        assert names[at:at + len(routing) + 3] == routing + [
+            f"expert_matvec_q4_0_t{group}_s32{rows[0]}_norm_swiglu",
+            f"expert_matvec_q4_0_t{group}_s32{rows[1]}", "expert_sum2_residual"]
+        assert names.count(routing[-1]) == cfg.n_layers
+        at += len(routing)
+        for kernel, grid, args in log.launched[at:at + 2]:     # the experts T can choose
             assert grid[1] == min(cfg.n_experts, T * cfg.experts_used)
             assert runner.buffers["expert_active"] in args
 

@@ -36,18 +36,23 @@ def token_group(dtype, T):
 
 
 def route_kernels(runner, steps, i, long):
-    op = steps[i]
-    return [experts.route(runner.device.subgroup_size, op.used, op.normalize),
-            experts.expert_groups()]
+    op, sg = steps[i], runner.device.subgroup_size
+    return [experts.route(sg, op.used, op.normalize), experts.expert_groups(),
+            experts.route_grouped(sg, op.used, op.normalize)]
 
 
 def route(runner, op, T, R, i, long):
     """A Route (lowering.py): each token's experts and their weights, then the step's routes
-    grouped by expert."""
-    (kernel, groups), (ids, weights) = route_kernels(runner, [op], 0, long), op.outputs
-    n_experts = op.logits.shape[1]
+    grouped by expert; one launch where the step has at most experts.GROUPED_ROUTES routes
+    (decode steps), else two."""
+    route_, groups, grouped = route_kernels(runner, [op], 0, long)
+    (ids, weights), n_experts = op.outputs, op.logits.shape[1]
     B = runner._buffer
-    runner._launch(kernel, (T,), B(op.logits), B(ids), B(weights), n_experts)
+    if T * op.used <= experts.GROUPED_ROUTES:
+        runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights), *expert_buffers(runner),
+                       n_experts, T)
+        return
+    runner._launch(route_, (T,), B(op.logits), B(ids), B(weights), n_experts)
     runner._launch(groups, (1,), B(ids), *expert_buffers(runner), T * op.used, n_experts)
 
 

@@ -1,5 +1,6 @@
 """The kernels of a mixture-of-experts block: the router's choice (`route`: the ops top_k and
-route_weights), the routes grouped by expert (`expert_groups`), each expert's matrix over its
+route_weights), the routes grouped by expert (`expert_groups`; both in one launch for decode
+steps, `route_grouped`), each expert's matrix over its
 routes (`expert_matvec`) and the weighted sum of a token's experts (`expert_sum`). Their numpy
 meanings are the ops of those names in poot/ir/reference.py (expert_groups is the runner's own:
 the order in which expert_matvec takes the routes).
@@ -21,21 +22,17 @@ from .quant import reader
 
 WG = 256
 MAX_EXPERTS = 1024
-TOKEN_GROUPS = (1, 2, 4, 8)     # routes an expert_matvec subgroup takes a pass      # expert_groups counts each expert's routes in shared memory
+TOKEN_GROUPS = (1, 2, 4, 8)     # routes an expert_matvec subgroup takes a pass
+GROUPED_ROUTES = 512            # route_grouped keeps this many routes' choices (64 tokens of 8)      # expert_groups counts each expert's routes in shared memory
 
 
-@cache
-def route(subgroup_size, used, normalize):
-    """A router's choice, the ops top_k and route_weights in one launch: ids[t, j] = the j-th
-    largest of logits[t, :n] (ties to the lower index) and w[t, j] = its softmax probability
-    over all n, divided by the chosen ones' sum where `normalize`. One subgroup a token:
-    `used` rounds of a subgroup maximum over the experts not yet chosen, then the softmax's
-    denominator from the first (the largest). grid (T)."""
-    k = KernelBuilder(f"route{used}_s{subgroup_size}" + "_norm" * normalize, (subgroup_size,))
-    logits = k.buffer("logits", F32)
-    ids, w = k.buffer("ids", I32, "w"), k.buffer("w", F32, "w")
-    n = k.scalar("n", I32)
-    t, lane = k.block_id(), k.lane_id()
+def _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept=None):
+    """Token t's choice by one subgroup: ids[t, j] = the j-th largest of logits[t, :n] (ties to
+    the lower index), `used` rounds of a subgroup maximum over the experts not yet chosen;
+    w[t, j] = its softmax probability over all n (the denominator from the first round's, the
+    largest), divided by the chosen ones' sum where `normalize`. Lane 0 writes them (and the
+    ids into the shared array `kept` too, where given)."""
+    lane = k.lane_id()
     chosen, tops = [], []
     for _ in range(used):
         best, best_at = k.var(F32, LOWEST), k.var(I32, n)
@@ -63,26 +60,22 @@ def route(subgroup_size, used, normalize):
         for j, (at, share) in enumerate(zip(chosen, shares)):
             ids[t * used + j] = at
             w[t * used + j] = share / denominator
-    return k.build()
+            if kept is not None:
+                kept[t * used + j] = at
 
 
-@cache
-def expert_groups():
-    """The routes grouped by expert, in route order within each: offsets[e] .. offsets[e + 1]
-    are expert e's entries of routes; active lists the experts some route chose, in order,
-    then -1s (so expert_matvec's grid need cover only as many experts as a step can choose);
-    one workgroup, a thread an expert (n_experts <= MAX_EXPERTS). grid (1)."""
-    k = KernelBuilder("expert_groups", (WG,))
-    ids = k.buffer("ids", I32)
-    offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
-    active = k.buffer("active", I32, "w")
-    n_routes, n_experts = k.scalar("n_routes", I32), k.scalar("n_experts", I32)
-    counts = k.shared("counts", I32, MAX_EXPERTS + 1)
+def _group(k, expert_of, n_routes, n_experts, offsets, routes, active):
+    """The routes grouped by expert, by the workgroup, a thread an expert: offsets[e] ..
+    offsets[e + 1] are expert e's entries of routes, in route order; active lists the experts
+    some route chose, in order, then -1s. expert_of(r): route r's expert."""
+    # MAX_EXPERTS + 1 counts, rounded to whole 16 bytes: a compiler may place another shared
+    # array after it at a 16-byte boundary, which the kernel's shared bytes then include
+    counts = k.shared("counts", I32, MAX_EXPERTS + 4)
     tid = k.thread_id()
     with k.for_(tid, n_experts, WG) as e:
         count = k.var(I32, 0)
         with k.for_(0, n_routes) as r:
-            with k.if_(ids[r].eq(e)):
+            with k.if_(expert_of(r).eq(e)):
                 count.set(count.get() + 1)
         counts[e + 1] = count.get()
     k.barrier()
@@ -102,9 +95,55 @@ def expert_groups():
     with k.for_(tid, n_experts, WG) as e:
         at = k.var(I32, counts[e])
         with k.for_(0, n_routes) as r:
-            with k.if_(ids[r].eq(e)):
+            with k.if_(expert_of(r).eq(e)):
                 routes[at.get()] = r
                 at.set(at.get() + 1)
+
+
+def _route_params(k):
+    logits = k.buffer("logits", F32)
+    return logits, k.buffer("ids", I32, "w"), k.buffer("w", F32, "w")
+
+
+@cache
+def route(subgroup_size, used, normalize):
+    """A router's choice, the ops top_k and route_weights in one launch (_choose), one
+    subgroup a token: ids [T, used] and w [T, used] from logits [T, n]. grid (T)."""
+    k = KernelBuilder(f"route{used}_s{subgroup_size}" + "_norm" * normalize, (subgroup_size,))
+    logits, ids, w = _route_params(k)
+    n = k.scalar("n", I32)
+    _choose(k, logits, ids, w, k.block_id(), n, used, normalize, subgroup_size)
+    return k.build()
+
+
+@cache
+def route_grouped(subgroup_size, used, normalize):
+    """route, then expert_groups, in one workgroup: for steps of at most GROUPED_ROUTES
+    routes (decode steps), whose choices the workgroup keeps in shared memory for the
+    grouping. Buffers route's, then expert_groups' outputs; scalars n, n_tokens. grid (1)."""
+    k = KernelBuilder(f"route_grouped{used}_s{subgroup_size}" + "_norm" * normalize, (WG,))
+    logits, ids, w = _route_params(k)
+    offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
+    active = k.buffer("active", I32, "w")
+    n, n_tokens = k.scalar("n", I32), k.scalar("n_tokens", I32)
+    kept = k.shared("kept", I32, GROUPED_ROUTES)
+    with k.for_(k.subgroup_id(), n_tokens, WG // subgroup_size) as t:
+        _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept)
+    k.barrier()
+    _group(k, lambda r: kept[r], n_tokens * used, n, offsets, routes, active)
+    return k.build()
+
+
+@cache
+def expert_groups():
+    """The routes grouped by expert (_group) from their ids [routes]; one workgroup
+    (n_experts <= MAX_EXPERTS). grid (1)."""
+    k = KernelBuilder("expert_groups", (WG,))
+    ids = k.buffer("ids", I32)
+    offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
+    active = k.buffer("active", I32, "w")
+    n_routes, n_experts = k.scalar("n_routes", I32), k.scalar("n_experts", I32)
+    _group(k, lambda r: ids[r], n_routes, n_experts, offsets, routes, active)
     return k.build()
 
 

@@ -53,6 +53,16 @@ class LoadedModel:
         self.chat_template = template and ChatTemplate(
             template, bos_token=self._token_text(self.tokenizer.bos_id),
             eos_token=self._token_text(min(self.tokenizer.eos_ids, default=None)))
+        # the token that ends a turn of the family's chat format ends generation (a family's
+        # optional END_OF_TURN), as llama.cpp ends generation on such tokens by their text; a
+        # vocabulary alone may name no family
+        try:
+            family = (gguf_family(self.path, self.file.metadata) if self.file.kind == "gguf"
+                      else hf_family(self.path, self.file.config or {}))
+        except ModelFileError:
+            family = None
+        ends = {self.tokenizer.token_to_id(t) for t in getattr(family, "END_OF_TURN", ())}
+        self.tokenizer.eos_ids = self.tokenizer.eos_ids | (ends - {None})
         if weights:
             self._read_weights()
 
@@ -68,8 +78,11 @@ class LoadedModel:
             self.family = hf_family(self.path, self.file.config)
             self._file_names = hf_weight_names(self.path, self.family, self.file.tensors)
             self.config = self.family.config_from_hf(self.path, self.file.config)
-        self.freq_factors = (self.file.array("rope_freqs.weight")
-                             if "rope_freqs.weight" in self._file_names else None)
+        # the rope's per-pair frequency divisors, where the file holds them as a tensor:
+        # Llama 3.1's rope_freqs, or the one of LongRoPE's pair its family's config chose
+        factors = getattr(self.config, "rope_factors_tensor", None) or "rope_freqs.weight"
+        self.freq_factors = (self.file.array(self._file_names[factors])
+                             if factors in self._file_names else None)
         self.context_length = self.config.context_length
         self.step_graph(num_blocks=1, block_size=1)
 
@@ -88,11 +101,15 @@ class LoadedModel:
         return out
 
     def weight_array(self, name):
-        """A weight dequantised to float32 (the reference interpreter's view of it)."""
+        """A weight dequantised to float32 (the reference interpreter's view of it), with the
+        values a GGUF file would hold (a family's hf_array: Gemma's norms as 1 + w); a stacked
+        one's parts stacked."""
         file_name = self._file_names[name]
         if isinstance(file_name, tuple):
             return np.stack([self.file.array(n) for n in file_name])
-        return self.file.array(file_name)
+        array = self.file.array(file_name)
+        as_gguf = getattr(self.family, "hf_array", None)
+        return array if self.file.kind == "gguf" or as_gguf is None else as_gguf(name, array)
 
     def weight_raw(self, name):
         """A weight's stored bytes (a stacked one's: its parts' one after another)."""

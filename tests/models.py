@@ -1,8 +1,9 @@
-"""Model files for tests: tiny random-weight Llamas written on demand, and the default model."""
+"""Model files for tests: tiny random-weight Llamas and Gemmas written on demand, and the
+default model."""
 import pytest
 
 from poot.loader import default_model_path
-from poot.models.random_weights import write_random_llama
+from poot.models.random_weights import write_random_gemma, write_random_llama
 
 
 def tiny_model(folder, dtype="F16", arch="llama", seed=0, shape=None, mixed=(), tied=False):
@@ -15,6 +16,15 @@ def tiny_model(folder, dtype="F16", arch="llama", seed=0, shape=None, mixed=(), 
     if not path.exists():
         write_random_llama(path, shape, dtype=dtype, seed=seed, arch=arch, mixed=mixed,
                            tied=tied)
+    return path
+
+
+def tiny_gemma(folder, arch="gemma2", dtype="F16", seed=0):
+    """A tiny random Gemma 2 or 3 GGUF with a Gemma-style SentencePiece tokenizer and turn
+    template (see write_random_gemma)."""
+    path = folder / f"tiny-{arch}-{dtype.lower()}-{seed}.gguf"
+    if not path.exists():
+        write_random_gemma(path, arch, dtype=dtype, seed=seed)
     return path
 
 

@@ -22,7 +22,7 @@ from poot.backends.rocm import (DeviceBuffer, Program, RocmDevice, dispatch_pack
                                 kernel_arguments)
 from poot.codegen.amdgpu import CodeObject, KernelArg, build_code_object
 from poot.errors import BackendUnavailable
-from poot.kernels import ops
+from poot.kernels import choice, ops
 from poot.kernels.lang import F32, I32, KernelBuilder
 from tests.models import tiny_model
 
@@ -109,7 +109,7 @@ def test_hidden_arguments_of_code_object_v5_are_filled():
 def test_dispatch_packet_matches_hsa_h():
     program = Program(None, None, None, kernel_object=0xABC000, kernarg_size=32,
                       group_segment_size=1024, private_segment_size=16)
-    image = dispatch_packet(program, ops.argmax(64), (5, 3, 1), 0x1000, 0x2000)
+    image = dispatch_packet(program, choice.argmax(64), (5, 3, 1), 0x1000, 0x2000)
     packet = hsa.ffi.cast("hsa_kernel_dispatch_packet_t *", hsa.ffi.from_buffer(image))
     assert len(image) == 64
     assert packet.header == hsa.HSA_PACKET_TYPE_INVALID      # published last, on its own

@@ -12,13 +12,14 @@ import pytest
 from tests.conftest import open_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
-COLUMNS = ("cache", "mode", "clients", "stream", "requests", "decode", "all", "ttft50", "ttft90",
-           "ttft99", "itl50", "itl90", "itl99", "latency50", "engine", "ratio", "step",
-           "itl_step")
+COLUMNS = ("cache", "mode", "clients", "constrained", "stream", "requests", "decode", "free",
+           "bound", "all", "ttft50", "ttft90", "ttft99", "itl50", "itl90", "itl99", "latency50",
+           "engine", "ratio", "step", "itl_step")
 
 
 def bench_serve(tmp_path, *flags):
-    """The rows of the main table, by (cache, mode, clients, stream), and the whole output."""
+    """The rows of the main table, by (cache, mode, clients, stream) (a round with constrained
+    clients: by (cache, mode, clients, stream, constrained)), and the whole output."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench-serve"), "--cache",
                            str(tmp_path), "--model", "tiny:F16", "--prompt-tokens", "32",
                            "--max-tokens", "12", "--engine-steps", "4", "--json",
@@ -30,7 +31,8 @@ def bench_serve(tmp_path, *flags):
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == len(COLUMNS) and cells[0] in ("on", "off"):
             row = dict(zip(COLUMNS, cells))
-            rows[row["cache"], row["mode"], int(row["clients"]), row["stream"]] = row
+            key = row["cache"], row["mode"], int(row["clients"]), row["stream"]
+            rows[key + ((int(row["constrained"]),) if row["constrained"] != "0" else ())] = row
     return rows, done.stdout
 
 
@@ -93,3 +95,20 @@ def test_bench_serve_on_the_vulkan_device(tmp_path, backend):
     assert sorted(rows) == [("on", "plain", 1, "yes"), ("on", "plain", 2, "yes")], out
     for row in rows.values():
         check_figures(row)
+
+
+def test_bench_serve_with_constrained_clients(tmp_path):
+    """Constrained clients' answers follow the bench schema for --max-tokens tokens each, and
+    their streams' rates stand beside the free streams' and the round with none constrained."""
+    rows, out = bench_serve(tmp_path, "--backend", "reference", "--clients", "1,2",
+                            "--constrained", "0,1,2", "--no-warmup", "--no-engine",
+                            "--schema", "text")
+    assert sorted(rows) == [("on", "plain", 1, "yes"), ("on", "plain", 1, "yes", 1),
+                            ("on", "plain", 2, "yes"), ("on", "plain", 2, "yes", 1),
+                            ("on", "plain", 2, "yes", 2)], out
+    for key, row in rows.items():
+        bound = key[4] if len(key) == 5 else 0
+        assert (row["free"] != "") == (bound < key[2]) and (row["bound"] != "") == (bound > 0)
+        assert number(row["decode"]) > 0, row
+    assert "# 1 of 2 constrained: a free stream's decode tok/s / with none constrained = " in out
+    assert "# 2 of 2 constrained: a constrained stream's / a free one's with none" in out

@@ -19,7 +19,7 @@ from drivers import DriverError, LibraryNotFound, comgr
 from poot.codegen.amdgpu import (AMDGPU_CAPS, build_code_object, compiler_isas, full_isa_name,
                                  isa_family, render_opencl)
 from poot.errors import ModelRefused
-from poot.kernels import ops
+from poot.kernels import choice, ops
 from poot.kernels.lang import F16, F32, I64, U32, Kernel, KernelBuilder
 from poot.kernels.quant import DEVICE_DTYPES
 from tests.test_codegen_ptx import CASES, MMA_CASES, PTX_ONLY_CASES
@@ -46,8 +46,9 @@ def runner_kernels(wavefront):
                 ops.attention(wavefront, 64), ops.attention(wavefront, 128),
                 ops.attention_split(wavefront, 64), ops.attention_split(wavefront, 128),
             ops.attention(wavefront, 128, 4), ops.attention_split(wavefront, 128, 4),
-                ops.attention_combine(64), ops.attention_combine(128), ops.argmax(wavefront),
-                ops.argmax_chunks(wavefront), ops.top_candidates(wavefront), ops.logit_edits()]
+                ops.attention_combine(64), ops.attention_combine(128), choice.argmax(wavefront),
+                choice.argmax_chunks(wavefront), choice.top_candidates(wavefront),
+                choice.logit_edits()]
     kernels += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     kernels += [ops.all_gather(w) for w in (2, 8)]
     return kernels
@@ -166,7 +167,7 @@ def test_numbers_and_conversions_render_exactly():
 def test_capabilities_and_refusals():
     assert AMDGPU_CAPS == {"storage16", "storage8", "float16", "int16", "int64", "subgroup",
                            "subgroup_arith", "subgroup_shuffle", "shared"}
-    base = ops.argmax(64)
+    base = choice.argmax(64)
     matrix = Kernel(base.name, base.params, base.shared, base.workgroup, base.body,
                     base.caps | {"matrix"}, base.n_values)
     with pytest.raises(ModelRefused, match=r"kernel argmax_s64 needs matrix"):

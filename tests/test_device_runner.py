@@ -12,12 +12,12 @@ from poot.backends.select import open_device
 from poot.codegen.ptx import PTX_CAPS
 from poot.engine import kernel_choice
 from poot.engine.kernel_choice import DEQUANT_PAST_TOKENS, MMA_MIN_TOKENS, MULTIPROCESSORS
-from poot.engine import device_runner
+from poot.engine import device_choice
 from poot.engine.device_runner import Allocation, DeviceRunner
 from poot.engine.batch import LogitEdits, SamplingRows, StepBatch
 from poot.engine.sampling import choice_args, choose, edit_logits, sample
 from poot.errors import BackendUnavailable
-from poot.kernels import lang, matmul, ops
+from poot.kernels import choice, lang, matmul, ops
 from poot.kernels.quant import DEVICE_DTYPES
 from tests.models import default_model, tiny_model
 
@@ -120,7 +120,7 @@ def test_sampled_rows_choose_from_candidates(device, monkeypatch):
     (24 chunks); the first step's rows all have short top-k cuts, and read no logits."""
     n = 8
     runner, rng, batch_of, read = decoding(device, n, monkeypatch)
-    cuts = [dict(top_k=[1, 5, 0, 40, ops.TOP_KEEP, 64, 2, 3]),
+    cuts = [dict(top_k=[1, 5, 0, 40, choice.TOP_KEEP, 64, 2, 3]),
             dict(top_k=[0, 0, 0, 0, 0, 0, 0, 90], top_p=[1, .9, .5, 1, .95, 1, 1, .9],
                  min_p=[0, 0, 0, .05, 0, .1, 0, 0])]
     for decode, cut in enumerate(cuts):
@@ -149,7 +149,7 @@ def test_logprob_steps_take_sample_s_rows_from_candidates(device, monkeypatch):
     runner, rng, batch_of, read = decoding(device, n, monkeypatch)
     for decode, temperature in enumerate(([0, 1, 1, 0, 1, 1], [0, 1, 0.7, 1, 1, 0])):
         rows = SamplingRows(temperature=np.array(temperature, np.float32),
-                            top_k=np.array([0, 5, 40, 0, ops.TOP_KEEP, 3], np.int32),
+                            top_k=np.array([0, 5, 40, 0, choice.TOP_KEEP, 3], np.int32),
                             top_p=np.array([1, .9, 1, 1, 1, 1], np.float32),
                             min_p=np.array([0, 0, 0, 0, .05, 0], np.float32),
                             seed=rng.integers(0, 2**63, n).astype(np.uint64),
@@ -174,7 +174,7 @@ def test_rows_that_report_no_logprobs_are_sampled_from_their_own_candidates(devi
     runner, rng, batch_of, read = decoding(device, n, monkeypatch)
     reports = np.array([True, False, False, True, False, True])
     rows = SamplingRows(temperature=np.array([0, 0.7, 1.3, 1, 0.9, 0], np.float32),
-                        top_k=np.array([0, 5, 40, 7, ops.TOP_KEEP, 3], np.int32),
+                        top_k=np.array([0, 5, 40, 7, choice.TOP_KEEP, 3], np.int32),
                         top_p=np.array([1, .9, 1, 1, 1, 1], np.float32),
                         min_p=np.array([0, 0, 0, 0, .05, 0], np.float32),
                         seed=rng.integers(0, 2**63, n).astype(np.uint64),
@@ -265,7 +265,7 @@ def test_rows_whose_edits_do_not_fit_are_edited_and_sampled_on_the_host(device, 
     edited logits, and runner.logits gives every row edited."""
     n = 4
     runner, rng, batch_of, read = decoding(device, n, monkeypatch)
-    monkeypatch.setattr(device_runner, "EDITS_PER_ROW", 64 // runner.max_seqs)
+    monkeypatch.setattr(device_choice, "EDITS_PER_ROW", 64 // runner.max_seqs)
     rows = SamplingRows(temperature=np.array([0, 1, 1, 0], np.float32),
                         top_k=np.array([0, 0, 30, 0], np.int32), top_p=np.ones(n, np.float32),
                         min_p=np.zeros(n, np.float32),
@@ -861,6 +861,18 @@ def test_mixed_dtypes_fuse_what_shares_a_dtype(tmp_path, device):
     table = list(np.random.default_rng().permutation(32))
     want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
     got_ids, got = greedy(runner, [5, 80, 9, 41], 12, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_k_quant_mix_with_q5_0_layers_matches_reference(tmp_path, device):
+    """A Q5_K_M / Gemma-3-Q4_K_M-like mix of the formats read through quant.UNIT_FORMATS beside
+    the older ones: Q5_K matrices, v in Q6_K, down in Q5_0, up in Q4_K."""
+    mixed = (("attn_v", "Q6_K"), ("ffn_down", "Q5_0"), ("ffn_up", "Q4_K"))
+    model = poot.load(tiny_model(tmp_path, dtype="Q5_K", mixed=mixed))
+    table = list(np.random.default_rng().permutation(32))
+    want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
+    got_ids, got = greedy(model.runner(device, num_blocks=32), [5, 80, 9, 41], 12, table)
     assert got_ids == want_ids
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 

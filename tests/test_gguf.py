@@ -248,8 +248,8 @@ def test_write_refuses_what_gguf_cannot_hold(tmp_path):
         write_gguf(p, {}, [("a", "F32", np.zeros((1, 1, 1, 1, 2)))])
     with pytest.raises(ValueError, match="row length 40"):
         write_gguf(p, {}, [("a", "Q8_0", np.zeros((2, 40)))])
-    with pytest.raises(ValueError, match="unsupported dtype 'Q2_K'"):
-        write_gguf(p, {}, [("a", "Q2_K", np.zeros(256))])
+    with pytest.raises(ValueError, match="unsupported dtype 'IQ2_XXS'"):
+        write_gguf(p, {}, [("a", "IQ2_XXS", np.zeros(256))])
     with pytest.raises(ValueError, match="version 2 or 3"):
         write_gguf(p, {}, [], version=1)
 
@@ -355,8 +355,8 @@ def test_unknown_ggml_type(tmp_path):
 
 
 def test_unsupported_ggml_type_is_named(tmp_path):
-    refused(tmp_path, gguf_bytes(infos=[("t", [256], 10, 0)], data=bytes(84)),
-            "unsupported dtype Q2_K", tensor="t")
+    refused(tmp_path, gguf_bytes(infos=[("t", [256], 16, 0)], data=bytes(66)),
+            "unsupported dtype IQ2_XXS", tensor="t")
 
 
 def test_unaligned_tensor_offset(tmp_path):

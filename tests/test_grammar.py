@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import poot
-from poot.grammar import (AmbiguousGrammar, Automaton, ConstraintViolated, GrammarTooLarge,
+from poot.grammar import (AmbiguousGrammar, Automaton, ConstraintViolated, GrammarError,
+                          GrammarTooLarge,
                           SchemaUnsupported, TokenGrammar, Vocabulary, compiled,
                           json_object_grammar, regex_grammar, schema_grammar)
 from poot.grammar.expr import Grammar, Ref, Token, code_points, seq, text
@@ -284,6 +285,39 @@ def test_a_mask_is_computed_once_per_stack_and_a_schema_once(smol):
     assert again is first
     stack = first.start().stack
     assert first.mask(stack) is first.mask(stack)
+
+
+def test_requests_asking_for_one_schema_together_share_one_compilation(tiny):
+    """Concurrent first requests with one schema wait for one compilation (each grammar keeps
+    its own masks); a compilation that fails fails every one of them."""
+    import threading
+    import time
+    schema = {"type": "object", "properties": {"k": {"type": "integer"}}}
+    builds, got, errors = [], [], []
+
+    def build():
+        builds.append(1)
+        time.sleep(0.2)
+        return schema_grammar(schema)
+
+    def bad():
+        time.sleep(0.1)
+        return schema_grammar({"type": "object", "not": {}})
+
+    def ask(key, make):
+        try:
+            got.append(compiled(key, make, tiny))
+        except GrammarError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(("together", 1), build)) for _ in range(8)]
+    threads += [threading.Thread(target=ask, args=(("together", 2), bad)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(got) == 8 and all(g is got[0] for g in got)
+    assert len(errors) == 3
 
 
 def test_the_end_of_sequence_token_comes_only_where_the_grammar_may_end(tiny):

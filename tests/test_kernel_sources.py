@@ -10,7 +10,7 @@ from poot.codegen.ptx import PTX_CAPS, ptx_caps, render_ptx
 from poot.codegen.spirv import render_spirv
 from poot.engine.kernel_choice import TOKEN_GROUPS, matvec_rows, mma_choice
 from poot.ir.graph import ACTIVATIONS
-from poot.kernels import matmul, matvec, mma_vec, ops
+from poot.kernels import choice, matmul, matvec, mma_vec, ops, softcap
 from poot.kernels.lang import WGMMA
 from poot.kernels.quant import DEVICE_DTYPES
 from tests.test_experts import expert_kernels
@@ -45,16 +45,32 @@ def runner_kernels(subgroup_size):
     out += [ops.rms_norm(subgroup_size), ops.elementwise("add"), *(ops.elementwise("glu", a) for a in ACTIVATIONS),
             ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
             ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
+            ops.rope("neox", 1.19), ops.rope_store_kv("neox", 1.19),     # LongRoPE's factor
             ops.attention(subgroup_size, 64), ops.attention(subgroup_size, 128),
             ops.attention_split(subgroup_size, 64), ops.attention_split(subgroup_size, 128),
             ops.attention(subgroup_size, 128, 4), ops.attention_split(subgroup_size, 128, 4),
             ops.attention(subgroup_size, 128, 4, untiled=True),
-            ops.attention_combine(64), ops.attention_combine(128), ops.argmax(subgroup_size),
-            ops.argmax_chunks(subgroup_size), ops.top_candidates(subgroup_size),
-            ops.logit_edits()]
+            ops.attention_combine(64), ops.attention_combine(128), choice.argmax(subgroup_size),
+            choice.argmax_chunks(subgroup_size), choice.top_candidates(subgroup_size),
+            choice.logit_edits()]
     out += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     out += [ops.all_gather(w) for w in (2, 8)]
+    out += gemma_kernels(subgroup_size)
     return out + expert_kernels(subgroup_size)
+
+
+# Gemma's attention (a sliding window, soft-capped scores: Gemma 2 and 3 at head_dim 256),
+# scaled embeddings and soft-capped logits (kernels/softcap.py)
+GEMMA_MODS = ({"window": 4096, "softcap": 50.0}, {"window": 512}, {"softcap": 50.0})
+
+
+def gemma_kernels(subgroup_size):
+    out = [ops.embedding(d, scaled=True) for d in DEVICE_DTYPES] + [softcap.softcap(30.0)]
+    for mods in GEMMA_MODS:
+        out += [ops.attention(subgroup_size, 256, 1, **mods),
+                ops.attention(subgroup_size, 256, 2, untiled=True, **mods),
+                ops.attention_split(subgroup_size, 256, 2, **mods)]
+    return out + [ops.attention_combine(256)]
 
 
 def mma_vec_shapes(variant):
@@ -96,8 +112,10 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     prep = list({k.name: k for d in mma_vec.DTYPES if d in dtypes
                  for k in (mma_vec.norm_x16(d), mma_vec.reduce_norm_x16(d, 2),
                            mma_vec.reduce_norm_x16(d, 5), mma_vec.reduce_norm_x16(d, 8),
-                           matmul.split_sum(glu="silu", x16=d))}.values())
+                           matmul.split_sum(glu="silu", x16=d),
+                           matmul.split_sum(glu="gelu_tanh", x16=d))}.values())
     attention = [ops.attention_tiles(d, h) for d, h in ((64, 3), (64, 4), (128, 4), (128, 1))]
+    attention += [ops.attention_tiles(256, h, **mods) for h in (1, 2, 8) for mods in GEMMA_MODS]
     decode = [matmul.dequant_f16(d) for d in dtypes if d not in ("F16", "BF16")]
     return tiled + vec + prep + attention + decode
 

@@ -11,7 +11,7 @@ from poot.engine.batch import LogitEdits, SamplingRows
 from poot.engine.sampling import BANNED, edit_logits
 from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
-from poot.kernels import matmul, matvec, mma_vec, ops
+from poot.kernels import choice, matmul, matvec, mma_vec, ops
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
 from tests.conftest import open_or_skip
 
@@ -192,7 +192,7 @@ MMA_SHAPES_BLOCK32 = [(130, 200, 96)]
 def mma_shapes(dtype):
     if dtype in ("F32", "F16", "BF16"):
         return MMA_SHAPES + MMA_SHAPES_FLOAT
-    return MMA_SHAPES + (MMA_SHAPES_BLOCK32 if dtype in ("Q8_0", "Q4_0", "Q4_1") else [])
+    return MMA_SHAPES + (MMA_SHAPES_BLOCK32 if QUANTS[dtype].block_elems == 32 else [])
 
 
 def check_mma(got, x, dense, r, dtype, where):
@@ -285,8 +285,7 @@ def test_mma_tiled_matmul(cuda_device, dtype, variant):
 
 def split_cols_of(dtype):
     """Column counts for split cases: one that ends mid-step where the format's blocks allow."""
-    return {"F32": 1032, "F16": 1032, "BF16": 1032, "Q8_0": 1056, "Q4_0": 1056,
-            "Q4_1": 1056}.get(dtype, 1280)
+    return {1: 1032, 32: 1056}.get(QUANTS[dtype].block_elems, 1280)
 
 
 def split_mma(device, dtype, launch, w_planes, x, r, rows, cols, variant=None):
@@ -690,14 +689,15 @@ def test_all_reduce(device, residual):
 
 
 @pytest.mark.parametrize("style", ["normal", "neox"])
-def test_rope(device, style):
+@pytest.mark.parametrize("scale", [1.0, 1.19])             # LongRoPE's attention factor
+def test_rope(device, style, scale):
     T, H, D, pairs = 6, 4, 64, 24                      # partial rotary: 48 of 64 dims
     x = rng.standard_normal((T, H, D)).astype(np.float32)
     positions = rng.integers(0, 100000, T).astype(np.int32)
     inv_freq = (1.0 / 10000 ** (np.arange(pairs) / pairs)).astype(np.float32)
-    got = run(device, ops.rope(style), (-(-T * H * pairs // ops.WG),), x.copy(), positions,
-              inv_freq, T, H, D, pairs)["x"]
-    assert rel_err(got, ref.rope(x, positions, inv_freq, style)) < 1e-5
+    got = run(device, ops.rope(style, scale), (-(-T * H * pairs // ops.WG),), x.copy(),
+              positions, inv_freq, T, H, D, pairs)["x"]
+    assert rel_err(got, ref.rope(x, positions, inv_freq, style, scale)) < 1e-5
 
 
 def paged_case(n_kv, head_dim, lengths, block_size=16, num_blocks=64):
@@ -731,20 +731,20 @@ def test_store_kv(device):
 
 
 @pytest.mark.parametrize("style", ["normal", "neox"])
-@pytest.mark.parametrize("pairs", [32, 24])                # full and partial rotary
-def test_rope_store_kv(device, style, pairs):
+@pytest.mark.parametrize("pairs,scale", [(32, 1.0), (24, 1.0), (24, 1.19)])  # partial rotary,
+def test_rope_store_kv(device, style, pairs, scale):                       # LongRoPE's factor
     H, n_kv, D, bs, nb = 6, 2, 64, 16, 64
     tables, positions, seq_rows, k, v = paged_case(n_kv, D, [37, 5, 16], bs, nb)
     T = len(positions)
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     inv_freq = (1.0 / 10000 ** (np.arange(pairs) / pairs)).astype(np.float32)
     cache = np.zeros((nb, bs, n_kv, D // 2), np.uint32)
-    out = run(device, ops.rope_store_kv(style), (-(-T * (H + n_kv) * D // 2 // ops.WG),),
-              q.copy(), k, v, cache, cache, positions, seq_rows, tables, inv_freq, T, H, n_kv,
-              D, pairs, tables.shape[1], bs)
-    assert rel_err(out["q"], ref.rope(q, positions, inv_freq, style)) < 1e-5
+    out = run(device, ops.rope_store_kv(style, scale),
+              (-(-T * (H + n_kv) * D // 2 // ops.WG),), q.copy(), k, v, cache, cache,
+              positions, seq_rows, tables, inv_freq, T, H, n_kv, D, pairs, tables.shape[1], bs)
+    assert rel_err(out["q"], ref.rope(q, positions, inv_freq, style, scale)) < 1e-5
     want_k, want_v = (np.full((nb, bs, n_kv, D), np.nan, np.float32) for _ in range(2))
-    ref.store_kv(ref.rope(k, positions, inv_freq, style), v, want_k, want_v, positions,
+    ref.store_kv(ref.rope(k, positions, inv_freq, style, scale), v, want_k, want_v, positions,
                  seq_rows, tables)
     written = ~np.isnan(want_k)
     got_k = out["k_cache"].view(np.float16).astype(np.float32)
@@ -906,22 +906,22 @@ def test_top_candidates(device):
     """Each chunk's best TOP_KEEP (value, index) pairs, best first, lower index first among
     equal values, and its largest value and sum of exp((value - largest) / temperature): rows
     with ties inside and across chunks, and a short last chunk."""
-    n = 3 * ops.TOP_CHUNK + 777
-    chunks = -(-n // ops.TOP_CHUNK)
+    n = 3 * choice.TOP_CHUNK + 777
+    chunks = -(-n // choice.TOP_CHUNK)
     logits = rng.standard_normal((3, n)).astype(np.float32)
     logits[1, 5:40] = logits[1, 3000:3020] = logits[1].max() + 1     # 55 equal best values
     logits[2, ::97] = np.float32(0.5)                                # equal values everywhere
     temperature = np.array([0.7, 0.0, 1.9], np.float32)      # 0: the sums at 1
-    got = run(device, ops.top_candidates(device.subgroup_size), (3, chunks), logits, temperature,
-              np.zeros((3, chunks, ops.TOP_KEEP), np.float32),
-              np.zeros((3, chunks, ops.TOP_KEEP), np.int32), np.zeros((3, chunks), np.float32),
+    got = run(device, choice.top_candidates(device.subgroup_size), (3, chunks), logits, temperature,
+              np.zeros((3, chunks, choice.TOP_KEEP), np.float32),
+              np.zeros((3, chunks, choice.TOP_KEEP), np.int32), np.zeros((3, chunks), np.float32),
               np.zeros((3, chunks), np.float32), n)
     for r in range(3):
         t = temperature[r] if temperature[r] > 0 else 1.0
         for c in range(chunks):
-            lo = c * ops.TOP_CHUNK
-            part = logits[r, lo:lo + ops.TOP_CHUNK]
-            want = lo + np.argsort(-part, kind="stable")[:ops.TOP_KEEP]
+            lo = c * choice.TOP_CHUNK
+            part = logits[r, lo:lo + choice.TOP_CHUNK]
+            want = lo + np.argsort(-part, kind="stable")[:choice.TOP_KEEP]
             assert got["indices"][r, c].tolist() == want.tolist()
             assert np.array_equal(got["values"][r, c], logits[r, want])
             assert got["maxima"][r, c] == part.max()
@@ -937,10 +937,10 @@ def test_argmax(device, chunks):
     logits[4, 20000] = logits[4, 20001] = logits[4].max() + 1  # across chunks and within one
     n = logits.shape[1]
     sg = device.subgroup_size
-    part = run(device, ops.argmax_chunks(sg), (5, chunks), logits,
+    part = run(device, choice.argmax_chunks(sg), (5, chunks), logits,
                np.full((5, chunks), np.nan, np.float32), np.full((5, chunks), -1, np.int32), n,
                -(-n // chunks))
-    got = run(device, ops.argmax(sg), (5,), part["values"], part["indices"],
+    got = run(device, choice.argmax(sg), (5,), part["values"], part["indices"],
               np.full(5, -1, np.int32), chunks)["token"]
     assert got.tolist() == [int(np.argmax(r)) for r in logits]
 
@@ -973,7 +973,7 @@ def test_logit_edits(device):
     mask_of = np.array([-1, 0, 1, -1, -1], np.int32)
     want = edit_logits(logits, rows)
     for parts in (1, 3):            # a row over one workgroup, over several
-        got = run(device, ops.logit_edits(), (R, parts), logits, rows.edits.row_start,
+        got = run(device, choice.logit_edits(), (R, parts), logits, rows.edits.row_start,
                   rows.edits.tokens, rows.edits.repeat, rows.edits.add, mask_of,
                   rows.masks[rows.masked], n, words)["logits"]
         assert np.array_equal(got == BANNED, want == BANNED)

@@ -49,8 +49,8 @@ def hf_logits(model, ids):
 class Harness:
     """Runs the reference interpreter on a graph over a paged cache with shuffled blocks."""
 
-    def __init__(self, cfg, shapes, weight, num_blocks=64, freq_factors=None):
-        self.graph = llama.forward(cfg, shapes, num_blocks, BLOCK, freq_factors)
+    def __init__(self, cfg, shapes, weight, num_blocks=64, freq_factors=None, family=llama):
+        self.graph = family.forward(cfg, shapes, num_blocks, BLOCK, freq_factors)
         state = {n: np.full(t.shape, np.nan, np.float32) for n, t in self.graph.state.items()}
         self.interp = ReferenceInterpreter(self.graph, weight, state)
         self.free = list(np.random.default_rng().permutation(num_blocks))

@@ -16,7 +16,7 @@ from tests.models import tiny_model
 def interpreter(model, part, num_blocks=16, block_size=4):
     graph = model.step_graph(num_blocks, block_size, part)
     state = {name: np.zeros(t.shape, np.float32) for name, t in graph.state.items()}
-    return ReferenceInterpreter(graph, lambda name: graph.slice_of(name, model.weight_array(name)),
+    return ReferenceInterpreter(graph, lambda name: graph.read(name, model.weight_array),
                                 state)
 
 

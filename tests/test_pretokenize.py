@@ -2,7 +2,6 @@
 and Hugging Face `tokenizers` running the same pre-tokenizer configuration."""
 
 import json
-import pathlib
 import re
 import sys
 import unicodedata
@@ -18,8 +17,7 @@ regex = pytest.importorskip("regex")
 hf_pre = pytest.importorskip("tokenizers.pre_tokenizers")
 from tokenizers import Regex  # noqa: E402
 
-STRESS = json.loads((pathlib.Path(__file__).parent / "data/tokenizer/stress.json")
-                    .read_text(encoding="utf-8"))
+from tests.published_tokenizers import PUBLISHED, STRESS  # noqa: E402
 DECOMPOSED = [d for d in (unicodedata.normalize("NFD", s) for s in STRESS) if d not in STRESS]
 
 
@@ -29,7 +27,8 @@ def hf_pieces(pre_tokenizer, text):
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_published_pattern_splits_like_the_regex_module(name):
-    oracle, ours = regex.compile(PATTERNS[name]), compiled(name)
+    # MULTILINE: Oniguruma's `$` is the end of any line.
+    oracle, ours = regex.compile(PATTERNS[name], regex.MULTILINE), compiled(name)
     for text in STRESS + DECOMPOSED:
         assert ours.findall(text) == oracle.findall(text), repr(text)
 
@@ -47,7 +46,8 @@ def test_unicode_classes_agree_with_the_regex_module():
     # Unicode, whose additions are unassigned here).
     assigned = "".join(chr(cp) for cp in range(sys.maxunicode + 1)
                        if not 0xD800 <= cp < 0xE000 and unicodedata.category(chr(cp)) != "Cn")
-    for published in (r"\p{L}", r"\p{N}", r"\s", r"[^\s\p{L}\p{N}]", r"\S"):
+    for published in (r"\p{L}", r"\p{N}", r"\p{M}", r"\p{P}", r"\s", r"[^\s\p{L}\p{N}]",
+                      r"[^\s\p{L}\p{M}\p{N}]", r"\S"):
         assert re.findall(translate(published), assigned) == regex.findall(published, assigned)
 
 
@@ -57,8 +57,8 @@ def test_smollm_digits_then_gpt2_like_hf():
                               hf_pre.ByteLevel(add_prefix_space=False, use_regex=True)])
     ours = from_gguf_pre("smollm")
     for text in STRESS:
-        assert [byte_level_text(w.encode()) for w in ours.words(text)] == hf_pieces(oracle, text)
-    assert ours.words("a 123") == ["a", " ", "1", "2", "3"]
+        assert ours.words(text) == hf_pieces(oracle, text), repr(text)
+    assert ours.words("a 123") == ["a", "Ġ", "1", "2", "3"]
 
 
 @pytest.mark.parametrize("individual", [True, False])
@@ -73,16 +73,17 @@ def test_byte_level_prefix_space_like_hf():
     oracle = hf_pre.ByteLevel(add_prefix_space=True, use_regex=True)
     ours = from_hf_byte_level(None, json.loads(oracle.__getstate__()))
     for text in STRESS:
-        assert [byte_level_text(w.encode()) for w in ours.words(text)] == hf_pieces(oracle, text)
+        assert ours.words(text) == hf_pieces(oracle, text), repr(text)
 
 
 def test_gguf_names():
-    assert from_gguf_pre("llama-bpe").steps == (("regex", "llama3"),)
+    assert from_gguf_pre("llama-bpe").steps == (("regex", "llama3"), ("bytes", None))
     assert from_gguf_pre("qwen2").normal_form == "NFC"
-    assert from_gguf_pre("qwen2").words("e\u0301!") == ["\u00e9", "!"]
-    assert from_gguf_pre("default").words("I'm  here") == ["I", "'m", " ", " here"]
-    with pytest.raises(TokenizerUnsupported, match="falcon") as refused:
-        from_gguf_pre("falcon")
+    assert from_gguf_pre("qwen2").words("e\u0301!") == [byte_level_text("\u00e9".encode()), "!"]
+    assert from_gguf_pre("default").words("I'm  here") == ["I", "'m", "Ġ", "Ġhere"]
+    assert from_gguf_pre("gemma4").words("a b\n\nc ") == ["a▁b", "\n\n", "c▁"]
+    with pytest.raises(TokenizerUnsupported, match="bloom") as refused:
+        from_gguf_pre("bloom")
     assert refused.value.exit_status == 7
 
 
@@ -106,3 +107,24 @@ def test_sentencepiece_spaces():
     assert metaspace.words("a b  c") == ["▁a", "▁b", "▁", "▁c"]
     assert metaspace.words(" a") == ["▁a"]
     assert metaspace.words("a", first=False) == ["a"]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_gguf_pre_splits_like_its_published_pre_tokenizer(name):
+    normalizer, oracle = PUBLISHED[name]
+    ours = from_gguf_pre(name)
+    for text in STRESS + DECOMPOSED:
+        normalized = normalizer.normalize_str(text) if normalizer else text
+        assert ours.words(text) == hf_pieces(oracle, normalized), repr(text)
+
+
+def test_falcon_splits_digits_in_the_byte_spelling():
+    # '½' is the bytes C2 BD; BD spells itself '½', a number, so the digit steps cut it off.
+    words = from_gguf_pre("falcon").words("ied 4 ½ months 1234567, x!!")
+    assert words == ["ied", "Ġ", "4", "ĠÂ", "½", "Ġmonths", "Ġ", "123", "456", "7", ",", "Ġx",
+                     "!!"]
+
+
+def test_deepseek_trailing_space_is_its_own_word():
+    assert from_gguf_pre("deepseek-llm").words("Hi  \nyo   ") == ["Hi", "ĠĠ", "Ċ", "yo", "ĠĠĠ"]
+    assert from_gguf_pre("deepseek-coder").words("x=12;") == ["x", "=", "1", "2", ";"]

@@ -9,7 +9,8 @@ import pytest
 
 from poot.formats.quants import GGML_TYPES, QUANTS, dequantize, quantize
 
-QUANT_NAMES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+QUANT_NAMES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K",
+               "IQ4_NL", "IQ4_XS"]
 F32 = np.float32
 
 
@@ -114,8 +115,67 @@ def ref_q6_k(block):
     return y
 
 
+def ref_q3_k(block):
+    hmask, qs, raw = block[0:32], block[32:96], block[96:108]
+    d = F32(struct.unpack_from("<e", block, 108)[0])
+    # 16 scales of 6 bits: the low nibbles of bytes 0..7, then their high nibbles; the top 2
+    # bits of scale i in bits 2 (i // 4) of byte 8 + i % 4
+    low = [b & 15 for b in raw[0:8]] + [b >> 4 for b in raw[0:8]]
+    scales = [low[i] | (((raw[8 + i % 4] >> (2 * (i // 4))) & 3) << 4) for i in range(16)]
+    out, m, i = [], 1, 0
+    for n in range(2):
+        q = qs[32 * n:]
+        for shift in (0, 2, 4, 6):
+            for half in range(2):
+                dl = d * F32(scales[i] - 32)
+                i += 1
+                for l in range(16 * half, 16 * half + 16):
+                    out.append(dl * F32(((q[l] >> shift) & 3) - (0 if hmask[l] & m else 4)))
+            m <<= 1
+    return out
+
+
+def ref_q2_k(block):
+    scales, qs = block[0:16], block[16:80]
+    d, dmin = (F32(v) for v in struct.unpack_from("<2e", block, 80))
+    out, i = [], 0
+    for n in range(2):
+        q = qs[32 * n:]
+        for shift in (0, 2, 4, 6):
+            for half in range(2):
+                dl, ml = d * F32(scales[i] & 15), dmin * F32(scales[i] >> 4)
+                i += 1
+                out += [dl * F32((q[l] >> shift) & 3) - ml for l in range(16 * half, 16 * half + 16)]
+    return out
+
+
+KVALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+
+
+def ref_iq4_nl(block):
+    d = F32(struct.unpack_from("<e", block, 0)[0])
+    qs = block[2:18]
+    return [d * F32(KVALUES[qs[j] & 15]) for j in range(16)] + \
+           [d * F32(KVALUES[qs[j] >> 4]) for j in range(16)]
+
+
+def ref_iq4_xs(block):
+    d = F32(struct.unpack_from("<e", block, 0)[0])
+    (scales_h,) = struct.unpack_from("<H", block, 2)
+    scales_l, qs = block[4:8], block[8:136]
+    out = []
+    for ib in range(8):
+        ls = ((scales_l[ib // 2] >> (4 * (ib % 2))) & 15) | (((scales_h >> (2 * ib)) & 3) << 4)
+        dl = d * F32(ls - 32)
+        q = qs[16 * ib:]
+        out += [dl * F32(KVALUES[q[j] & 15]) for j in range(16)]
+        out += [dl * F32(KVALUES[q[j] >> 4]) for j in range(16)]
+    return out
+
+
 REFERENCES = {"Q8_0": ref_q8_0, "Q4_0": ref_q4_0, "Q4_1": ref_q4_1, "Q5_0": ref_q5_0,
-              "Q5_1": ref_q5_1, "Q4_K": ref_q4_k, "Q5_K": ref_q5_k, "Q6_K": ref_q6_k}
+              "Q5_1": ref_q5_1, "Q4_K": ref_q4_k, "Q5_K": ref_q5_k, "Q6_K": ref_q6_k,
+              "Q3_K": ref_q3_k, "Q2_K": ref_q2_k, "IQ4_NL": ref_iq4_nl, "IQ4_XS": ref_iq4_xs}
 
 
 def random_block(name, rng):
@@ -123,7 +183,8 @@ def random_block(name, rng):
     qt = QUANTS[name]
     block = bytearray(rng.integers(0, 256, qt.block_bytes, dtype=np.uint8).tobytes())
     scale_offsets = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2],
-                     "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[name]
+                     "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108],
+                     "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0]}[name]
     for at in scale_offsets:
         block[at:at + 2] = f16(float(f16_value(rng)))
     return bytes(block)
@@ -135,11 +196,13 @@ def test_block_sizes_match_the_definitions():
     sizes = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 2 + 32),
              "Q4_0": (32, 2 + 16), "Q4_1": (32, 4 + 16), "Q5_0": (32, 2 + 4 + 16),
              "Q5_1": (32, 4 + 4 + 16), "Q4_K": (256, 4 + 12 + 128),
-             "Q5_K": (256, 4 + 12 + 32 + 128), "Q6_K": (256, 128 + 64 + 16 + 2)}
+             "Q5_K": (256, 4 + 12 + 32 + 128), "Q6_K": (256, 128 + 64 + 16 + 2),
+             "Q3_K": (256, 32 + 64 + 12 + 2), "Q2_K": (256, 16 + 64 + 4),
+             "IQ4_NL": (32, 2 + 16), "IQ4_XS": (256, 2 + 2 + 4 + 128)}
     assert {n: (q.block_elems, q.block_bytes) for n, q in QUANTS.items()} == sizes
     for name, qt in QUANTS.items():
         assert GGML_TYPES[qt.ggml_type] == name
-    assert GGML_TYPES[10] == "Q2_K" and "Q2_K" not in QUANTS
+    assert GGML_TYPES[16] == "IQ2_XXS" and "IQ2_XXS" not in QUANTS
     assert QUANTS["Q4_K"].nbytes(512) == 288
     with pytest.raises(ValueError, match="not a whole number"):
         QUANTS["Q4_0"].nbytes(33)
@@ -221,8 +284,10 @@ def test_q6_k_pinned_values():
 
 # Worst-case error of one value, as a fraction of its block's largest magnitude (or range):
 # half a quantisation step, plus slack for the f16 scale and the 6/8-bit sub-block scales.
+# IQ4's codes are uneven: half its widest gap (127 to 104) and its positive end (113 for 127).
 STEP_BOUND = {"Q8_0": 0.5 / 127, "Q4_0": 1 / 8, "Q5_0": 1 / 16, "Q4_1": 0.5 / 15,
-              "Q5_1": 0.5 / 31, "Q4_K": 1 / 15, "Q5_K": 1 / 31, "Q6_K": 1 / 31}
+              "Q5_1": 0.5 / 31, "Q4_K": 1 / 15, "Q5_K": 1 / 31, "Q6_K": 1 / 31, "Q3_K": 1 / 3,
+              "Q2_K": 1 / 3, "IQ4_NL": 14 / 127, "IQ4_XS": 2 * 14 / 127}
 
 
 @pytest.mark.parametrize("name", QUANT_NAMES)
@@ -239,11 +304,12 @@ def test_round_trip_error_is_within_half_a_step(name):
     span = np.abs(blocks_x).max(axis=1)
     if name in ("Q4_1", "Q5_1"):
         span = blocks_x.max(axis=1) - blocks_x.min(axis=1)
-    if name in ("Q4_K", "Q5_K"):
+    if name in ("Q4_K", "Q5_K", "Q2_K"):
         span = 2 * np.abs(blocks_x).max(axis=1)
     assert np.all(err <= span * STEP_BOUND[name] * 1.01 + 1e-6), f"seed {seed}"
     rel_rms = np.sqrt(np.mean((y - x) ** 2) / np.mean(x ** 2))
-    assert rel_rms < {"Q8_0": 0.01, "Q6_K": 0.03}.get(name, 0.2), f"seed {seed}"
+    assert rel_rms < {"Q8_0": 0.01, "Q6_K": 0.03, "Q2_K": 0.45, "Q3_K": 0.3}.get(name, 0.2), \
+        f"seed {seed}"
 
 
 @pytest.mark.parametrize("name", QUANT_NAMES)
@@ -260,7 +326,11 @@ def test_awkward_blocks_stay_valid(name):
     assert np.all(np.isfinite(y))
     np.testing.assert_array_equal(y[0], 0)
     span = np.abs(rows).max(axis=1, keepdims=True)
-    assert np.all(np.abs(y - rows) <= span * 0.08 + 1e-9)
+    bound = {"Q3_K": 1 / 6, "Q2_K": 1 / 3, "IQ4_NL": 0.12, "IQ4_XS": 0.12}.get(name, 0.08)
+    # IQ4's scale of the tiny block is f16's smallest step (below its ideal 3e-6 / 127), its
+    # values up to half the widest gap of its codes (23) from their nearest
+    slack = 12 * 2.0 ** -24 if name.startswith("IQ4") else 1e-9
+    assert np.all(np.abs(y - rows) <= span * bound + slack)
 
 
 @pytest.mark.parametrize("name", QUANT_NAMES + ["F16", "BF16"])
@@ -311,8 +381,8 @@ def test_bf16_rounds_to_nearest_even():
 
 
 def test_bad_arguments_are_value_errors():
-    with pytest.raises(ValueError, match="unsupported dtype 'Q2_K'"):
-        dequantize("Q2_K", np.zeros(84, np.uint8), (256,))
+    with pytest.raises(ValueError, match="unsupported dtype 'IQ2_XXS'"):
+        dequantize("IQ2_XXS", np.zeros(66, np.uint8), (256,))
     with pytest.raises(ValueError, match="bytes given"):
         dequantize("Q8_0", np.zeros(33, np.uint8), (32,))
     with pytest.raises(ValueError, match="row length 48"):

@@ -103,7 +103,7 @@ def random_row(rng, vocabs, top_ks):
 
 
 def candidates(logits, chunk, keep, temperature, rng):
-    """What ops.top_candidates leaves for a row (chunks of `chunk`, each's best `keep`, padded
+    """What choice.top_candidates leaves for a row (chunks of `chunk`, each's best `keep`, padded
     past the vocabulary), its sums off the exact ones by up to half the margin choose_among
     allows."""
     vocab = len(logits)

@@ -573,6 +573,59 @@ def test_a_constraint_that_fails_fails_its_request_alone(model):
     assert second == expected and engine.error is None
 
 
+def test_a_mask_not_yet_kept_holds_up_only_its_own_sequence(model):
+    """On a threaded engine a constrained sequence whose mask is not ready (ready() False)
+    sits out the steps while its mask is computed on the mask thread: the free request beside
+    it decodes to its end meanwhile, and the constrained one then writes what it writes
+    alone."""
+    import json
+
+    from poot.grammar import compiled, schema_grammar
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}},
+              "required": ["n"], "additionalProperties": False}
+    grammar = compiled(("mask-thread", json.dumps(schema)), lambda: schema_grammar(schema),
+                       model.tokenizer)
+    gate = threading.Event()
+
+    class Gated:
+        """The grammar's constraint, whose masks after the first wait for `gate`."""
+        def __init__(self, matcher=None):
+            self.matcher, self.asked = matcher, 0
+
+        def start(self):
+            return Gated(grammar.start())
+
+        def ready(self):
+            return self.asked == 0 or gate.is_set()
+
+        def allowed(self):
+            self.asked += 1
+            if self.asked > 1:
+                assert threading.current_thread().name == "poot-masks" or gate.is_set()
+                gate.wait()
+            return self.matcher.allowed()
+
+        def advance(self, token):
+            self.matcher.advance(token)
+
+    bound = SamplingParams(max_tokens=40, temperature=0, constraint=Gated())
+    free_prompt, bound_prompt = prompts(model, [5, 6], seed=9)
+    want = alone(model, bound_prompt, SamplingParams(max_tokens=40, temperature=0,
+                                                     constraint=grammar))
+    engine = make_engine(model)
+    engine.start()
+    try:
+        held = engine.submit(bound_prompt, bound)
+        free = engine.submit(free_prompt, greedy(24))
+        assert len(tokens(free)) == 24             # while the constrained one waits
+        assert engine.stats().running == 1
+        gate.set()
+        assert tokens(held) == want
+    finally:
+        gate.set()
+        engine.stop()
+
+
 # ---- the policy alone: no runner, no thread -----------------------------------------------------
 
 def sequences(model, lengths, max_tokens=8):

@@ -39,3 +39,14 @@ def test_serve_check_holds_with_faults_injected(tmp_path):
     assert sum(int(r[5]) for r in rows[1:]) > 0          # some requests met injected faults
     assert all(r[4].strip() == "0" for r in rows[1:])  # and none failed otherwise
     assert "every check holds" in out
+
+
+@pytest.mark.parametrize("backend", ["reference", "vulkan", "wgpu"])
+def test_the_api_phase_holds_on_every_backend_here(tmp_path, backend):
+    """n, several prompts, echo, logit_bias, min_tokens, penalties (against the reference's
+    engine), embeddings and json_schema output through HTTP on each backend."""
+    if backend != "reference":
+        open_or_skip(backend)
+    flags = [] if backend == "reference" else ["--memory-limit", "1GiB"]
+    out = serve_check(tmp_path, "--backend", backend, "--phases", "api", *flags)
+    assert "| api | 13 | 13 | 0 | 0 |" in out and "every check holds" in out

@@ -1,28 +1,35 @@
 """Tokenizer against independent oracles: Hugging Face `tokenizers` on the same vocabulary, merges
-and pre-tokenizer (the default SmolLM2 model, and small BPE models trained here for each
-pre-tokenizer), and `sentencepiece` for SentencePiece BPE. Token ids must be exactly the oracle's,
-decoding must give the oracle's text, and streaming must add up to decoding."""
+and pre-tokenizer (the default SmolLM2 model, small BPE models trained here for each GGUF
+pre-tokenizer name and for Gemma 4's kind of vocabulary, and llama.cpp's own test vocabularies
+where they are at hand), and `sentencepiece` for SentencePiece BPE. Token ids must be exactly the
+oracle's, decoding must give the oracle's text, and streaming must add up to decoding."""
 
 import io
 import json
 import os
 import pathlib
+import re
+import subprocess
+import sys
 import time
 import unicodedata
 from types import SimpleNamespace
 
 import pytest
 
+import poot
 from poot.errors import ModelFileError
+from poot.formats.gguf import write_gguf
 from poot.text import Tokenizer, TokenizerUnsupported
 from poot.text.bpe import BYTE_CHARS, merge
+from poot.text.pretokenize import PATTERNS
 from poot.text.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED
 
 hf = pytest.importorskip("tokenizers")
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-DATA = pathlib.Path(__file__).parent / "data/tokenizer"
-STRESS = json.loads((DATA / "stress.json").read_text(encoding="utf-8"))
+from tests.published_tokenizers import DATA, NFC, PUBLISHED, STRESS  # noqa: E402
+
 ENGLISH = (DATA / "english.txt").read_text(encoding="utf-8")
 SMOLLM2 = pathlib.Path(os.path.expanduser("~/.cache/poot/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>\n"
@@ -150,30 +157,22 @@ def test_smollm2_throughput(smollm2):
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [ENGLISH] + STRESS
-PATTERN_PRE = {
-    "gpt2": pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                       pre_tokenizers.ByteLevel(add_prefix_space=False)]),
-}
 
 
 def _split_then_bytes(name):
-    from poot.text.pretokenize import PATTERNS
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PATTERNS[name]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def train_byte_level(gguf_pre):
-    """A small byte-level BPE tokenizer.json, trained with the pre-tokenizer named `gguf_pre`."""
+    """A small byte-level BPE tokenizer.json, trained with the pre-tokenizer (and normalizer)
+    that the model named `gguf_pre` declares."""
+    normalizer, pre_tokenizer = PUBLISHED[gguf_pre]
     oracle = hf.Tokenizer(models.BPE())
-    if gguf_pre in PATTERN_PRE:
-        oracle.pre_tokenizer = PATTERN_PRE[gguf_pre]
-    else:
-        pattern = {"llama-bpe": "llama3", "qwen2": "qwen2"}[gguf_pre]
-        oracle.pre_tokenizer = _split_then_bytes(pattern)
-    if gguf_pre == "qwen2":
-        oracle.normalizer = hf.normalizers.NFC()
+    oracle.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        oracle.normalizer = normalizer
     oracle.decoder = decoders.ByteLevel()
     oracle.train_from_iterator(CORPUS, trainers.BpeTrainer(
         vocab_size=900, special_tokens=SPECIALS, show_progress=False,
@@ -199,7 +198,7 @@ def gguf_metadata(tokenizer_json, model, pre=None, **extra):
     return metadata
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama-bpe", "qwen2", "smollm"])
+@pytest.fixture(scope="module", params=sorted(PUBLISHED))
 def trained(request):
     tokenizer_json = train_byte_level(request.param)
     return request.param, tokenizer_json, hf.Tokenizer.from_str(json.dumps(tokenizer_json))
@@ -209,16 +208,16 @@ def test_trained_byte_level_from_hf(trained):
     name, tokenizer_json, oracle = trained
     tok = Tokenizer.from_hf(tokenizer_json)
     normalized = [unicodedata.normalize("NFC", t) for t in TEXTS]
-    check_against(tok, oracle, exact_text=name != "qwen2")
+    check_against(tok, oracle, exact_text=name not in NFC)
     check_against(tok, oracle, [t + "\u0301" for t in STRESS[:60]] + normalized[:40],
-                  exact_text=name != "qwen2")
+                  exact_text=name not in NFC)
 
 
 def test_trained_byte_level_from_gguf(trained):
     name, tokenizer_json, oracle = trained
     tok = Tokenizer.from_gguf(gguf_metadata(tokenizer_json, "gpt2", name, eos_token_id=0,
                                             bos_token_id=0))
-    check_against(tok, oracle, exact_text=name != "qwen2")
+    check_against(tok, oracle, exact_text=name not in NFC)
     bos = [0] if name == "llama-bpe" else []       # Llama 3's converter default adds BOS
     assert tok.encode("hi") == bos + tok.encode("hi", add_special=False)
 
@@ -239,6 +238,138 @@ def test_llama3_ignore_merges_takes_whole_words():
         check_against(tok, oracle, STRESS[:100])
     metadata = gguf_metadata(tokenizer_json, "gpt2", "llama-bpe")
     assert Tokenizer.from_gguf(metadata).encode("abc", add_special=False) == [258]
+
+
+# -- Gemma 4: SentencePiece-style pieces merged by rank ----------------------------------------
+
+def gemma4_tokenizer_json():
+    """A small tokenizer.json of Gemma 4's kind, trained here: spaces spelled '▁', the text cut
+    into lines and runs of newlines, BPE by merge rank over characters, and the 256 `<0xXX>`
+    tokens for the characters the trained vocabulary lacks."""
+    oracle = hf.Tokenizer(models.BPE(byte_fallback=True))
+    oracle.normalizer = hf.normalizers.Replace(" ", "▁")
+    oracle.pre_tokenizer = pre_tokenizers.Split(Regex(PATTERNS["lines"]), behavior="isolated")
+    oracle.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=900, special_tokens=["<pad>", "<bos>", "<eos>", *SPECIALS],
+        limit_alphabet=150, show_progress=False))
+    tokenizer_json = json.loads(oracle.to_str())
+    vocab = tokenizer_json["model"]["vocab"]
+    for b in range(256):                      # the stress strings teach it a few already
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    tokenizer_json["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    return tokenizer_json
+
+
+def gemma4_metadata(tokenizer_json):
+    metadata = gguf_metadata(tokenizer_json, "gemma4", bos_token_id=1, eos_token_id=2)
+    metadata["tokenizer.ggml.token_type"] = [
+        BYTE if re.fullmatch("<0x[0-9A-F]{2}>", t) else kind
+        for t, kind in zip(metadata["tokenizer.ggml.tokens"],
+                           metadata["tokenizer.ggml.token_type"])]
+    metadata["tokenizer.ggml.merges"] = [" ".join(m) if isinstance(m, list) else m
+                                         for m in tokenizer_json["model"]["merges"]]
+    return metadata
+
+
+def test_gemma4_gguf_matches_hf():
+    tokenizer_json = gemma4_tokenizer_json()
+    oracle = hf.Tokenizer.from_str(json.dumps(tokenizer_json))
+    tok = Tokenizer.from_gguf(gemma4_metadata(tokenizer_json))
+    unseen = "ꙮ 𝄞 ☃ 我想在apple工作"
+    check_against(tok, oracle, TEXTS + [unseen], exact_text=False)
+    for text in TEXTS + [unseen]:      # every character has a token or its bytes' tokens
+        ids = tok.encode(text, add_special=False, parse_special=False)
+        if "<0x" not in text:           # the text "<0x41>" is the byte token for "A"
+            assert tok.decode(ids) == text.replace("▁", " "), repr(text)
+    assert any(tok.token_types[i] == BYTE for i in tok.encode(unseen))
+    assert tok.encode("Hi there") == [1] + hf_ids(oracle, "Hi there")   # BOS, always
+
+
+def test_gemma4_takes_a_run_of_newlines_whole():
+    # The merges build "\n\n" but never "\n\n\n"; the vocabulary holds both whole. The oracle
+    # takes whole words only with ignore_merges, which says the same here: of the words these
+    # texts make, only runs of newlines are tokens that the merges would not build.
+    tokens = ["<pad>", "<bos>", "<eos>", "\n", "\n\n", "\n\n\n", "a", "▁", "▁a",
+              *(f"<0x{b:02X}>" for b in range(256))]
+    tokenizer_json = json.loads(hf.Tokenizer(models.BPE(byte_fallback=True)).to_str())
+    tokenizer_json["model"].update(vocab={t: i for i, t in enumerate(tokens)},
+                                   merges=[["\n", "\n"], ["▁", "a"]], ignore_merges=True)
+    tokenizer_json["normalizer"] = {"type": "Replace", "pattern": {"String": " "},
+                                    "content": "▁"}
+    tokenizer_json["pre_tokenizer"] = json.loads(
+        pre_tokenizers.Split(Regex(PATTERNS["lines"]), behavior="isolated").__getstate__())
+    tokenizer_json["added_tokens"] = [
+        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i in range(3)]
+    oracle = hf.Tokenizer.from_str(json.dumps(tokenizer_json))
+    tok = Tokenizer.from_gguf(gemma4_metadata(tokenizer_json))
+    assert tok.encode("a\n\n\na a", add_special=False) == [6, 5, 6, 8]
+    for text in ["\n\n\n\n", "a\n\n\n", "\n\n\n\n\n\n a", " a\n\na\n", "aa aaa"]:
+        assert tok.encode(text, add_special=False) == hf_ids(oracle, text), repr(text)
+
+
+# -- vocabulary-only GGUF files, as llama.cpp's ggml-vocab-*.gguf ------------------------------
+
+ARCHITECTURE = {"falcon": "falcon", "mpt": "mpt", "refact": "refact", "command-r": "command-r",
+                "deepseek-llm": "llama", "deepseek-coder": "llama", "qwen35": "qwen35"}
+
+
+def test_vocabulary_only_gguf_loads_its_tokenizer(trained, tmp_path):
+    """A file of tokenizer metadata and no tensors, of an architecture poot may not run, is
+    read by poot.load(weights=False) (what `poot tokenize` uses) with its pre-tokenizer."""
+    name, tokenizer_json, oracle = trained
+    path = tmp_path / f"ggml-vocab-{name}.gguf"
+    metadata = gguf_metadata(tokenizer_json, "gpt2", name, eos_token_id=0, bos_token_id=0)
+    write_gguf(path, {"general.architecture": ARCHITECTURE.get(name, "llama"), **metadata}, [])
+    tok = poot.load(path, weights=False).tokenizer
+    check_against(tok, oracle, STRESS, parse_special=(True,), exact_text=name not in NFC)
+
+
+def test_poot_tokenize_reads_a_gemma4_vocabulary(tmp_path):
+    tokenizer_json = gemma4_tokenizer_json()
+    oracle = hf.Tokenizer.from_str(json.dumps(tokenizer_json))
+    path = tmp_path / "ggml-vocab-gemma4.gguf"
+    write_gguf(path, {"general.architecture": "gemma4", **gemma4_metadata(tokenizer_json)}, [])
+    text = "Hello, y'all!\n\n\tHow are you 😁 ?我想在apple工作1314151天～"
+    result = subprocess.run([sys.executable, "-m", "poot", "tokenize", "--model", str(path), text],
+                            cwd=pathlib.Path(__file__).parent.parent, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [1] + hf_ids(oracle, text)
+
+
+LLAMA_CPP_VOCABS = os.environ.get("POOT_LLAMA_CPP_VOCABS")    # llama.cpp's models/ folder
+
+
+def _llama_cpp_vocabs():
+    folder = pathlib.Path(LLAMA_CPP_VOCABS or "/nonexistent")
+    return sorted(p for p in folder.glob("ggml-vocab-*.gguf")
+                  if p.with_suffix(".gguf.inp").exists() and p.with_suffix(".gguf.out").exists())
+
+
+@pytest.mark.skipif(not _llama_cpp_vocabs(), reason="POOT_LLAMA_CPP_VOCABS names no folder of "
+                    "llama.cpp's ggml-vocab-*.gguf files with their .inp/.out test vectors")
+def test_llama_cpp_test_vocabularies():
+    """llama.cpp's test vocabularies, where a checkout's models/ folder is at hand: each .out
+    line holds the ids Hugging Face's tokenizer gave its .inp text (no BOS/EOS). Vocabularies of
+    a tokenizer model poot does not read (WordPiece, Unigram) are refused by name."""
+    checked = []
+    for path in _llama_cpp_vocabs():
+        try:
+            tok = poot.load(path, weights=False).tokenizer
+        except TokenizerUnsupported as e:
+            assert e.what in ("model", "pre-tokenizer"), e
+            continue
+        inputs = path.with_suffix(".gguf.inp").read_text(encoding="utf-8")
+        texts = inputs.split("\n__ggml_vocab_test__\n")[:-1]
+        expected = path.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
+        for text, line in zip(texts, expected):
+            ids = [int(i) for i in line.split()]
+            assert tok.encode(text, add_special=False) == ids, (path.name, text)
+        checked.append(path.name)
+    assert checked
 
 
 # -- added tokens, BOS/EOS rules -----------------------------------------------------------
@@ -454,8 +585,8 @@ def test_ids_outside_the_vocabulary_decode_to_nothing(smollm2):
 def test_unsupported_tokenizers_are_refused():
     with pytest.raises(TokenizerUnsupported, match="bert"):
         Tokenizer.from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
-    with pytest.raises(TokenizerUnsupported, match="pre-tokenizer 'falcon'") as refused:
-        Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "falcon",
+    with pytest.raises(TokenizerUnsupported, match="pre-tokenizer 'bloom'") as refused:
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "bloom",
                              "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []})
     assert refused.value.exit_status == 7
     with pytest.raises(TokenizerUnsupported, match="WordPiece"):

@@ -21,19 +21,15 @@ import numpy as np
 
 from ..errors import ModelRefused
 from ..formats.quants import slice_raw
-from ..kernels import matmul, mma_vec, ops
+from ..kernels import choice, matmul, mma_vec, ops, softcap
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from .kernel_choice import (ARGMAX_CHUNKS, MAX_SPLITS, SPLIT_MIN_CONTEXT, SPLIT_TOKENS,
-                            TWO_PHASE_FLOATS, KernelChoice, runs_mma, tiled_norm_x16,
-                            tiled_x16_format)
+                            TWO_PHASE_FLOATS, KernelChoice, attention_mods, runs_mma,
+                            tiled_norm_x16, tiled_x16_format)
 from .lowering import assign_slots, lower, next_matmul, normed_after, shared_buffers
 from . import expert_steps, placement
+from .device_choice import EDITS_PER_ROW, DeviceChoice
 from .step_runner import StepRunner
-
-# A step's logit edits the device holds (SamplingRows.edits): this many a row, the rows' room
-# pooled, so one row may take several rows' share; a step's rows past it are edited on the host
-EDITS_PER_ROW = 4096
-EDIT_TOKENS = 8192      # a row's tokens one logit_edits workgroup masks
 
 
 @dataclass(frozen=True)
@@ -43,7 +39,7 @@ class Allocation:
     kind: str           # "weights" (and constants), "state" (the KV cache), "arenas" (per step)
 
 
-class DeviceRunner(StepRunner):
+class DeviceRunner(DeviceChoice, StepRunner):
     def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16,
                  part=None, split_tokens=None, check=True, context=None):
         """check=False: a runner only for its allocation list (a plan's candidate, of which the
@@ -122,10 +118,10 @@ class DeviceRunner(StepRunner):
                 for kernel in STEPS[step.kind].kernels(self, steps, i, long):
                     seen.setdefault(kernel.name, kernel)
         if self.has_logits:
-            seen.setdefault("logit_edits", ops.logit_edits())
-            seen.setdefault("argmax_chunks", ops.argmax_chunks(sg))
-            seen.setdefault("argmax", ops.argmax(sg))
-            seen.setdefault("top_candidates", ops.top_candidates(sg))
+            seen.setdefault("logit_edits", choice.logit_edits())
+            seen.setdefault("argmax_chunks", choice.argmax_chunks(sg))
+            seen.setdefault("argmax", choice.argmax(sg))
+            seen.setdefault("top_candidates", choice.top_candidates(sg))
         return list(seen.values())
 
     # -- the plan ------------------------------------------------------------------------------
@@ -183,8 +179,8 @@ class DeviceRunner(StepRunner):
             step += [("argmax", self.max_seqs), ("argmax_values", self.max_seqs * ARGMAX_CHUNKS),
                      ("argmax_indices", self.max_seqs * ARGMAX_CHUNKS)]
             chunks = self.max_seqs * self._candidate_chunks()
-            step += [("top_temperature", self.max_seqs), ("top_values", chunks * ops.TOP_KEEP),
-                     ("top_indices", chunks * ops.TOP_KEEP), ("top_maxima", chunks),
+            step += [("top_temperature", self.max_seqs), ("top_values", chunks * choice.TOP_KEEP),
+                     ("top_indices", chunks * choice.TOP_KEEP), ("top_maxima", chunks),
                      ("top_sums", chunks)]
             edits = self.max_seqs * EDITS_PER_ROW
             step += [("edit_starts", self.max_seqs + 1), ("edit_tokens", edits),
@@ -286,7 +282,7 @@ class DeviceRunner(StepRunner):
                 for plane, words in self._file_planes(t).items():
                     dev.write(self.buffers[f"{t.name}:{plane}"], words)
             else:
-                array = self.graph.slice_of(t.name, self.model.weight_array(t.name))
+                array = self.graph.read(t.name, self.model.weight_array)
                 dev.write(self.buffers[t.name], np.ascontiguousarray(array, np.float32))
         for name, (t, array) in self.graph.consts.items():
             dev.write(self.buffers[name], array)
@@ -295,14 +291,16 @@ class DeviceRunner(StepRunner):
 
     def _file_planes(self, t):
         """The device planes of a weight from the file's bytes (a tensor group's shard of
-        them: graph.slices); a stacked weight's are its parts' planes, row after row."""
+        them, or a fused tensor's part: graph.file_slice); a stacked weight's are its parts'
+        planes, row after row."""
         _, parts = self.stacked.get(t.name, (t, (t,)))
         each = []
         for p in parts:
-            raw = self.model.weight_raw(p.name)
-            if p.name in self.graph.slices:
-                shape = self.model.weight_shapes()[p.name][0]
-                raw = slice_raw(p.dtype, raw, shape, *self.graph.slices[p.name])
+            part = self.graph.file_slice(p.name)
+            raw = self.model.weight_raw(part.tensor)
+            if part.rows is not None or part.cols is not None:
+                shape = self.model.weight_shapes()[part.tensor][0]
+                raw = slice_raw(p.dtype, raw, shape, part.rows, part.cols)
             each.append(planes(p.dtype, raw, (math.prod(p.shape[:-1]), p.shape[-1])))
         if len(each) == 1:
             return each[0]
@@ -350,49 +348,6 @@ class DeviceRunner(StepRunner):
             dev.write(self.buffers[name], np.ascontiguousarray(getattr(batch, name), np.int32))
         dev.write(self.buffers["block_tables"], tables)
 
-    def _mask_words(self):
-        return -(-self.vocab_size // 32)
-
-    def _upload_edits(self, rows):
-        """The step's logit edits and masks (SamplingRows.edits and masks) into the edit_
-        buffers, which logit_edits applies after the output head: each row's, in row order,
-        while the room for edits (EDITS_PER_ROW a row, pooled) lasts. A row whose edits do not
-        fit has nothing applied on the device, its mask neither: collect() reads its logits
-        back and edits them on the host (_host_edits)."""
-        self._edited, self._host_edits = False, []
-        if not self.has_logits or (rows.edits is None and rows.masked is None):
-            return
-        R, edits = len(rows.temperature), rows.edits
-        starts = np.zeros(self.max_seqs + 1, np.int32)
-        mask_of = np.full(self.max_seqs, -1, np.int32)
-        parts, masked, room = [], [], self.max_seqs * EDITS_PER_ROW
-        for r in range(R):
-            count = 0 if edits is None else edits.count(r)
-            starts[r + 1] = starts[r]
-            if count > room:
-                self._host_edits.append(r)
-                continue
-            if count:
-                parts.append(edits.row(r))
-                starts[r + 1] += count
-                room -= count
-            if rows.masked is not None and rows.masked[r]:
-                mask_of[r] = len(masked)
-                masked.append(r)
-        starts[R + 1:] = starts[R]
-        dev, B = self.device, self.buffers
-        dev.write(B["edit_starts"], starts)
-        dev.write(B["edit_mask_of"], mask_of)
-        for i, name in enumerate(("edit_tokens", "edit_repeat", "edit_add")):
-            if parts:
-                dev.write(B[name], np.concatenate([part[i] for part in parts]))
-        if masked:
-            words = min(self._mask_words(), rows.masks.shape[1])
-            masks = np.zeros((len(masked), self._mask_words()), np.uint32)
-            masks[:, :words] = rows.masks[masked, :words]    # words past a mask: none allowed
-            dev.write(B["edit_masks"], masks)
-        self._edited = bool(parts or masked)
-
     def _issue(self, T, R):
         """Issues every launch of a step of T tokens and R sampled rows, in graph order."""
         for _ in self.launches(T, R):
@@ -432,35 +387,17 @@ class DeviceRunner(StepRunner):
                 words = rows * self.table_width if name == "block_tables" else None
                 self.device.write(self.buffers[name], host[:words])
 
-    def _edit(self, R):
-        """The step's logit edits (_upload_edits), in place, before anything reads the logits:
-        launched only in steps that have some (StepRunner.run records those apart)."""
-        if not (self._edited and R):
-            return
-        B = self.buffers
-        parts = -(-self.vocab_size // EDIT_TOKENS)
-        self._launch(ops.logit_edits(), (R, parts), self._buffer(self.graph.outputs["logits"]),
-                     B["edit_starts"], B["edit_tokens"], B["edit_repeat"], B["edit_add"],
-                     B["edit_mask_of"], B["edit_masks"], self.vocab_size, self._mask_words())
-
-    def _greedy(self, R):
-        """The greedy choice of every row, so greedy steps read back tokens, not logits."""
-        if not (self.has_logits and R):
-            return
-        sg, chunks = self.device.subgroup_size, ARGMAX_CHUNKS
-        values, indices = self.buffers["argmax_values"], self.buffers["argmax_indices"]
-        self._launch(ops.argmax_chunks(sg), (R, chunks),
-                     self._buffer(self.graph.outputs["logits"]), values, indices,
-                     self.vocab_size, -(-self.vocab_size // chunks))
-        self._launch(ops.argmax(sg), (R,), values, indices, self.buffers["argmax"], chunks)
-        if self._staged():
-            self.device.download(self._host["argmax"], self.buffers["argmax"], R * 4)
-
     # -- each kind of step: STEPS's issue methods (op, T, R, its index, long) ------------------
     def _embedding(self, op, T, R, i, long):
         table, ids = op.inputs
-        self._launch(ops.embedding(table.dtype), (T,), *self._weight_planes(table),
-                     self._buffer(ids), self._buffer(op.output), table.shape[1])
+        self._launch(ops.embedding(table.dtype, "scale" in op.attrs), (T,),
+                     *self._weight_planes(table), self._buffer(ids), self._buffer(op.output),
+                     table.shape[1], *([op.attrs["scale"]] if "scale" in op.attrs else []))
+
+    def _softcap(self, op, T, R, i, long):
+        n = int(np.prod(self._shape(op.output, T, R)))
+        self._launch(softcap.softcap(op.attrs["cap"]), (-(-n // ops.WG),),
+                     self._buffer(op.inputs[0]), self._buffer(op.output), n)
 
     def _rms_norm(self, op, T, R, i, long):
         shape = self._shape(op.inputs[0], T, R)
@@ -502,7 +439,8 @@ class DeviceRunner(StepRunner):
             raise RuntimeError("rope runs in place on a value used only by it")
         _, heads, hd = x.shape
         pairs = inv_freq.shape[0]
-        self._launch(ops.rope(op.attrs["style"]), (-(-T * heads * pairs // ops.WG),),
+        self._launch(ops.rope(op.attrs["style"], op.attrs["scale"]),
+                     (-(-T * heads * pairs // ops.WG),),
                      B(x), B(positions), B(inv_freq), T, heads, hd, pairs)
 
     def _store_kv(self, op, T, R, i, long):
@@ -520,7 +458,7 @@ class DeviceRunner(StepRunner):
             raise RuntimeError("rope_store_kv rotates q in place: q is used only by it")
         _, heads, hd = q.shape
         kv_heads = k.shape[1]
-        self._launch(ops.rope_store_kv(op.attrs["style"]),
+        self._launch(ops.rope_store_kv(op.attrs["style"], op.attrs["scale"]),
                      (-(-T * (heads + kv_heads) * hd // 2 // ops.WG),), B(q), B(k), B(v),
                      B(kc), B(vc), B(positions), B(seq_rows), B(tables_t), B(inv_freq),
                      T, heads, kv_heads, hd, inv_freq.shape[0], self.table_width,
@@ -537,11 +475,12 @@ class DeviceRunner(StepRunner):
         heads, kv_heads = q.shape[1], kc.shape[2]
         cache = (B(kc), B(vc), B(positions), B(seq_rows), B(tables_t), heads,
                  kv_heads, self.table_width, self.block_size, op.attrs["scale"])
-        shared = self.choice.attention_heads(T, heads, kv_heads)
-        tiles = self.choice.attention_tiles(heads, kv_heads)
+        shared, mods = self.choice.attention_heads(T, heads, kv_heads), attention_mods(op)
+        tiles = self.choice.attention_tiles(heads, kv_heads, **mods)
         if self._splits_attention(T):
             splits, partials = self.attention_splits, self.buffers["attention_partials"]
-            self._launch(ops.attention_split(sg, head_dim, shared), (T * heads // shared, splits),
+            self._launch(ops.attention_split(sg, head_dim, shared, **mods),
+                         (T * heads // shared, splits),
                          B(q), partials, *cache, self.split_tokens)
             self._launch(ops.attention_combine(head_dim), (T * heads,), partials, B(out), splits)
         elif T > R and tiles and any(taken := self._tiled_tokens(T)):
@@ -549,10 +488,10 @@ class DeviceRunner(StepRunner):
                                  heads // ops.attention_tile_heads(heads, kv_heads)),
                          B(q), B(out), *cache, T)
             if not all(taken):
-                self._launch(ops.attention(sg, head_dim, shared, untiled=True),
+                self._launch(ops.attention(sg, head_dim, shared, untiled=True, **mods),
                              (T * heads // shared,), B(q), B(out), *cache, T)
         else:
-            self._launch(ops.attention(sg, head_dim, shared), (T * heads // shared,),
+            self._launch(ops.attention(sg, head_dim, shared, **mods), (T * heads // shared,),
                          B(q), B(out), *cache)
 
     def _gather(self, op, T, R, i, long):
@@ -774,33 +713,6 @@ class DeviceRunner(StepRunner):
     def _replay(self, graph):
         self.device.replay(graph)
 
-    def _has_candidates(self):
-        return self.has_logits
-
-    def _edit_state(self):
-        return self._edited, self._host_edits
-
-    def _candidate_chunks(self):
-        return -(-self.vocab_size // ops.TOP_CHUNK)
-
-    def _candidates(self, R, temperature):
-        """(values, ids [R, chunks, TOP_KEEP], maxima, sums [R, chunks]) of the last step's R
-        rows of logits, from a launch of top_candidates after the step (sums at each row's
-        temperature)."""
-        chunks, B = self._candidate_chunks(), self.buffers
-        self.device.write(B["top_temperature"], np.ascontiguousarray(temperature[:R], np.float32))
-        self._launch(ops.top_candidates(self.device.subgroup_size), (R, chunks),
-                     B[self._output_name()], B["top_temperature"], B["top_values"],
-                     B["top_indices"], B["top_maxima"], B["top_sums"], self.vocab_size)
-        out = []
-        for name, dtype, width in (("top_values", np.float32, ops.TOP_KEEP),
-                                   ("top_indices", np.int32, ops.TOP_KEEP),
-                                   ("top_maxima", np.float32, 1), ("top_sums", np.float32, 1)):
-            raw = self.device.read(B[name], R * chunks * width * 4)
-            array = np.frombuffer(raw, dtype).reshape(R, chunks, width)
-            out.append(array[..., 0] if width == 1 else array)
-        return out
-
     def _read(self, name, nbytes, offset=0):
         """Bytes of a buffer of the runner that computes the logits."""
         if name in self._host:                  # staged: the step copied them out
@@ -849,8 +761,11 @@ def _one(make):
 
 
 STEPS = {
-    "embedding": StepKind(_one(lambda r, op: ops.embedding(op.inputs[0].dtype)),
+    "embedding": StepKind(_one(lambda r, op: ops.embedding(op.inputs[0].dtype,
+                                                           "scale" in op.attrs)),
                           DeviceRunner._embedding),
+    "softcap": StepKind(_one(lambda r, op: softcap.softcap(op.attrs["cap"])),
+                        DeviceRunner._softcap),
     "rms_norm": StepKind(_one(lambda r, op: ops.rms_norm(r.device.subgroup_size)),
                          DeviceRunner._rms_norm),
     "matmul": StepKind(lambda r, steps, i, long: r.choice.matmul_kernels(
@@ -858,9 +773,11 @@ STEPS = {
     "add": StepKind(_one(lambda r, op: ops.elementwise("add")), DeviceRunner._elementwise),
     "glu": StepKind(_one(lambda r, op: ops.elementwise("glu", op.attrs["activation"])),
                     DeviceRunner._elementwise),
-    "rope": StepKind(_one(lambda r, op: ops.rope(op.attrs["style"])), DeviceRunner._rope),
+    "rope": StepKind(_one(lambda r, op: ops.rope(op.attrs["style"], op.attrs["scale"])),
+                     DeviceRunner._rope),
     "store_kv": StepKind(_one(lambda r, op: ops.store_kv()), DeviceRunner._store_kv),
-    "rope_store_kv": StepKind(_one(lambda r, op: ops.rope_store_kv(op.attrs["style"])),
+    "rope_store_kv": StepKind(_one(lambda r, op: ops.rope_store_kv(op.attrs["style"],
+                                                                   op.attrs["scale"])),
                               DeviceRunner._rope_store_kv),
     "attention": StepKind(lambda r, steps, i, long: r.choice.attention_kernels(
         steps[i], r.attention_splits > 1), DeviceRunner._attention),

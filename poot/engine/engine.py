@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from poot.engine.kvcache import blocks_for
+from poot.engine.masks import MaskThread
 from poot.engine.request import (MAX_CHOICES, MAX_N, EngineFailed, Fork, InvalidRequest,
                                  Sequence, TokenLogprob, Usage)
 from poot.engine.scheduler import Scheduler
@@ -272,7 +273,9 @@ class Engine:
             pass
 
     def start(self):
-        """Run steps on an engine thread until stop()."""
+        """Run steps on an engine thread until stop(); the masks that are not kept are
+        computed beside it (engine/masks.py)."""
+        self.scheduler.mask_ready = MaskThread(self._wake).ready
         self._thread = threading.Thread(target=self._loop, name="poot-engine", daemon=True)
         self._thread.start()
 

@@ -11,6 +11,7 @@ behind each constant are in docs/benchmarks.md. Nothing here allocates or launch
 import math
 from collections import Counter
 
+from ..formats.quants import QUANTS
 from ..kernels import matmul, mma_vec, ops
 from ..kernels.lang import WGMMA
 from .lowering import part_rows
@@ -71,9 +72,9 @@ def matvec_rows(dtype, group, matrices=1):
     gate/up SwiGLU) for one token, so that each x value it loads serves them all: two for float
     weights, four for the 32-value block quants (a block's 18-34 bytes would otherwise ask for
     128 bytes of x), two of each matrix for their SwiGLU (four spill registers on RDNA); the K
-    quants keep one, their decoding leaves no registers for more. Several tokens (group > 1)
-    already share each row's loads: one row."""
-    if group > 1 or dtype in ("Q4_K", "Q6_K"):
+    quants (256-value super-blocks) keep one, their decoding leaves no registers for more.
+    Several tokens (group > 1) already share each row's loads: one row."""
+    if group > 1 or QUANTS[dtype].block_elems == 256:
         return 1
     return 2 if dtype in ("F32", "F16", "BF16") else 4 // matrices
 
@@ -82,6 +83,12 @@ def runs_mma(graph, caps):
     """Whether a device of `caps` runs the tensor-core matmul of every weight of the graph."""
     dtypes = {t.dtype for t in graph.weights.values() if len(t.shape) == 2}
     return bool(dtypes) and all(matmul.mma_tiled(d).caps <= caps for d in dtypes)
+
+
+def attention_mods(op):
+    """The attributes of an attention op its kernels are built with (a sliding `window`, a
+    `softcap`: kernels/softcap.py), where the op has them."""
+    return {key: op.attrs[key] for key in ("window", "softcap") if key in op.attrs}
 
 
 class KernelChoice:
@@ -275,13 +282,14 @@ class KernelChoice:
             for kernel in self.mma_kernels(op, launch, after, n)]
 
     # ---- attention ----------------------------------------------------------------------------
-    def attention_tiles(self, heads, kv_heads):
+    def attention_tiles(self, heads, kv_heads, **mods):
         """The tensor-core attention of steps with prompt tokens (ops.attention_tiles), or None
-        where the device lacks its instructions or the head size does not suit it."""
+        where the device lacks its instructions or the head size does not suit it. `mods`:
+        the step's attention_mods."""
         head_dim = self.model.config.head_dim
         if head_dim % 16 or head_dim > 256:
             return None
-        kernel = ops.attention_tiles(head_dim, ops.attention_tile_heads(heads, kv_heads))
+        kernel = ops.attention_tiles(head_dim, ops.attention_tile_heads(heads, kv_heads), **mods)
         return kernel if kernel.caps <= self.device.caps else None
 
     def attention_heads(self, T, heads, kv_heads):
@@ -301,9 +309,10 @@ class KernelChoice:
         sg, head_dim = self.device.subgroup_size, self.model.config.head_dim
         heads, kv_heads = op.inputs[0].shape[1], op.inputs[1].shape[2]
         shares = {1, self.attention_heads(self.max_tokens, heads, kv_heads)}
-        tiles = self.attention_tiles(heads, kv_heads)
+        mods = attention_mods(op)
+        tiles = self.attention_tiles(heads, kv_heads, **mods)
         return [kernel for shared in sorted(shares) for kernel in (
-            [ops.attention(sg, head_dim, shared)]
-            + ([ops.attention(sg, head_dim, shared, untiled=True)] if tiles else [])
-            + ([ops.attention_split(sg, head_dim, shared)] if split else []))] + \
+            [ops.attention(sg, head_dim, shared, **mods)]
+            + ([ops.attention(sg, head_dim, shared, untiled=True, **mods)] if tiles else [])
+            + ([ops.attention_split(sg, head_dim, shared, **mods)] if split else []))] + \
             ([ops.attention_combine(head_dim)] if split else []) + ([tiles] if tiles else [])

@@ -52,7 +52,8 @@ class SamplingParams:
     constraint, where given, limits what may be sampled: an object whose `start()` gives each
     sequence its own state, with `allowed()` (a packed bitmask of the vocabulary: bit t % 32 of
     uint32 word t // 32 set where token t may come next; end-of-sequence tokens included where
-    the sequence may end) and `advance(token)` (raises where the token was not allowed).
+    the sequence may end) and `advance(token)` (raises where the token was not allowed), and
+    optionally `ready()` (whether allowed() answers at once: engine/masks.py).
     poot.grammar's TokenGrammar is one.
 
     embed asks for the prompt's last hidden state instead of new tokens (with max_tokens 0):

@@ -21,7 +21,8 @@ class ReferenceRunner:
         self.max_context = model.context_length
         self.graph = model.step_graph(num_blocks, block_size)
         state = {name: np.zeros(t.shape, np.float32) for name, t in self.graph.state.items()}
-        self.interpreter = ReferenceInterpreter(self.graph, model.weight_array, state)
+        self.interpreter = ReferenceInterpreter(
+            self.graph, lambda name: self.graph.read(name, model.weight_array), state)
 
     def logits(self, batch):
         """Runs the step and returns the logits of the sampled rows as sampling sees them

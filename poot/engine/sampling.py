@@ -32,7 +32,7 @@ from .batch import StepOutput
 
 _MASK64 = (1 << 64) - 1
 # The logit of a banned token: the lowest finite float32. Not -inf: a device's chunk of a row
-# whose tokens are all banned still sums exp(0)s rather than NaNs (ops.top_candidates), and
+# whose tokens are all banned still sums exp(0)s rather than NaNs (choice.top_candidates), and
 # every log probability stays a number; under any token that is not banned its probability is
 # exactly 0 (the exponential underflows).
 BANNED = np.float32(LOWEST)
@@ -121,7 +121,7 @@ SUM_MARGIN = 1e-4      # how far a device's float32 sums may be from the exact o
 
 
 def choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u):
-    """choose()'s token of a row from a device's candidates (ops.top_candidates): for each chunk
+    """choose()'s token of a row from a device's candidates (choice.top_candidates): for each chunk
     of the row, values and ids [chunks, keep] of its best `keep` (ids past the vocabulary are
     padding), its largest logit (maxima) and sum of exp((logit - largest) / temperature) (sums,
     within SUM_MARGIN). None where they cannot decide it: the caller reads the whole row.

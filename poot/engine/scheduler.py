@@ -23,6 +23,9 @@ sequence reports (SamplingParams.prompt_logprobs), its row forced to that token.
 most max_seqs rows (what a runner's step buffers hold), so such a prompt's chunks are cut to the
 rows the others leave; it takes no cached prefix, whose positions it must score.
 
+A constrained sequence whose next mask is not ready (`mask_ready`, engine/masks.py) sits out
+decode steps until it is, so that no one else's step waits for it.
+
 With lanes (a pipeline's, engine/group.py) each running sequence belongs to one: newcomers join
 the lane whose turn it is, up to its share of the sequences there are.
 """
@@ -54,6 +57,9 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.preemptions_total = 0
+        # whether a decoding sequence's mask is ready (a threaded engine's MaskThread.ready:
+        # a sequence whose mask is not sits out the step); by default every one is
+        self.mask_ready = lambda seq: True
 
     def add(self, seq):
         ends = tuple(seq.params.stop_token_ids) + (() if seq.params.ignore_eos
@@ -117,7 +123,7 @@ class Scheduler:
         mine = [s for s in self.running if s.lane == lane]
         # Decode first: every running sequence with one token to go gets its token.
         for seq in [s for s in mine if s.num_uncomputed == 1]:
-            if seq in self.running and budget > 0 and fit(seq, 1):
+            if seq in self.running and budget > 0 and self.mask_ready(seq) and fit(seq, 1):
                 take(seq, 1)
         # Then prefill chunks of admitted sequences, then newcomers (and the preempted) in order.
         for seq in [s for s in mine if s.num_uncomputed > 1]:

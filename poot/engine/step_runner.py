@@ -3,7 +3,7 @@
 `StepRunner` runs a step over the hooks its subclass gives (DeviceRunner for one device,
 GroupRunner in group.py for a device group): pure decode steps replay a recording of their
 bucket's launches, other steps issue them one by one; the device edits the logits in place
-where rows have penalties, biases or masks (ops.logit_edits); the step's tokens come from the
+where rows have penalties, biases or masks (choice.logit_edits); the step's tokens come from the
 device's greedy choice or its candidates (sampling.choose_among), and only rows those cannot
 decide, or whose edits the device had no room for, are read back and sampled on the host
 (engine/sampling.py, the definition every runner matches).
@@ -122,7 +122,7 @@ class StepRunner:
         """The tokens of the step launch() issued, once the device has done it.
 
         Steps without logprobs read back only the device's argmax (all rows greedy) or each
-        row's candidates (ops.top_candidates: each chunk's best logits and sum), from which
+        row's candidates (choice.top_candidates: each chunk's best logits and sum), from which
         sampling.choose_among takes the definition's token; steps that report logprobs, the
         candidates with sums at temperature 1 (_step_with_logprobs); a row they cannot decide
         reads the logits and samples on the host (engine/sampling.py). The logits are edited

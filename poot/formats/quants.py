@@ -13,6 +13,13 @@ values stored in `block_bytes` bytes; all fields are little-endian. The layouts 
   Q5_K  f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]  scale sc and min m:
                                                                x = d*sc*q - dmin*m
   Q6_K  u8 ql[128], u8 qh[64], i8 scales[16], f16 d            16 sub-blocks of 16: x = d*sc*(q-32)
+  Q3_K  u8 hmask[32], u8 qs[64], u8 scales[12], f16 d          16 sub-blocks of 16, 6-bit sc:
+                                                               x = d*(sc-32)*(q-4), q of 3 bits
+  Q2_K  u8 scales[16], u8 qs[64], f16 d, f16 dmin              16 sub-blocks of 16, 4-bit sc, m:
+                                                               x = d*sc*q - dmin*m, q of 2 bits
+  IQ4_NL f16 d, u8 qs[16]                        x = d*IQ4_VALUES[q] (nibbles as Q4_0's)
+  IQ4_XS f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]       8 sub-blocks of 32, 6-bit ls:
+                                                               x = d*(ls-32)*IQ4_VALUES[q]
 
 Dequantisation is vectorised over blocks and bit-exact with ggml's reference code: every
 product below is exact in float32 (an f16 times a small integer), so the operation order cannot
@@ -52,7 +59,15 @@ QUANTS = {q.name: q for q in (
     QuantType("Q4_K", 12, 256, 144),
     QuantType("Q5_K", 13, 256, 176),
     QuantType("Q6_K", 14, 256, 210),
+    QuantType("Q2_K", 10, 256, 84),
+    QuantType("Q3_K", 11, 256, 110),
+    QuantType("IQ4_NL", 20, 32, 18),
+    QuantType("IQ4_XS", 23, 256, 136),
 )}
+
+# The 16 values a 4-bit code of IQ4_NL and IQ4_XS stands for (ggml's kvalues_iq4nl).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      np.int8)
 
 # Every ggml type id we know a name for, so a file using one we cannot decode is refused by name.
 GGML_TYPES = {
@@ -123,6 +138,22 @@ def _k_nibbles(qs):
     return np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
 
 
+def _two_bits(qs):
+    """(n, 64) bytes of Q2_K/Q3_K -> (n, 16, 16) 2-bit values: element 128h + 32j + l of a
+    super-block is bits 2j..2j+1 of byte 32h + l."""
+    qs = qs.reshape(-1, 2, 1, 32)
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+    return ((qs >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def _q3_k_scales(s):
+    """The 12 scale bytes of Q3_K -> (n, 16) 6-bit scales: scale i keeps its low 4 bits in
+    nibble i // 8 of byte i % 8 and its top 2 bits in bits 2 (i // 4) of byte 8 + i % 4."""
+    low = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1)
+    high = (s[:, None, 8:12] >> (2 * np.arange(4, dtype=np.uint8))[None, :, None]) & 3
+    return low | (high.reshape(-1, 16) << 4)
+
+
 def _dequantize_blocks(name, b):
     """(n_blocks, block_bytes) uint8 -> (n_blocks, block_elems) float32."""
     if name == "Q8_0":
@@ -162,6 +193,28 @@ def _dequantize_blocks(name, b):
         sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8)
         scale = _f16(b[:, 208:210]) * sc
         return (scale[:, :, None] * q.reshape(-1, 16, 16)).reshape(-1, 256)
+    if name == "Q3_K":
+        # Bit g of hmask[l] is bit 2 of element 32g + l.
+        high = (b[:, None, 0:32] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+        q = (_two_bits(b[:, 32:96]) | (high.reshape(-1, 16, 16) << 2)).astype(np.float32) - 4
+        scale = _f16(b[:, 108:110]) * (_q3_k_scales(b[:, 96:108]).astype(np.float32) - 32)
+        return (scale[:, :, None] * q).reshape(-1, 256)
+    if name == "Q2_K":
+        sc = b[:, 0:16]
+        scale = _f16(b[:, 80:82]) * (sc & 0x0F)
+        offset = _f16(b[:, 82:84]) * (sc >> 4)
+        return (scale[:, :, None] * _two_bits(b[:, 16:80]) - offset[:, :, None]).reshape(-1, 256)
+    if name == "IQ4_NL":
+        return _f16(b[:, 0:2]) * IQ4_VALUES[_nibbles(b[:, 2:18])].astype(np.float32)
+    if name == "IQ4_XS":
+        # Sub-block i: low 4 bits of its scale in nibble i % 2 of scales_l[i // 2], top 2 in
+        # bits 2i of scales_h; its 16 bytes of codes as IQ4_NL's.
+        low = np.concatenate([b[:, 4:8, None] & 0x0F, b[:, 4:8, None] >> 4], axis=2)
+        high = np.ascontiguousarray(b[:, 2:4]).view("<u2") >> (2 * np.arange(8, dtype=np.uint16))
+        ls = low.reshape(-1, 8) | ((high & 3).astype(np.uint8) << 4)
+        scale = _f16(b[:, 0:2]) * (ls.astype(np.float32) - 32)
+        codes = _nibbles(b[:, 8:136].reshape(-1, 16)).reshape(-1, 8, 32)
+        return (scale[:, :, None] * IQ4_VALUES[codes].astype(np.float32)).reshape(-1, 256)
     raise AssertionError(name)
 
 
@@ -253,19 +306,21 @@ def _quantize_affine(x, levels):
     return d, m, q.astype(np.uint8)
 
 
-def _quantize_k(x, levels):
-    """Q4_K / Q5_K super-blocks: x (n, 8, 32) -> d, dmin (n, 1), sc, mn (n, 8), q (n, 8, 32).
+def _quantize_k(x, levels, top=63):
+    """Q4_K / Q5_K super-blocks: x (n, 8, 32) -> d, dmin (n, 1), sc, mn (n, 8), q (n, 8, 32)
+    (Q2_K's: x (n, 16, 16), its scales and mins of 4 bits: top 15).
 
     Each sub-block covers [-dmin*mn, -dmin*mn + levels*d*sc] with the min and scale rounded up
-    to their 6-bit grid, so the range always holds the sub-block and no value is clipped.
+    to their grid of `top` steps, so the range always holds the sub-block and no value is
+    clipped.
     """
     neg_lo = np.maximum(-x.min(axis=2), 0)                        # (n, 8), >= 0
-    dmin = _round_up_f16(neg_lo.max(axis=1, keepdims=True) / 63)
-    mn = np.clip(np.ceil(_div(neg_lo, dmin.astype(np.float32))), 0, 63)
+    dmin = _round_up_f16(neg_lo.max(axis=1, keepdims=True) / top)
+    mn = np.clip(np.ceil(_div(neg_lo, dmin.astype(np.float32))), 0, top)
     offset = dmin.astype(np.float32) * mn
     scale = (x.max(axis=2) + offset) / levels
-    d = _round_up_f16(scale.max(axis=1, keepdims=True) / 63)
-    sc = np.clip(np.ceil(_div(scale, d.astype(np.float32))), 0, 63)
+    d = _round_up_f16(scale.max(axis=1, keepdims=True) / top)
+    sc = np.clip(np.ceil(_div(scale, d.astype(np.float32))), 0, top)
     step = d.astype(np.float32) * sc
     q = np.clip(np.round(_div(x + offset[:, :, None], step[:, :, None])), 0, levels)
     return d, dmin, sc.astype(np.uint8), mn.astype(np.uint8), q.astype(np.uint8)
@@ -284,6 +339,19 @@ def _pack_k_nibbles(q):
     """(n, 8, 32) values 0..15 -> (n, 128) bytes, the inverse of _k_nibbles."""
     q = q.reshape(-1, 4, 2, 32)
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _pack_two_bits(q):
+    """(n, 16, 16) values 0..3 -> (n, 64) bytes, the inverse of _two_bits."""
+    q = q.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return (q << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(
+        axis=2, dtype=np.uint8).reshape(-1, 64)
+
+
+def _nearest_iq4(x, d):
+    """The IQ4_VALUES codes nearest x / d ((n, k) values, d (n, 1)) as uint8."""
+    return np.abs(_div(x, d)[..., None] - IQ4_VALUES.astype(np.float32)).argmin(axis=-1) \
+        .astype(np.uint8)
 
 
 def _quantize_blocks(name, x):
@@ -332,6 +400,50 @@ def _quantize_blocks(name, x):
               | (high[:, :, 3] << 6)).reshape(-1, 64)
         return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _f16_bytes(d)],
                               axis=1)
+    if name == "Q2_K":
+        d, dmin, sc, mn, q = _quantize_k(x.reshape(-1, 16, 16), 3, top=15)
+        return np.concatenate([sc | (mn << 4), _pack_two_bits(q), _f16_bytes(d),
+                               _f16_bytes(dmin)], axis=1)
+    if name == "Q3_K":
+        # Symmetric 16-element sub-blocks on -3..3 (code -4 is valid but unused) with a
+        # non-negative scale (stored + 32), rounded up so no value is clipped, as Q6_K's.
+        sub = x.reshape(-1, 16, 16)
+        scale = np.abs(sub).max(axis=2) / 3
+        d = _round_up_f16(scale.max(axis=1, keepdims=True) / 31)
+        sc = np.clip(np.ceil(_div(scale, d.astype(np.float32))), 0, 31)
+        step = (d.astype(np.float32) * sc)[:, :, None]
+        q = (np.clip(np.round(_div(sub, step)), -3, 3) + 4).astype(np.uint8)     # 1..7
+        hmask = ((q >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None]) \
+            .sum(axis=1, dtype=np.uint8)
+        s = (sc + 32).astype(np.uint8)
+        high = ((s >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]) \
+            .sum(axis=1, dtype=np.uint8)
+        scales = np.concatenate([(s[:, 0:8] & 0x0F) | ((s[:, 8:16] & 0x0F) << 4), high], axis=1)
+        return np.concatenate([hmask, _pack_two_bits(q & 3), scales, _f16_bytes(d)], axis=1)
+    if name == "IQ4_NL":
+        # d = the value of largest magnitude / -127 (its magnitude rounded up, as Q4_0's), so
+        # that value is about the code of -127.
+        i = np.argmax(np.abs(x), axis=1)
+        vmax = x[np.arange(x.shape[0]), i][:, None]
+        d = -np.sign(vmax).astype(np.float16) * _round_up_f16(np.abs(vmax) / 127)
+        return np.concatenate([_f16_bytes(d), _pack_nibbles(_nearest_iq4(x, d.astype(np.float32)))],
+                              axis=1)
+    if name == "IQ4_XS":
+        # Each sub-block's IQ4_NL scale (signed), on a 6-bit grid of d around 32, its magnitude
+        # rounded up (never 0 for a block that is not all zeros).
+        sub = x.reshape(-1, 8, 32)
+        i = np.argmax(np.abs(sub), axis=2)
+        step = np.take_along_axis(sub, i[:, :, None], axis=2)[:, :, 0] / -127
+        d = _round_up_f16(np.abs(step).max(axis=1, keepdims=True) / 31)
+        grid = np.clip(np.ceil(_div(np.abs(step), d.astype(np.float32))), 0, 31)
+        ls = (np.sign(step) * grid + 32).astype(np.uint8)
+        dl = (d.astype(np.float32) * (ls.astype(np.float32) - 32)).reshape(-1, 1)
+        codes = _nearest_iq4(sub.reshape(-1, 32), dl)
+        scales_h = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(
+            axis=1, dtype=np.uint16).astype("<u2").view(np.uint8).reshape(-1, 2)
+        scales_l = (ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)
+        return np.concatenate([_f16_bytes(d), scales_h, scales_l,
+                               _pack_nibbles(codes).reshape(-1, 128)], axis=1)
     raise AssertionError(name)
 
 

@@ -27,16 +27,34 @@ _lock = threading.Lock()
 
 def compiled(key, build, tokenizer):
     """The TokenGrammar of `build()` (a Grammar) over the tokenizer's vocabulary, compiled
-    once per (key, tokenizer); raises GrammarError as `build` or compiling does."""
+    once per (key, tokenizer); raises GrammarError as `build` or compiling does. Requests that
+    ask for one key together wait for one compilation: each grammar keeps its own masks, so
+    two of one schema would each compute them."""
     vocab = Vocabulary.of(tokenizer)
+    name = (key, id(vocab))
+    while True:
+        with _lock:
+            got = _compiled.get(name)
+            if isinstance(got, TokenGrammar) and got.vocab is vocab:
+                _compiled.move_to_end(name)
+                return got
+            if not isinstance(got, threading.Event):
+                building = _compiled[name] = threading.Event()
+                break
+        got.wait()              # another request compiles it; then it is there (or it failed)
+    try:
+        got = TokenGrammar(Automaton(build()), vocab)
+    except BaseException:
+        with _lock:
+            del _compiled[name]
+        building.set()
+        raise
     with _lock:
-        got = _compiled.get((key, id(vocab)))
-        if got is not None and got.vocab is vocab:
-            _compiled.move_to_end((key, id(vocab)))
-            return got
-    got = TokenGrammar(Automaton(build()), vocab)
-    with _lock:
-        _compiled[(key, id(vocab))] = got
+        _compiled[name] = got
         while len(_compiled) > CACHED_GRAMMARS:
-            _compiled.popitem(last=False)
+            old, entry = next(iter(_compiled.items()))
+            if isinstance(entry, threading.Event):
+                break           # still compiling: kept until it is there
+            del _compiled[old]
+    building.set()
     return got

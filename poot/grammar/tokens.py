@@ -338,6 +338,11 @@ class Matcher:
         self.ended = False          # an end-of-sequence token was read
         self.failed = None          # why allowed() failed: advance() raises it
 
+    def ready(self):
+        """Whether allowed() answers at once: its mask is kept (or it cannot be made)."""
+        return self.ended or self.failed is not None or \
+            _CACHE.get((self.grammar.serial, self.stack)) is not None
+
     def allowed(self):
         if self.ended:
             return self.grammar.eos_bits

@@ -14,14 +14,16 @@ import numpy as np
 # The operations a graph may use, with what each computes (the reference interpreter is the
 # executable definition).
 OPS = {
-    "embedding":  "out[t] = table[ids[t]]",
+    "embedding":  "out[t] = table[ids[t]] * scale   (scale 1 unless given: Gemma's sqrt(d_model))",
     "rms_norm":   "out = x / sqrt(mean(x*x, last axis) + eps) * weight",
     "matmul":     "out[n, m] = sum_k x[n, k] * w[m, k]   (w in its storage dtype)",
     "add":        "out = a + b   (b broadcast over leading axes)",
     "reshape":    "out = x viewed with another shape",
-    "rope":       "rotate pairs of x[t, h, :] by positions[t] * inv_freq (normal or neox pairing)",
+    "rope":       "rotate pairs of x[t, h, :] by positions[t] * inv_freq (normal or neox pairing), "
+                  "the rotated pairs times scale",
     "store_kv":   "write k, v of each token into its paged cache slot",
-    "attention":  "causal attention of q over the paged cache of its sequence, grouped KV heads",
+    "attention":  "causal attention of q over the paged cache of its sequence, grouped KV heads; "
+                  "optionally only the last `window` positions, scores soft-capped at `softcap`",
     "glu":        "out = activation(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU)",
     "gather":     "out[r] = x[index[r]]",
     "top_k":      "out[t] = the indices (i32) of the k largest x[t], largest first, ties to the "
@@ -31,6 +33,7 @@ OPS = {
     "expert_matmul": "out[t, j, m] = sum_k x[t, k] * w[ids[t, j], m, k]   (x [T, K] or "
                      "[T, k, K]: then x[t, j, k]; w [experts, M, K] in its storage dtype)",
     "expert_sum": "out[t] = sum_j weights[t, j] * y[t, j]",
+    "softcap":    "out = tanh(x / cap) * cap   (Gemma 2's final logits)",
     "all_reduce": "out = the sum of x over the devices of a group (each holds a partial sum)",
     "all_gather": "out = the concatenation along the last axis of x over the devices of a group, "
                   "in the group's order (each holds a slice, the slices' lengths may differ)",
@@ -44,6 +47,15 @@ class Tensor:
     shape: tuple
     dtype: str      # "f32", "i32" for values; a storage dtype ("F16", "Q4_K", ...) for weights
     kind: str       # "input", "weight", "const", "state" or "value"
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """The part of a model file's tensor that a graph weight is: rows and columns as (start,
+    stop), None for all of them."""
+    tensor: str
+    rows: tuple = None
+    cols: tuple = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,7 @@ class Graph:
 
     def __init__(self):
         self.inputs, self.weights, self.consts, self.state = {}, {}, {}, {}
-        self.slices = {}        # weight name -> (rows, cols) taken of the file's tensor
+        self.slices = {}        # weight name -> FileSlice, where it is not a whole tensor
         self.ops = []
         self.outputs = {}
         self._count = 0
@@ -72,21 +84,30 @@ class Graph:
     def input(self, name, shape, dtype="i32"):
         return self._declare(self.inputs, Tensor(name, tuple(shape), dtype, "input"))
 
-    def weight(self, name, shape, dtype, rows=None, cols=None):
-        """A weight of the file's `shape`; `rows` / `cols` ((start, stop) or None) declare the
-        slice of it this graph reads, which is then the tensor's shape."""
-        if rows is not None or cols is not None:
-            self.slices[name] = (rows, cols)
+    def weight(self, name, shape, dtype, rows=None, cols=None, tensor=None):
+        """A weight read from the file's tensor `tensor` (by default the one called `name`) of
+        the file's `shape`; `rows` / `cols` ((start, stop) or None) declare the slice of it this
+        graph reads, which is then the weight's shape. Several weights may read slices of one
+        tensor (a fused q/k/v projection read as q, k and v)."""
+        tensor = tensor or name
+        if (tensor, rows, cols) != (name, None, None):
+            self.slices[name] = FileSlice(tensor, rows, cols)
             shape = tuple(n if s is None else s[1] - s[0] for n, s in zip(shape, (rows, cols)))
         return self._declare(self.weights, Tensor(name, tuple(shape), dtype, "weight"))
 
-    def slice_of(self, name, array):
-        """The part of a weight's whole `array` (as the file holds it) this graph reads."""
-        rows, cols = self.slices.get(name, (None, None))
-        if rows is not None:
-            array = array[rows[0]:rows[1]]
-        if cols is not None:
-            array = array[:, cols[0]:cols[1]]
+    def file_slice(self, name):
+        """The file tensor a weight reads and the slice of it."""
+        return self.slices.get(name) or FileSlice(name)
+
+    def read(self, name, file_array):
+        """A weight's values: its slice of the array `file_array(tensor name)` gives for its
+        file tensor (the whole tensor, as the file holds it)."""
+        s = self.file_slice(name)
+        array = file_array(s.tensor)
+        if s.rows is not None:
+            array = array[s.rows[0]:s.rows[1]]
+        if s.cols is not None:
+            array = array[:, s.cols[0]:s.cols[1]]
         return array
 
     def const(self, name, array):
@@ -117,8 +138,10 @@ class Graph:
         self.ops.append(Op(kind, tuple(inputs), out, dict(attrs or {})))
         return out
 
-    def embedding(self, table, ids):
-        return self._op("embedding", (table, ids), (ids.shape[0], table.shape[1]))
+    def embedding(self, table, ids, scale=1.0):
+        """Rows of `table`; a `scale` other than 1 multiplies them (an attribute only then)."""
+        attrs = {} if scale == 1.0 else {"scale": float(scale)}
+        return self._op("embedding", (table, ids), (ids.shape[0], table.shape[1]), attrs)
 
     def rms_norm(self, x, weight, eps):
         if x.shape[-1] != weight.shape[0]:
@@ -138,12 +161,14 @@ class Graph:
     def reshape(self, x, shape):
         return self._op("reshape", (x,), shape, {"shape": tuple(shape)})
 
-    def rope(self, x, positions, inv_freq, style):
+    def rope(self, x, positions, inv_freq, style, scale=1.0):
+        """`scale` multiplies the rotated dims (cos and sin), as LongRoPE's attention factor."""
         if style not in ("normal", "neox"):
             raise ValueError(f"rope style {style!r}")
         if 2 * inv_freq.shape[0] > x.shape[-1]:
             raise ValueError("rope: more frequencies than head dimensions")
-        return self._op("rope", (x, positions, inv_freq), x.shape, {"style": style})
+        return self._op("rope", (x, positions, inv_freq), x.shape,
+                        {"style": style, "scale": float(scale)})
 
     def store_kv(self, k, v, k_cache, v_cache, positions, seq_rows, block_tables):
         """Writes k and v into the caches; returns k_cache so later ops depend on the write."""
@@ -151,9 +176,18 @@ class Graph:
         self.ops.append(op)
         return k_cache
 
-    def attention(self, q, k_cache, v_cache, positions, seq_rows, block_tables, scale):
+    def attention(self, q, k_cache, v_cache, positions, seq_rows, block_tables, scale,
+                  window=0, softcap=0.0):
+        """`window` > 0: a token at position p attends to positions p - window + 1 .. p only
+        (sliding-window layers); `softcap` > 0: each scaled score s becomes
+        tanh(s / softcap) * softcap before the softmax. Either is an attribute only when used."""
+        attrs = {"scale": float(scale)}
+        if window:
+            attrs["window"] = int(window)
+        if softcap:
+            attrs["softcap"] = float(softcap)
         return self._op("attention", (q, k_cache, v_cache, positions, seq_rows, block_tables),
-                        q.shape, {"scale": float(scale)})
+                        q.shape, attrs)
 
     def glu(self, gate, up, activation):
         """A gated linear unit: activation(gate) * up, of an activation in ACTIVATIONS."""
@@ -192,6 +226,8 @@ class Graph:
         if y.shape[:2] != weights.shape:
             raise ValueError(f"expert_sum: y {y.shape} with weights {weights.shape}")
         return self._op("expert_sum", (y, weights), (y.shape[0], y.shape[2]))
+    def softcap(self, x, cap):
+        return self._op("softcap", (x,), x.shape, {"cap": float(cap)})
 
     def all_reduce(self, x, world):
         return self._op("all_reduce", (x,), x.shape, {"world": int(world)})

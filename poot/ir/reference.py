@@ -93,8 +93,8 @@ def all_gather(parts):
 COLLECTIVES = {"all_reduce": all_reduce, "all_gather": all_gather}
 
 
-def embedding(table, ids):
-    return table[ids]
+def embedding(table, ids, scale=1.0):
+    return table[ids] * np.float32(scale)
 
 
 def rms_norm(x, weight, eps):
@@ -113,8 +113,9 @@ def reshape(x, shape):
     return x.reshape(tuple(x.shape[0] if d == "T" or d == "R" else d for d in shape))
 
 
-def rope(x, positions, inv_freq, style):
-    """Rotates the first 2*len(inv_freq) dims of each head; the rest pass through.
+def rope(x, positions, inv_freq, style, scale=1.0):
+    """Rotates the first 2*len(inv_freq) dims of each head, times `scale`; the rest pass
+    through.
 
     normal: dims (2i, 2i+1) form a pair (GGUF llama layout); neox: dims (i, i + n/2) do (the
     Hugging Face layout and GGUF qwen2/qwen3).
@@ -122,6 +123,8 @@ def rope(x, positions, inv_freq, style):
     n = 2 * inv_freq.shape[0]
     angle = positions.astype(np.float32)[:, None] * inv_freq[None, :]        # [T, n/2]
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]          # [T, 1, n/2]
+    if scale != 1.0:
+        cos, sin = cos * np.float32(scale), sin * np.float32(scale)
     out = x.copy()
     if style == "normal":
         a, b = x[..., 0:n:2], x[..., 1:n:2]
@@ -148,8 +151,11 @@ def store_kv(k, v, k_cache, v_cache, positions, seq_rows, block_tables):
     return k_cache
 
 
-def attention(q, k_cache, v_cache, positions, seq_rows, block_tables, scale):
-    """Each token attends to positions 0..its own of its sequence; KV heads serve H/Hkv heads."""
+def attention(q, k_cache, v_cache, positions, seq_rows, block_tables, scale, window=0,
+              softcap=0.0):
+    """Each token attends to positions 0..its own of its sequence (with a `window`, only the
+    last `window` of them); KV heads serve H/Hkv heads; a `softcap` bounds the scaled scores
+    smoothly to (-softcap, softcap)."""
     n_tokens, n_heads, head_dim = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
@@ -163,7 +169,11 @@ def attention(q, k_cache, v_cache, positions, seq_rows, block_tables, scale):
         keys = np.repeat(keys, group, axis=1).transpose(1, 2, 0)             # [H, D, L]
         values = np.repeat(values, group, axis=1).transpose(1, 0, 2)         # [H, L, D]
         scores = (q[mine].transpose(1, 0, 2) @ keys) * scale                # [H, t, L]
+        if softcap:
+            scores = capped(scores, softcap)
         causal = np.arange(length)[None, :] > positions[mine][:, None]       # [t, L]
+        if window:
+            causal |= np.arange(length)[None, :] <= positions[mine][:, None] - window
         scores[:, causal] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         weights = np.exp(scores)
@@ -213,9 +223,13 @@ def expert_sum(y, weights):
     return np.einsum("tjm,tj->tm", y, weights)
 
 
+def capped(x, cap):
+    return (np.tanh(x / cap) * cap).astype(np.float32)
+
+
 KERNELS = {
     "embedding": embedding, "rms_norm": rms_norm, "matmul": matmul, "add": add,
     "reshape": reshape, "rope": rope, "store_kv": store_kv, "attention": attention,
-    "glu": glu, "gather": gather, "top_k": top_k, "route_weights": route_weights,
-    "expert_matmul": expert_matmul, "expert_sum": expert_sum,
+    "glu": glu, "gather": gather, "softcap": capped, "top_k": top_k,
+    "route_weights": route_weights, "expert_matmul": expert_matmul, "expert_sum": expert_sum,
 }

@@ -82,10 +82,10 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
         """Adds the blocks' products to acc; every block's loads come before any arithmetic,
         so a lane has `len(blocks)` weight loads of each row in flight. A block quant's scale
         (and low) multiplies the dot product of each of its segments once (decode_scaled)."""
-        # [matrix][row][block]: the unit's segments (decode_scaled), all of one length; the K
-        # quants' several scales a unit are applied value by value where several tokens would
+        # [matrix][row][block]: the unit's segments (decode_scaled), all of one length; several
+        # scales a unit (the K quants') are applied value by value where several tokens would
         # keep every segment's sums live (ptxas spills them)
-        if tokens > 1 and dtype in ("Q4_K", "Q6_K"):
+        if tokens > 1 and r.scales_per_unit > 1:
             units = [[[[(r.decode(k, buf, row, block, cols), None, None)] for block in blocks]
                       for row in my_rows] for buf in bufs]
         else:

@@ -14,19 +14,20 @@ holds token g). The tensor cores do the multiplying, and x is loaded once for al
 the subgroup's tiles. With `token_tiles` > 1 each A fragment (the weights, decoded once) meets
 the B fragments of that many 8-token tiles, each tile with accumulators of its own.
 
-The columns: a dot product's terms may be added in any order, so the 16 k-slots of an mma
-need not be 16 consecutive columns, only the same ones for A and B. Lane q's k-slots, across a
-group of 128 columns (8 mma steps), are columns it loads whole: the 32-value unit 4G + q of
-group G (a Q4_0/Q4_1 block's 16 bytes of nibbles, a Q8_0 block's 32 bytes, half of a Q4_K
-sub-block pair: 16 bytes whose low nibbles are one sub-block's values and high ones the next's,
-or a Q6_K value group: 8 words of ql and of qh), or for F16/BF16 the four 8-value units
-16G + 4i + q. Its values go in the order that turns them into f16 pairs with the fewest
-operations: a quant word's nibbles or bytes 0 and 2, then 1 and 3, OR-ed under the f16 exponent
-of 1024 (0x6400), so the pair holds 1024 + q exactly; one f16x2 subtraction takes off 1024 and
-the bias, one multiplication applies the scale (rounded once to f16: mma_tiled's rounding of
-decoded weights). Q4_1 and Q4_K, whose value q * d + low can cancel, are made in f32 and
-rounded once. x takes the same order: f32 loads of its 4-value runs, each pair rounded to f16
-(bf16 for BF16 weights), or with `x16` the words norm_x16 stored in that order.
+The columns: a dot product's terms may be added in any order, so the 16 k-slots of an mma need not
+be 16 consecutive columns, only the same ones for A and B. Lane q's k-slots, across a group of 128
+columns (8 mma steps), are columns it loads whole: the 32-value unit 4G + q of group G (a Q4_0/Q4_1
+block's 16 bytes of nibbles, a Q8_0 block's 32 bytes, half of a Q4_K sub-block pair: 16 bytes whose
+low nibbles are one sub-block's values and high ones the next's, or a Q6_K value group: 8 words of
+ql and of qh; the formats of quant.UNIT_FORMATS: their unit of 32 consecutive values), or for
+F16/BF16 the four 8-value units 16G + 4i + q. Its values go in the order that turns them into f16
+pairs with the fewest operations: a quant word's nibbles or bytes 0 and 2, then 1 and 3, OR-ed under
+the f16 exponent of 1024 (0x6400), so the pair holds 1024 + q exactly; one f16x2 subtraction takes
+off 1024 and the bias, one multiplication applies the scale (rounded once to f16: mma_tiled's
+rounding of decoded weights). Q4_1 and Q4_K, whose value q * d + low can cancel, are made in f32 and
+rounded once, as are the UNIT_FORMATS' values (their reader's decoding: one mechanism for every
+other format), paired as a quant word's. x takes the same order: f32 loads of its 4-value runs, each
+pair rounded to f16 (bf16 for BF16 weights), or with `x16` the words norm_x16 stored in that order.
 
 A round is `unroll` consecutive groups, their weights loaded before any arithmetic; with
 `pipeline` the next round's weights are loaded before this round's arithmetic (registers
@@ -44,11 +45,11 @@ from .lang import F32, I32, U32, KernelBuilder
 from .matmul import _pack, mma_operand
 from .matvec import WORKGROUP, matvec_params, store_row, variant_name
 from .ops import block_reduce
-from .quant import _small_int, reader
+from .quant import UNIT_FORMATS, _small_int, reader
 
 GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
 TOKENS = 8                       # the mma's n: the tokens of a token tile
-DTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+DTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", *UNIT_FORMATS)
 SUBGROUP = 32
 EXPONENT = 0x64006400            # two f16 1024s: OR-ed over bits below 1024, 1024 + those bits
 # f16x2 words subtracted from 1024 + bits: 1024 + the format's bias (Q8_0's bytes have their
@@ -74,8 +75,9 @@ def least_tokens(dtype):
     one token for Q4_0 and the K quants, whose one-token matvec decodes too slowly; two for F16,
     BF16 and Q4_1, whose one-token matvec is ahead, and Q8_0, where mma_vec gains little and the
     default model's output head (Q8_0) keeps the f32 x its greedy tokens were checked with
-    (measurements: docs/benchmarks.md, "the kernel choices")."""
-    return 1 if dtype in ("Q4_0", "Q4_K", "Q6_K") else 2
+    (measurements: docs/benchmarks.md, "the kernel choices"). The UNIT_FORMATS' one-token
+    matvec decodes more per value than Q4_0's: one token too."""
+    return 1 if dtype in ("Q4_0", "Q4_K", "Q6_K") or dtype in UNIT_FORMATS else 2
 
 
 def most_tokens(dtype):
@@ -97,26 +99,29 @@ def token_tiles(dtype, n_tokens):
 
 
 def shape(dtype, rows, cols, multiprocessors, token_tiles=1):
-    """The tiles, split, unroll, pipeline, chains and token_tiles (mma_vec's keywords) of an
-    mma_vec over `rows` rows: F16/BF16 one tile a subgroup, the columns split over all 8
-    subgroups, two groups a round, pipelined; block quants two tiles, split while the launch has
-    fewer than 1.5 workgroups a multiprocessor, pipelined where it has fewer workgroups than
-    multiprocessors; Q4_1, Q4_K and Q6_K one tile. Pipelined only where a subgroup has two
-    rounds or more (with one the prefetch only loads that round again). Two accumulator chains
-    for Q4_0 at one token tile, one for the rest and where token tiles make chains of their
-    own. Four token tiles of a block quant take one row tile (two spill registers on sm_90).
-    The measurements behind each: docs/benchmarks.md, "the kernel choices"."""
+    """The tiles, split, unroll, pipeline, chains and token_tiles (mma_vec's keywords) of an mma_vec
+    over `rows` rows: F16/BF16 one tile a subgroup, the columns split over all 8 subgroups, two
+    groups a round, pipelined; block quants two tiles, split while the launch has fewer than 1.5
+    workgroups a multiprocessor, pipelined where it has fewer workgroups than multiprocessors; Q4_1,
+    Q4_K, Q6_K and the UNIT_FORMATS one tile. Pipelined only where a subgroup has two rounds or more
+    (with one the prefetch only loads that round again). Two accumulator chains for Q4_0 at one
+    token tile, one for the rest and where token tiles make chains of their own. Four token tiles of
+    a block quant take one row tile (two spill registers on sm_90). The measurements behind each:
+    docs/benchmarks.md, "the kernel choices"."""
     rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
     if dtype in ("F16", "BF16"):
         return dict(tiles=1, split=8, unroll=2, pipeline=rounds(8) >= 2, chains=1,
                     token_tiles=token_tiles)
     # one tile where a unit's decoding takes the registers (Q6_K's 18 words a unit and row;
-    # Q4_1 and Q4_K decode in f32)
-    tiles = 1 if dtype in ("Q4_1", "Q4_K", "Q6_K") or token_tiles > 2 else 2
+    # Q4_1, Q4_K and the UNIT_FORMATS decode in f32)
+    tiles = 1 if dtype in ("Q4_1", "Q4_K", "Q6_K") or dtype in UNIT_FORMATS or \
+        token_tiles > 2 else 2
     split = 1
     while split < WORKGROUP // SUBGROUP and grid(rows, 1, tiles, split)[0] < 1.5 * multiprocessors:
         split *= 2
-    return dict(tiles=tiles, split=split, unroll=2,
+    # the IQ4 formats' code lookups take the registers of a second group's loads (ptxas spills
+    # hundreds of bytes of a gated unit's with two): one group a round
+    return dict(tiles=tiles, split=split, unroll=1 if dtype in ("IQ4_NL", "IQ4_XS") else 2,
                 chains=2 if dtype == "Q4_0" and token_tiles == 1 else 1,
                 pipeline=grid(rows, 1, tiles, split)[0] < multiprocessors and rounds(split) >= 2,
                 token_tiles=token_tiles)
@@ -276,6 +281,8 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
         at = lambda plane, first, n: _load(buf[plane], row * word_rows[plane] + first, n)  # noqa
         if dtype in ("F16", "BF16"):
             return at("values", u * 4, 4), []
+        if dtype in UNIT_FORMATS:
+            return reader(dtype).unit_words(k, buf, row, u, cols), []
         if dtype == "Q8_0":
             return at("quants", u * 8, 8), at("scales", u >> 1, 1)
         if dtype in ("Q4_0", "Q4_1"):
@@ -304,7 +311,7 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
         """(base, offsets): the columns of the 4-value x runs of a unit, base + each offset,
         one run a step, in step order (a multiple of 8 and that plus 4 always both among them);
         quant words pair values 0-2 and 1-3 (b_words), float words 0-1 and 2-3."""
-        if dtype in ("Q8_0", "Q6_K"):
+        if dtype in ("Q8_0", "Q6_K") or dtype in UNIT_FORMATS:
             return u * 32, [4 * i for i in range(8)]
         if dtype == "Q4_K":      # low nibbles: values of sub-block 2p; high: of 2p + 1
             base = (u >> 3) * 256 + ((u >> 1) & 3) * 64 + (u & 1) * 16
@@ -349,6 +356,12 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
             return list(words)
         if dtype == "Q6_K":
             return q6_k_pairs(words, scale_words, u)
+        if dtype in UNIT_FORMATS:              # values 4i and 4i + 2, then 4i + 1 and 4i + 3
+            values = [v if scale is None else v * scale if low is None else k.fma(v, scale, low)
+                      for vs, scale, low in reader(dtype).unit_segments(k, words, u)
+                      for v in vs]
+            return [k.pack_half2(values[i + a], values[i + a + 2])
+                    for i in range(0, 32, 4) for a in (0, 1)]
         nibbles = (0, 8, 4, 12)  # word i: low nibbles of bytes 0, 2 and 1, 3, then the high ones
         if dtype in ("Q4_1", "Q4_K"):
             # q * d + low cancels where the low is near -q * d: rounding d and low to f16

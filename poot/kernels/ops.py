@@ -1,16 +1,18 @@
 """The step's small kernels: embedding, RMSNorm, RoPE, KV store, attention (in one pass, or split
-along the context and combined), SwiGLU, add, gather, the logits' edits, argmax, and a device
-group's all_reduce and all_gather. Each function returns a Kernel for a subgroup size; the
-numpy meaning of each is the op of the same name in poot/ir/reference.py (argmax: the greedy
-choice of engine/sampling.py; logit_edits: its edit_logits).
+along the context and combined), SwiGLU, add, gather, and a device group's all_reduce and
+all_gather (the logits' edits and the choice of tokens are choice.py's). Each function returns
+a Kernel for a subgroup size; the numpy meaning of each is the op of the same name in
+poot/ir/reference.py.
 
 Activations are f32 [tokens, features]; the KV cache holds f16 pairs in u32 words,
 [blocks, block_size, kv_heads, head_dim / 2].
 """
 import math
+import struct
 from functools import cache
 
 from . import activations
+from .softcap import capped, first_key, sees, suffix, window_start
 from .lang import F16, F32, I32, U32, KernelBuilder
 from .quant import reader
 
@@ -91,18 +93,20 @@ def gather_rows():
 
 
 @cache
-def embedding(dtype):
-    """out[t, :] = table[ids[t], :] from the table's device planes; grid (T)."""
+def embedding(dtype, scaled=False):
+    """out[t, :] = table[ids[t], :] from the table's device planes (`scaled`: times a further
+    scalar, the graph's scale); grid (T)."""
     r = reader(dtype)
-    k = KernelBuilder(f"embedding_{dtype.lower()}", (WG,))
+    k = KernelBuilder(f"embedding_{dtype.lower()}" + "_scaled" * scaled, (WG,))
     buf = {name: k.buffer(f"w_{name}", U32) for name in r.plane_names}
     ids, out = k.buffer("ids", I32), k.buffer("out", F32, "w")
     cols = k.scalar("cols", I32)
+    scale = k.scalar("scale", F32) if scaled else None
     t = k.block_id()
     row = ids[t]
     with k.for_(k.thread_id(), cols // r.block_elems, WG) as block:
         for j, v in enumerate(r.decode(k, buf, row, block, cols)):
-            out[t * cols + block * r.block_elems + j] = v
+            out[t * cols + block * r.block_elems + j] = v if scale is None else v * scale
     return k.build()
 
 
@@ -136,11 +140,25 @@ def sin_cos(k, angle):
     return s, c
 
 
+def _scaled(name, scale):
+    """A rope kernel's name: a scale other than 1 (LongRoPE's attention factor, multiplying
+    the rotated pairs) is part of the kernel, so of its name (its f32 bits)."""
+    if scale == 1.0:
+        return name
+    return f"{name}_x{struct.unpack('<I', struct.pack('<f', scale))[0]:08x}"
+
+
+def _turn(k, angle, scale):
+    """sin and cos of `angle`, times `scale`."""
+    sin, cos = sin_cos(k, angle)
+    return (sin, cos) if scale == 1.0 else (sin * scale, cos * scale)
+
+
 @cache
-def rope(style):
-    """Rotates pairs of x[t, h, :] in place by positions[t] * inv_freq[i]; grid
+def rope(style, scale=1.0):
+    """Rotates pairs of x[t, h, :] in place by positions[t] * inv_freq[i], times `scale`; grid
     (ceil(T * heads * n_pairs / WG)). normal pairs (2i, 2i+1), neox pairs (i, i + half)."""
-    k = KernelBuilder(f"rope_{style}", (WG,))
+    k = KernelBuilder(_scaled(f"rope_{style}", scale), (WG,))
     x, positions, inv_freq = k.buffer("x", F32, "rw"), k.buffer("positions", I32), k.buffer(
         "inv_freq", F32)
     n_tokens, n_heads, head_dim, n_pairs = (k.scalar(s, I32) for s in
@@ -151,14 +169,14 @@ def rope(style):
         th = g / n_pairs                            # token * n_heads + head
         t = th / n_heads
         _rotate(k, x, th * head_dim, pair, n_pairs, positions[t].to(F32) * inv_freq[pair],
-                style)
+                style, scale)
     return k.build()
 
 
-def _rotate(k, x, base, pair, n_pairs, angle, style):
-    """Rotates pair `pair` of the head at x[base] in place by `angle`: dims (2 pair,
-    2 pair + 1) normal, (pair, pair + n_pairs) neox."""
-    sin, cos = sin_cos(k, angle)
+def _rotate(k, x, base, pair, n_pairs, angle, style, scale):
+    """Rotates pair `pair` of the head at x[base] in place by `angle`, times `scale`: dims
+    (2 pair, 2 pair + 1) normal, (pair, pair + n_pairs) neox."""
+    sin, cos = _turn(k, angle, scale)
     if style == "normal":
         ia, ib = base + pair * 2, base + pair * 2 + 1
     else:
@@ -191,12 +209,13 @@ def store_kv():
 
 
 @cache
-def rope_store_kv(style):
+def rope_store_kv(style, scale=1.0):
     """A layer's rope of q and k and its store_kv in one launch: q [T, heads, head_dim] rotated
     in place, k rotated on the way into the cache (k itself is only read: a neox pair spans two
     threads' words), v stored as it is. One thread per (token, head of q then of k/v, word of two
-    dims); grid (ceil(T * (heads + kv_heads) * head_dim / 2 / WG)). Pairs as in `rope`."""
-    k = KernelBuilder(f"rope_store_kv_{style}", (WG,))
+    dims); grid (ceil(T * (heads + kv_heads) * head_dim / 2 / WG)). Pairs and scale as in
+    `rope`."""
+    k = KernelBuilder(_scaled(f"rope_store_kv_{style}", scale), (WG,))
     q, key, value = k.buffer("q", F32, "rw"), k.buffer("k", F32), k.buffer("v", F32)
     k_cache, v_cache = k.buffer("k_cache", U32, "w"), k.buffer("v_cache", U32, "w")
     positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
@@ -215,19 +234,19 @@ def rope_store_kv(style):
         with k.if_(h < n_heads) as stmt:
             with k.if_(word < n_pairs):
                 _rotate(k, q, (t * n_heads + h) * head_dim, word, n_pairs,
-                        angle * inv_freq[word], style)
+                        angle * inv_freq[word], style, scale)
         with k.else_(stmt):
             kvh = h - n_heads
             base = (t * n_kv + kvh) * head_dim
             d = word * 2
             if style == "normal":                   # dims d, d + 1 are pair `word`
                 rotated = word < n_pairs
-                sin, cos = sin_cos(k, angle * inv_freq[k.min(word, n_pairs - 1)])
+                sin, cos = _turn(k, angle * inv_freq[k.min(word, n_pairs - 1)], scale)
                 a, b = key[base + d], key[base + d + 1]
                 ka = k.select(rotated, a * cos - b * sin, a)
                 kb = k.select(rotated, a * sin + b * cos, b)
             else:                                   # dim i pairs with i +- n_pairs
-                ka, kb = (_neox_dim(k, key, base, i, n_pairs, angle, inv_freq)
+                ka, kb = (_neox_dim(k, key, base, i, n_pairs, angle, inv_freq, scale)
                           for i in (d, d + 1))
             pos = positions[t]
             slot = cache_slot(tables, seq_rows[t], pos, table_width, block_size) * n_kv + kvh
@@ -236,13 +255,14 @@ def rope_store_kv(style):
     return k.build()
 
 
-def _neox_dim(k, x, base, i, n_pairs, angle, inv_freq):
-    """Dim i of the head at `base` after a neox rotation: pair i with i + n_pairs below
-    n_pairs, pair i - n_pairs with i - n_pairs up to 2 n_pairs, unrotated beyond."""
+def _neox_dim(k, x, base, i, n_pairs, angle, inv_freq, scale):
+    """Dim i of the head at `base` after a neox rotation (times `scale`): pair i with
+    i + n_pairs below n_pairs, pair i - n_pairs with i - n_pairs up to 2 n_pairs, unrotated
+    beyond."""
     low, rotated = i < n_pairs, i < n_pairs * 2
     pair = k.select(low, i, k.select(rotated, i - n_pairs, 0))
     partner = k.select(low, i + n_pairs, k.select(rotated, i - n_pairs, i))
-    sin, cos = sin_cos(k, angle * inv_freq[pair])
+    sin, cos = _turn(k, angle * inv_freq[pair], scale)
     mine, other = x[base + i], x[base + partner]
     turned = k.select(low, mine * cos - other * sin, other * sin + mine * cos)
     return k.select(rotated, turned, mine)
@@ -274,13 +294,14 @@ def _attention_params(k, out):
     return (*buffers, *scalars, k.scalar("scale", F32))
 
 
-def _attention(subgroup_size, head_dim, split, heads, untiled=False):
+def _attention(subgroup_size, head_dim, split, heads, untiled=False, window=0, softcap=0.0):
     """The body of both attention kernels: the subgroups of one workgroup share the keys
     [lo, hi) of its token and `heads` query heads of one KV head, each subgroup taking
     KEYS_PER_ROUND consecutive keys a round (every head scoring the same K and V rows), with
     its own running max and sum per head (see `attention`); the subgroups' sums are then
     combined and either normalised (split=False: lo, hi = 0, L) or written as the partials of
-    split block_id(1) (split=True)."""
+    split block_id(1) (split=True). A `window` starts the keys at window_start, a `softcap`
+    caps each score (kernels/softcap.py)."""
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim}: even")
     half, sg = head_dim // 2, subgroup_size
@@ -289,7 +310,7 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False):
     rounds = KEYS_PER_ROUND
     name = "attention_split" if split else "attention"
     k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}" + f"_h{heads}" * (heads > 1)
-                      + "_untiled" * untiled, (WG,))
+                      + "_untiled" * untiled + suffix(window, softcap), (WG,))
     q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
         block_size, scale = _attention_params(k, "partials" if split else "out")
     split_tokens = k.scalar("split_tokens", I32) if split else None
@@ -310,6 +331,8 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False):
         hi = k.min(lo + split_tokens, length)
     else:
         lo, hi = 0, length
+    if window:
+        lo = k.max(window_start(k, length - 1, window), lo)
     row = seq_rows[t]
     # lane's words of a key row: lane, lane + sg, ...; past half (a wide subgroup, a small head)
     # a lane reads word 0 and weighs it nothing
@@ -341,6 +364,7 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False):
                 for (qa, qb), (ka, kb) in zip(qv[hh], kw[u]):
                     dot = k.fma(ka, qa, kb * qb if dot is None else k.fma(kb, qb, dot))
                 score = k.subgroup_add(dot)
+                score = capped(k, score, softcap) if softcap else score
                 scores.append(score if u == 0 else k.select(j0 + u < hi, score, LOWEST))
             new_max = running_max[hh].get()
             for score in scores:
@@ -429,7 +453,7 @@ def attention_tile_heads(n_heads, n_kv_heads):
 
 
 @cache
-def attention_tiles(head_dim, heads):
+def attention_tiles(head_dim, heads, window=0, softcap=0.0):
     """The tiles of `attention` on the tensor cores (flash attention; fragment_load and mma,
     f16 operands, f32 sums): workgroup (i, g) takes the step's tokens 16 i.. (ATTENTION_TILE)
     where tiled_token_tile says they are two or more of one sequence, and `heads` query heads
@@ -440,11 +464,14 @@ def attention_tiles(head_dim, heads):
     O += P V with P the scores' exponentials rounded to f16 (the accumulator of S is the A
     operand of P V as it lies), V by transposed fragment loads. out as `attention` writes it;
     the other tiles are left to attention(untiled=True). head_dim a multiple of 16, at most 256.
+    A `window` starts the rounds at the tile's first window_start and masks the keys before
+    each token's, a `softcap` caps the scores (kernels/softcap.py).
     grid (ceil(T / ATTENTION_TILE), n_heads / heads)."""
     if head_dim % 16 or head_dim > 256:
         raise ValueError(f"attention_tiles: head_dim {head_dim} is no multiple of 16 up to 256")
     half, row_words = head_dim // 2, head_dim // 2 + 4     # rows padded: ldmatrix's 8 rows
-    k = KernelBuilder(f"attention_tiles_d{head_dim}_h{heads}", (32 * heads,))
+    k = KernelBuilder(f"attention_tiles_d{head_dim}_h{heads}" + suffix(window, softcap),
+                      (32 * heads,))
     q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
         block_size, scale = _attention_params(k, "out")
     n_tokens = k.scalar("n_tokens", I32)
@@ -464,6 +491,8 @@ def attention_tiles(head_dim, heads):
     g, quad = lane >> 2, lane & 3
     tokens = [k.min(t0 + g, t_last), k.min(t0 + g + 8, t_last)]     # the lane's two rows
     limits = [positions[t] for t in tokens]
+    first = window and first_key(
+        k, [positions[k.min(t0 + i, t_last)] for i in range(ATTENTION_TILE)], window)
     qa = []                     # A of S: q * scale rounded, k16 step s
     for s in range(head_dim // 16):
         words = []
@@ -475,7 +504,7 @@ def attention_tiles(head_dim, heads):
     running_sum = [k.var(F32, 0.0) for _ in range(2)]
     acc = [[k.var(F32, 0.0) for _ in range(4)] for _ in range(head_dim // 8)]
     parts = KEY_BLOCK * half // 4                           # 16-byte parts of a round's rows
-    with k.for_(0, last + 1, KEY_BLOCK) as j0:
+    with k.for_(first, last + 1, KEY_BLOCK) as j0:
         k.barrier()                                         # the last round is done with them
         for p in range(-(-parts // (32 * heads))):
             i = tid + p * 32 * heads
@@ -504,7 +533,8 @@ def attention_tiles(head_dim, heads):
                     scores[n] = k.mma(F16, qa[s], b, [k.coerce(v, F32) for v in scores[n]])
         # masks: key j0 + 8 n + 2 quad + e % 2 of row e // 2
         for n in range(KEY_BLOCK // 8):
-            scores[n] = [k.select(j0 + 8 * n + 2 * quad + e % 2 <= limits[e // 2], v, LOWEST)
+            scores[n] = [k.select(sees(j0 + 8 * n + 2 * quad + e % 2, limits[e // 2], window),
+                                  capped(k, v, softcap) if softcap else v, LOWEST)
                          for e, v in enumerate(scores[n])]
         corrections, probs = [], [[None] * 4 for _ in scores]
         for r in range(2):
@@ -516,7 +546,7 @@ def attention_tiles(head_dim, heads):
             total = None
             for n in range(KEY_BLOCK // 8):
                 for e in (2 * r, 2 * r + 1):
-                    keep = j0 + 8 * n + 2 * quad + e % 2 <= limits[r]
+                    keep = sees(j0 + 8 * n + 2 * quad + e % 2, limits[r], window)
                     probs[n][e] = k.select(keep, k.exp(scores[n][e] - top), 0.0)
                     total = probs[n][e] if total is None else total + probs[n][e]
             total = total + k.shuffle_xor(total, 1)
@@ -548,7 +578,7 @@ def attention_tiles(head_dim, heads):
 
 
 @cache
-def attention(subgroup_size, head_dim, heads=1, untiled=False):
+def attention(subgroup_size, head_dim, heads=1, untiled=False, window=0, softcap=0.0):
     """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
     f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
     token and `heads` query heads of one KV head (attention_heads: they read its K and V rows
@@ -557,19 +587,20 @@ def attention(subgroup_size, head_dim, heads=1, untiled=False):
     lane holding the same few words of q, K and V rows (a subgroup sum gives a key's score);
     each subgroup keeps its own running max, sum and weighted sum of values for each head, and
     the subgroups' are combined at the end. grid (T * n_heads / heads). `untiled`: the tokens
-    attention_tiles takes (tiled_token_tile; a further scalar n_tokens) are left to it."""
-    return _attention(subgroup_size, head_dim, False, heads, untiled)
+    attention_tiles takes (tiled_token_tile; a further scalar n_tokens) are left to it.
+    `window`, `softcap`: the graph's attention attributes (kernels/softcap.py)."""
+    return _attention(subgroup_size, head_dim, False, heads, untiled, window, softcap)
 
 
 @cache
-def attention_split(subgroup_size, head_dim, heads=1):
+def attention_split(subgroup_size, head_dim, heads=1, window=0, softcap=0.0):
     """The first half of split attention (flash decoding), for when the one-pass workgroups
     would leave the device idle: workgroup (t, heads h.., s) scans keys [s * split_tokens,
     min((s + 1) * split_tokens, L)) as `attention` does and writes, unnormalised,
     partials[t, h, s] = (sum_j p_j V_j [head_dim], m, l), m = the range's largest score,
     p_j = exp(score_j - m), l = sum_j p_j. A split past L writes (0..., lowest f32, 0), which
     weighs nothing in `attention_combine`. grid (T * n_heads / heads, splits)."""
-    return _attention(subgroup_size, head_dim, True, heads)
+    return _attention(subgroup_size, head_dim, True, heads, window=window, softcap=softcap)
 
 
 @cache
@@ -593,111 +624,6 @@ def attention_combine(head_dim):
             num.set(k.fma(w, partials[base + d], num.get()))
             den.set(k.fma(w, partials[base + head_dim + 1], den.get()))
         out[th * head_dim + d] = num.get() / den.get()
-    return k.build()
-
-
-@cache
-def logit_edits():
-    """The logits of a step's rows edited in place (engine/sampling.py's edit_logits): for row
-    r, edit j of row_start[r] <= j < row_start[r + 1] sets the logit x of token tokens[j] to
-    max((x / repeat[j] if x > 0 else x * repeat[j]) + add[j], LOWEST); then, where mask_of[r]
-    is not -1, every token whose bit is 0 in row mask_of[r] of `masks` (bit t % 32 of word
-    t // 32, `words` words a row) becomes LOWEST. A row names each token at most once. The
-    thread that edits a token applies the mask to it too, so the two passes never race: a token
-    both touch gets LOWEST from both. Workgroup (r, c) of grid (R, parts) takes every parts-th
-    workgroup's share of row r's edits and tokens, so a row of a large vocabulary is spread
-    over several; a row without edits or a mask does nothing."""
-    k = KernelBuilder("logit_edits", (WG,))
-    logits = k.buffer("logits", F32, "rw")
-    row_start, tokens = k.buffer("row_start", I32), k.buffer("tokens", I32)
-    repeat, add = k.buffer("repeat", F32), k.buffer("add", F32)
-    mask_of, masks = k.buffer("mask_of", I32), k.buffer("masks", U32)
-    n, words = k.scalar("n", I32), k.scalar("words", I32)
-    r, first = k.block_id(), k.block_id(1) * WG + k.thread_id()
-    stride = k.num_blocks(1) * WG
-    m = mask_of[r]
-    row, mask_row = r * n, k.max(m, 0) * words     # no mask: row 0 is read, and not used
-
-    def banned(t):
-        return (m >= 0) & ((masks[mask_row + (t >> 5)] >> (t & 31)) & 1).eq(0)
-
-    with k.for_(row_start[r] + first, row_start[r + 1], stride) as j:
-        t = tokens[j]
-        x, scale = logits[row + t], repeat[j]
-        edited = k.max(k.select(x > 0.0, x / scale, x * scale) + add[j], LOWEST)
-        logits[row + t] = k.select(banned(t), LOWEST, edited)
-    with k.if_(m >= 0):
-        with k.for_(first, n, stride) as t:
-            with k.if_(banned(t)):
-                logits[row + t] = LOWEST
-    return k.build()
-
-
-def _best_of_workgroup(k, value, index):
-    """(value, index) of the workgroup's best pair in every thread's (value, index): the
-    largest value, the lowest index among equals; a tree over shared memory."""
-    best_v, best_i = k.shared("best_v", F32, WG), k.shared("best_i", I32, WG)
-    tid = k.thread_id()
-    best_v[tid], best_i[tid] = value, index
-    k.barrier()
-    stride = WG // 2
-    while stride:
-        with k.if_(tid < stride):
-            ov, oi = best_v[tid + stride], best_i[tid + stride]
-            mv, mi = best_v[tid], best_i[tid]
-            better = (ov > mv) | ((ov.eq(mv)) & (oi < mi))
-            best_v[tid] = k.select(better, ov, mv)
-            best_i[tid] = k.select(better, oi, mi)
-        k.barrier()
-        stride //= 2
-    return best_v[0], best_i[0]
-
-
-@cache
-def argmax_chunks(subgroup_size):
-    """The first half of the greedy choice, so a row of a large vocabulary is read by many
-    workgroups at once: workgroup (r, c) writes the largest of logits[r, c*chunk : (c+1)*chunk]
-    (and n) and its index, the lowest among equals, to values[r, c] and indices[r, c].
-    grid (R, chunks)."""
-    k = KernelBuilder(f"argmax_chunks_s{subgroup_size}", (WG,))
-    logits = k.buffer("logits", F32)
-    values, indices = k.buffer("values", F32, "w"), k.buffer("indices", I32, "w")
-    n, chunk = k.scalar("n", I32), k.scalar("chunk", I32)
-    r, c, tid = k.block_id(), k.block_id(1), k.thread_id()
-    lo = c * chunk
-    hi = k.min(lo + chunk, n)
-    bv, bi = k.var(F32, LOWEST), k.var(I32, 0)
-    with k.for_(lo + tid, hi, WG) as i:
-        v = logits[r * n + i]
-        with k.if_(v > bv.get()):
-            bv.set(v)
-            bi.set(i)
-    value, index = _best_of_workgroup(k, bv.get(), bi.get())
-    with k.if_(tid.eq(0)):
-        at = r * k.num_blocks(1) + c
-        values[at] = value
-        indices[at] = index
-    return k.build()
-
-
-@cache
-def argmax(subgroup_size):
-    """token[r] = the index of the largest logits[r, :] (lowest index on ties), from the
-    `chunks` (value, index) pairs argmax_chunks left for row r. grid (R)."""
-    k = KernelBuilder(f"argmax_s{subgroup_size}", (WG,))
-    values, indices = k.buffer("values", F32), k.buffer("indices", I32)
-    token = k.buffer("token", I32, "w")
-    chunks = k.scalar("chunks", I32)
-    r, tid = k.block_id(), k.thread_id()
-    bv, bi = k.var(F32, LOWEST), k.var(I32, 0)
-    with k.for_(tid, chunks, WG) as j:          # chunks in order: a tie keeps the lower index
-        v, i = values[r * chunks + j], indices[r * chunks + j]
-        with k.if_((v > bv.get()) | (v.eq(bv.get()) & (i < bi.get()))):
-            bv.set(v)
-            bi.set(i)
-    _, index = _best_of_workgroup(k, bv.get(), bi.get())
-    with k.if_(tid.eq(0)):
-        token[r] = index
     return k.build()
 
 
@@ -749,70 +675,4 @@ def all_gather(world):
 
     with k.if_(c < columns):
         take(0)
-    return k.build()
-
-
-TOP_CHUNK = 2048        # logits of a row one top_candidates workgroup sorts
-TOP_KEEP = 64           # the best of them it keeps
-
-
-@cache
-def top_candidates(subgroup_size):
-    """The best TOP_KEEP logits of each TOP_CHUNK-long chunk of a row, best first (highest
-    value, then lowest index), with their indices: so a row's best k <= TOP_KEEP are among its
-    chunks' candidates, in the order engine/sampling.py's choose() sorts a row. Workgroup
-    (r, c) sorts logits[r, c*TOP_CHUNK : (c+1)*TOP_CHUNK] in shared memory (a bitonic network:
-    every (value, index) key differs, so the order is total; past n, the lowest value at
-    indices past n sorts last) and writes values[r, c, :] and indices[r, c, :], and the chunk's
-    largest logit m and sum of exp((logit - m) / t) to maxima[r, c] and sums[r, c], t the row's
-    temperature[r] (1 where that is not positive). grid (R, chunks)."""
-    k = KernelBuilder(f"top_candidates_s{subgroup_size}", (WG,))
-    logits, temperature = k.buffer("logits", F32), k.buffer("temperature", F32)
-    values, indices = k.buffer("values", F32, "w"), k.buffer("indices", I32, "w")
-    maxima, sums = k.buffer("maxima", F32, "w"), k.buffer("sums", F32, "w")
-    n = k.scalar("n", I32)
-    keys, ids = k.shared("keys", F32, TOP_CHUNK), k.shared("ids", I32, TOP_CHUNK)
-    r, c, tid = k.block_id(), k.block_id(1), k.thread_id()
-    for j in range(TOP_CHUNK // WG):
-        i = tid + j * WG
-        at = c * TOP_CHUNK + i
-        keys[i] = k.select(at < n, logits[r * n + k.min(at, n - 1)], LOWEST)
-        ids[i] = at
-    k.barrier()
-    size = 2
-    while size <= TOP_CHUNK:
-        stride = size // 2
-        while stride >= 1:
-            shift = stride.bit_length() - 1
-            for j in range(TOP_CHUNK // 2 // WG):
-                pair = tid + j * WG
-                a = ((pair >> shift) << (shift + 1)) | (pair & (stride - 1))
-                b = a + stride
-                va, vb, ia, ib = keys[a], keys[b], ids[a], ids[b]
-                a_first = (va > vb) | (va.eq(vb) & (ia < ib))
-                # runs of `size` alternate best-first and worst-first, the last one best-first
-                best_first = (a & size).eq(0)
-                swap = (best_first & ~a_first) | (~best_first & a_first)
-                keys[a], keys[b] = k.select(swap, vb, va), k.select(swap, va, vb)
-                ids[a], ids[b] = k.select(swap, ib, ia), k.select(swap, ia, ib)
-            k.barrier()
-            stride //= 2
-        size *= 2
-    top = keys[0]
-    t = temperature[r]
-    scale = 1.0 / k.select(t > 0.0, t, 1.0)
-    part = k.var(F32, 0.0)
-    for j in range(TOP_CHUNK // WG):
-        i = tid + j * WG
-        with k.if_(ids[i] < n):
-            part.set(part.get() + k.exp((keys[i] - top) * scale))
-    at = (r * k.num_blocks(1) + c) * TOP_KEEP + tid
-    with k.if_(tid < TOP_KEEP):
-        values[at] = keys[tid]
-        indices[at] = ids[tid]
-    k.barrier()                                 # the keys are read: they become the scratch
-    total = block_reduce(k, part.get(), subgroup_size, keys)
-    with k.if_(tid.eq(0)):
-        maxima[r * k.num_blocks(1) + c] = top
-        sums[r * k.num_blocks(1) + c] = total
     return k.build()

@@ -6,14 +6,17 @@ aligned 32-bit loads (wgpu's shader translator has no 8- or 16-bit storage): eac
 format's block (scales, quants, high bits...) goes to its own plane, each row of a plane padded
 to whole words. `planes(dtype, raw)` makes them on the host from the file's bytes; a
 `BlockReader` emits the kernel code that turns one unit of a row (8 to 64 values) into float32
-values. Both follow the ggml block definitions (see poot/formats/quants.py).
+values. Both follow the ggml block definitions (see poot/formats/quants.py). Formats beyond the
+first eight are one entry each of UNIT_FORMATS (below): the words a unit of 32 values loads and
+how they become values and scales, which every weight-reading kernel takes from the reader.
 """
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from ..formats.quants import QUANTS
-from .lang import F32, I32
+from ..formats.quants import IQ4_VALUES, QUANTS
+from .lang import F32, I32, U32
 
 # dtype -> the planes of its file block: (name, first byte, end byte), and the values one
 # decode unit yields.
@@ -26,6 +29,14 @@ LAYOUTS = {
     "Q4_1": ((("scales", 0, 4), ("quants", 4, 20)), 32),          # f16 d, f16 m, 32 nibbles
     "Q4_K": ((("head", 0, 16), ("quants", 16, 144)), 64),         # d, dmin, 12 B scales; 256 nibbles
     "Q6_K": ((("ql", 0, 128), ("qh", 128, 192), ("scales", 192, 208), ("d", 208, 210)), 32),
+    # the formats of UNIT_FORMATS (below): a unit is 32 consecutive values
+    "Q5_0": ((("scales", 0, 2), ("high", 2, 6), ("quants", 6, 22)), 32),     # f16 d, u32 qh
+    "Q5_1": ((("scales", 0, 4), ("high", 4, 8), ("quants", 8, 24)), 32),     # d, m, u32 qh
+    "Q5_K": ((("head", 0, 16), ("high", 16, 48), ("quants", 48, 176)), 32),  # Q4_K's + qh[32]
+    "Q3_K": ((("high", 0, 32), ("quants", 32, 96), ("scales", 96, 108), ("d", 108, 110)), 32),
+    "Q2_K": ((("scales", 0, 16), ("quants", 16, 80), ("dm", 80, 84)), 32),
+    "IQ4_NL": ((("scales", 0, 2), ("quants", 2, 18)), 32),
+    "IQ4_XS": ((("head", 0, 8), ("quants", 8, 136)), 32),   # d, scales_h, scales_l[4]
 }
 DEVICE_DTYPES = tuple(LAYOUTS)
 
@@ -83,6 +94,21 @@ class BlockReader:
             words += list(got)
         return words
 
+    @property
+    def scales_per_unit(self):
+        """Scales a unit's values take (decode_scaled's segments): 2 for Q4_K and Q6_K."""
+        return UNIT_FORMATS[self.dtype].scales if self.dtype in UNIT_FORMATS else \
+            2 if self.dtype in ("Q4_K", "Q6_K") else 1
+
+    def unit_words(self, k, buf, row, unit, cols):
+        """The words a unit of a UNIT_FORMATS format reads, in its loads' order (flat)."""
+        return [w for plane, first, n in UNIT_FORMATS[self.dtype].loads(unit)
+                for w in self._words(k, buf, plane, row, cols, first, n)]
+
+    def unit_segments(self, k, words, unit):
+        """decode_scaled's segments of a UNIT_FORMATS unit from its unit_words."""
+        return UNIT_FORMATS[self.dtype].segments(k, words, unit)
+
     def decode(self, k, buf, row, unit, cols):
         """The f32 values of unit `unit` of row `row`; `buf` maps plane name -> Buffer."""
         out = []
@@ -102,6 +128,8 @@ class BlockReader:
         quants give their bare quants, a segment a scale (Q4_K two of 32, Q6_K two of 16);
         float formats their values, one segment."""
         d = self.dtype
+        if d in UNIT_FORMATS:
+            return self.unit_segments(k, self.unit_words(k, buf, row, unit, cols), unit)
         words = lambda plane, first, n: self._words(k, buf, plane, row, cols, first, n)  # noqa
         if d in ("F32", "F16", "BF16"):
             per_unit = 8 if d == "F32" else 4
@@ -202,6 +230,180 @@ def _pick(k, index, choices):
     for i in range(len(choices) - 2, -1, -1):
         out = k.select(index.eq(i), choices[i], out)
     return out
+
+
+# -- formats decoded 32 consecutive values a unit, in two phases ---------------------------------
+@dataclass(frozen=True)
+class UnitFormat:
+    """A block format read a unit of 32 consecutive values at a time, its loads apart from its
+    arithmetic so that a kernel may load units ahead (mma_vec's pipeline) and any kernel decodes
+    them alike: `loads(unit)` -> [(plane, first word, words)] relative to the row; `segments(k,
+    words, unit)` -> decode_scaled's [(values, scale, low)] from those words, flat in order;
+    `scales`: the segments a unit has."""
+    loads: Callable
+    segments: Callable
+    scales: int = 1
+
+
+def _half_of(k, word, odd):
+    """The f16 of a word's high half where `odd` is 1, else of its low half, as f32."""
+    pair = k.unpack_half2(word)
+    return k.select(odd.eq(0), pair[0], pair[1])
+
+
+def _five_bit(words, high, bias):
+    """Q5_0/Q5_1 values: the nibbles of 4 words (low ones values 0..15, high ones 16..31) with
+    bit i of the word `high` as bit 4 of value i, less `bias`, as f32."""
+    out = []
+    for shift in (0, 4):
+        for i, w in enumerate(words):
+            for e in range(4):
+                n = shift * 4 + 4 * i + e             # the value's index in the block
+                bit = (high >> (n - 4)) & 0x10 if n >= 4 else (high << (4 - n)) & 0x10
+                out.append(_small_int(((w >> (8 * e + shift)) & 0xF) | bit, 0x1F, bias))
+    return out
+
+
+def _q5_0(k, words, unit):
+    """x = (q - 16) * d."""
+    pair, high, *qs = words
+    return [(_five_bit(qs, high, 16), _half_of(k, pair, unit & 1), None)]
+
+
+def _q5_1(k, words, unit):
+    """x = q * d + m."""
+    dm, high, *qs = words
+    d, m = k.unpack_half2(dm)
+    return [(_five_bit(qs, high, 0), d, m)]
+
+
+def _k_scale_min(k, head, j):
+    """The 6-bit (scale, min) of sub-block j (a run-time 0..7) of a Q4_K/Q5_K super-block from
+    its head words (d and dmin, then 12 bytes; formats/quants.py's _k_scales), as f32."""
+    shift = (j & 3) * 8
+    a, b, c = [(w >> shift) & 0xFF for w in head[1:]]    # bytes j%4, 4 + j%4, 8 + j%4
+    first = j < 4
+    sc = k.select(first, a & 63, (c & 0xF) | ((a >> 6) << 4))
+    m = k.select(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return _small_int(sc, 63, 0), _small_int(m, 63, 0)
+
+
+def _q5_k_loads(unit):
+    b, j = unit >> 3, unit & 7
+    return [("head", b * 4, 4), ("high", b * 8, 8), ("quants", b * 32 + (j >> 1) * 8, 8)]
+
+
+def _q5_k(k, words, unit):
+    """Unit = sub-block j of super-block b: the low (j even) or high nibbles of its pair's 32
+    quant bytes, bit j of the 32 qh bytes as bit 4; x = d*sc*q - dmin*m."""
+    head, high, qs = words[:4], words[4:12], words[12:]
+    j = unit & 7
+    shift = (j & 1) * 4
+    values = []
+    for w, h in zip(qs, high):
+        q = ((w >> shift) & 0x0F0F0F0F) | (((h >> j) & 0x01010101) << 4)
+        values += [_small_int(q >> (8 * e), 0x1F, 0) for e in range(4)]
+    d, dmin = k.unpack_half2(head[0])
+    sc, m = _k_scale_min(k, head, j)
+    return [(values, d * sc, -(dmin * m))]
+
+
+def _two_bit_loads(unit):
+    """Q3_K/Q2_K: unit u is 32 values of super-block b = u // 8, its half h = u // 4 % 2 and
+    2-bit position j = u % 4: bits 2j of the 32 quant bytes of the half."""
+    return unit >> 3, (unit >> 2) & 1, unit & 3
+
+
+def _q3_k(k, words, unit):
+    """x = d * (sc - 32) * (q - 4): q's low 2 bits from qs, bit u % 8 of the 32 hmask bytes its
+    bit 2; a 6-bit scale per 16 values (formats/quants.py's _q3_k_scales)."""
+    high, qs, low_word, high_word, pair = words[:8], words[8:16], words[16], words[17], words[18]
+    b, h, j = _two_bit_loads(unit)
+    shift, bit = j * 2, unit & 7
+    values = []
+    for w, hw in zip(qs, high):
+        q = ((w >> shift) & 0x03030303) | (((hw >> bit) & 0x01010101) << 2)
+        values += [_small_int(q >> (8 * e), 7, 4) for e in range(4)]
+    d = _half_of(k, pair, b & 1)
+    segments = []
+    for part in range(2):                        # scale 8h + 2j + part: byte (2j + part) % 4
+        byte = (j & 1) * 16 + 8 * part           # ... of word j // 2 (low), of word 2 (high)
+        sc = ((low_word >> (byte + h * 4)) & 0xF) | \
+            (((high_word >> (byte + h * 4 + (j >> 1) * 2)) & 3) << 4)
+        segments.append((values[16 * part:16 * part + 16], d * _small_int(sc, 63, 32), None))
+    return segments
+
+
+def _q2_k(k, words, unit):
+    """x = d * sc * q - dmin * m: q the bits 2j of the half's 32 quant bytes; a byte of 4-bit
+    scale and min per 16 values."""
+    scales, qs, dm = words[0], words[1:9], words[9]
+    _, _, j = _two_bit_loads(unit)
+    shift = j * 2
+    values = [_small_int(((w >> shift) & 0x03030303) >> (8 * e), 3, 0) for w in qs
+              for e in range(4)]
+    d, dmin = k.unpack_half2(dm)
+    segments = []
+    for part in range(2):                        # scale byte (2j + part) % 4 of the word
+        sc = scales >> ((j & 1) * 16 + 8 * part)
+        segments.append((values[16 * part:16 * part + 16], d * _small_int(sc, 0xF, 0),
+                         -(dmin * _small_int(sc >> 4, 0xF, 0))))
+    return segments
+
+
+# IQ4_VALUES[i] = 16 i - 12 (i // 8) - 127 + c_i, c_i in 0..14: the c_i, 4 bits each, of codes
+# 0..7 in one word and of 8..15 in another (a lookup of one select and shifts, fewer registers
+# than one among four words of the values themselves)
+IQ4_OFFSETS = [sum((int(IQ4_VALUES[8 * h + j]) - 16 * (8 * h + j) + 12 * h + 127) << (4 * j)
+                   for j in range(8)) for h in range(2)]
+
+
+def _iq4(k, words):
+    """The IQ4_VALUES of the codes in 4 words (nibbles as Q4_0's: low ones values 0..15), as
+    f32, by IQ4_OFFSETS."""
+    out = []
+    for shift in (0, 4):
+        for w in words:
+            for e in range(4):
+                code = (w >> (8 * e + shift)) & 0xF
+                high = code >> 3
+                offsets = k.select(high.eq(0), k.const(IQ4_OFFSETS[0], U32),
+                                   k.const(IQ4_OFFSETS[1], U32))
+                bits = (code << 4) - high * 12 + ((offsets >> ((code & 7) << 2)) & 0xF)
+                out.append(_small_int(bits, 0xFF, 127))
+    return out
+
+
+def _iq4_xs(k, words, unit):
+    """Sub-block i = u % 8: x = d * (ls - 32) * IQ4_VALUES[q], ls's low 4 bits in nibble i % 2
+    of byte i // 2 of scales_l, its top 2 in bits 2i of scales_h."""
+    head, qs = words[:2], words[2:]
+    i = unit & 7
+    d = k.unpack_half2(head[0])[0]
+    ls = ((head[1] >> (i << 2)) & 0xF) | (((head[0] >> ((i << 1) + 16)) & 3) << 4)
+    return [(_iq4(k, qs), d * _small_int(ls, 63, 32), None)]
+
+
+UNIT_FORMATS = {
+    "Q5_0": UnitFormat(lambda u: [("scales", u >> 1, 1), ("high", u, 1), ("quants", u * 4, 4)],
+                       _q5_0),
+    "Q5_1": UnitFormat(lambda u: [("scales", u, 1), ("high", u, 1), ("quants", u * 4, 4)],
+                       _q5_1),
+    "Q5_K": UnitFormat(_q5_k_loads, _q5_k),
+    "Q3_K": UnitFormat(lambda u: [("high", (u >> 3) * 8, 8),
+                                  ("quants", (u >> 3) * 16 + ((u >> 2) & 1) * 8, 8),
+                                  ("scales", (u >> 3) * 3 + ((u & 3) >> 1), 1),
+                                  ("scales", (u >> 3) * 3 + 2, 1), ("d", u >> 4, 1)],
+                       _q3_k, scales=2),
+    "Q2_K": UnitFormat(lambda u: [("scales", (u >> 3) * 4 + ((u >> 2) & 1) * 2 + ((u & 3) >> 1),
+                                   1), ("quants", (u >> 3) * 16 + ((u >> 2) & 1) * 8, 8),
+                                  ("dm", u >> 3, 1)],
+                       _q2_k, scales=2),
+    "IQ4_NL": UnitFormat(lambda u: [("scales", u >> 1, 1), ("quants", u * 4, 4)],
+                         lambda k, words, u: [(_iq4(k, words[1:]), _half_of(k, words[0], u & 1),
+                                               None)]),
+    "IQ4_XS": UnitFormat(lambda u: [("head", (u >> 3) * 2, 2), ("quants", u * 4, 4)], _iq4_xs),
+}
 
 
 def reader(dtype):

@@ -2,20 +2,22 @@
 
 A family is one module here: its config readers (`config_from_gguf(path, metadata,
 tensor_names)`, `config_from_hf(path, config)`), the GGUF name of each Hugging Face tensor it
-uses (`gguf_name`), the names it answers to (`GGUF_ARCHS`: general.architecture values;
-`HF_ARCHS`: {config.json architecture: arch}), its forward pass in the graph IR
-(`forward(config, weights, num_blocks, block_size, freq_factors, part)`, whose outputs are
-"logits" and "last_hidden") and the embedding it makes of a last hidden state
-(`embedding(config, weight_array, last_hidden)`). The loader asks this
+uses (`gguf_name`) and, where they differ, the values a GGUF file holds for it
+(`hf_array(gguf_name, array)`: Gemma's norms are w in safetensors and 1 + w in GGUF), the names it answers to (`GGUF_ARCHS`:
+general.architecture values; `HF_ARCHS`: {config.json architecture: arch}), its forward pass
+in the graph IR (`forward(config, weights, num_blocks, block_size, freq_factors, part)`, whose
+outputs are "logits" and "last_hidden") and the embedding it makes of a last hidden state
+(`embedding(config, weight_array, last_hidden)`); optionally the texts of the tokens that end a
+turn of its chat format (`END_OF_TURN`), which end generation too. The loader asks this
 registry for a file's family and knows nothing of any one of them.
 """
 from ..errors import ModelFileError
-from . import llama
+from . import gemma, llama, phi3
 from .family import MissingWeight, WrongShape
 
 __all__ = ["FAMILIES", "gguf_family", "hf_family", "MissingWeight", "WrongShape"]
 
-FAMILIES = (llama,)
+FAMILIES = (llama, phi3, gemma)
 
 
 def gguf_family(path, metadata):

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ModelFileError
 from ..engine.placement import Part
 from ..ir.graph import Graph
-from .family import MissingWeight, WrongShape
+from .family import weight_reader
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
@@ -49,8 +49,7 @@ class LlamaConfig:
 
     def rope_inv_freq(self, freq_factors=None):
         """Rotation frequency of each dimension pair, after any frequency scaling."""
-        inv = 1.0 / self.rope_theta ** (np.arange(0, self.rope_dim, 2, dtype=np.float64)
-                                        / self.rope_dim)
+        inv = rope_frequencies(self.rope_theta, self.rope_dim)
         if freq_factors is not None:             # GGUF rope_freqs: Llama 3.1 scaling, precomputed
             inv = inv / np.asarray(freq_factors, np.float64)
         elif self.rope_scaling and self.rope_scaling[0] == "linear":
@@ -58,6 +57,11 @@ class LlamaConfig:
         elif self.rope_scaling and self.rope_scaling[0] == "llama3":
             inv = llama3_scaled(inv, *self.rope_scaling[1:])
         return inv.astype(np.float32)
+
+
+def rope_frequencies(theta, rope_dim):
+    """RoFormer's rotation frequencies, float64: theta ** (-2i / rope_dim) for each pair i."""
+    return 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
 
 
 def llama3_scaled(inv, factor, low_factor, high_factor, original_context):
@@ -240,19 +244,7 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     sample_tokens = g.input("sample_tokens", ("R",))
     inv_freq = g.const("rope_inv_freq", cfg.rope_inv_freq(freq_factors))
 
-    def w(name, *shape, rows=None, cols=None):
-        """The weight called `name`, which must have this shape; `rows`/`cols` (start, stop)
-        declare the slice of it this graph reads."""
-        if name not in g.weights:
-            if name not in weights:
-                raise MissingWeight(name, shape)
-            have, dtype = weights[name]
-            if tuple(have) != shape:
-                raise WrongShape(name, shape, tuple(have))
-            g.weight(name, shape, dtype, rows=rows, cols=cols)
-        elif g.slices.get(name, (None, None)) != (rows, cols):
-            raise ValueError(f"{name} is read with two slices (a tied head is not split)")
-        return g.weights[name]
+    w = weight_reader(g, weights)
 
     def project(x, name, n_out, rows):
         y = g.matmul(x, w(f"{name}.weight", n_out, x.shape[-1], rows=rows))

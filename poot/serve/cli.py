@@ -29,6 +29,7 @@ REFERENCE_STEP_TOKENS = 256
 REFERENCE_MAX_SEQS = 8
 REFERENCE_CONTEXT = 4096
 SHUTDOWN_GRACE_S = 10.0
+SWITCH_INTERVAL_S = 0.0005     # the interpreter's thread switch interval while serving
 FAULTS_ENV = "POOT_INJECT_FAULTS"
 
 log = logging.getLogger("poot.serve")
@@ -120,6 +121,9 @@ def serve(args, stop_event):
     from poot.loader import default_model_path, load
     from poot.serve import Server
 
+    # The engine's thread, back from waiting on the device, takes the interpreter's lock from
+    # the HTTP, writer and mask threads within this long (Python's default is 5 ms, half a step).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = Server(args.host, args.port, api_key=args.api_key)
     log.info("listening on %s (loading the model)", server.url)
     try:

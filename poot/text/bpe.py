@@ -2,8 +2,8 @@
 
 Two vocabularies share one merge loop. Byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM2) spells
 every byte as a printable character and merges by the rank of the pair in the merge list.
-SentencePiece BPE (Llama 2, Mistral) merges characters, by the score of the merged piece (GGUF)
-or by merge rank (tokenizer.json), and spells characters missing from the vocabulary as
+SentencePiece BPE (Llama 2, Mistral, Gemma 4) merges characters, by the score of the merged piece
+or by merge rank, and spells characters missing from the vocabulary as
 `<0xXX>` byte tokens. Not here: how text is cut into words (pretokenize.py), special tokens and
 BOS/EOS (tokenizer.py).
 """
@@ -105,23 +105,26 @@ class ByteLevelBPE:
         return self.merges.get((left, right))
 
     def _encode_word(self, word: str) -> tuple:
-        text = byte_level_text(word.encode("utf-8"))
-        if self.ignore_merges and text in self.vocab:
-            return (self.vocab[text],)
+        """The ids of one word, spelled byte-level already (the pre-tokenizer's last step)."""
         vocab = self.vocab
-        return tuple(vocab[s] for s in merge(text, self._rank) if s in vocab)
+        if self.ignore_merges and word in vocab:
+            return (vocab[word],)
+        return tuple(vocab[s] for s in merge(word, self._rank) if s in vocab)
 
 
 class SentencePieceBPE:
     """SentencePiece BPE over `vocab` ({piece: id}, spaces already spelled '▁').
 
-    Merge priority is either `scores` ({piece: score}, higher first: the GGUF form) or `merges`
-    ({pair: rank}: the tokenizer.json form). A character with no piece becomes its UTF-8 bytes
-    as `<0xXX>` tokens when `byte_ids` has them, else `unk_id` (runs fused if `fuse_unk`)."""
+    Merge priority is either `scores` ({piece: score}, higher first: the Llama GGUF form) or
+    `merges` ({pair: rank}: the tokenizer.json and Gemma 4 GGUF form). A character with no piece
+    becomes its UTF-8 bytes as `<0xXX>` tokens when `byte_ids` has them, else `unk_id` (runs
+    fused if `fuse_unk`). With `whole_newlines` (Gemma 4, whose merges never build its tokens
+    for runs of newlines) a word of newlines alone that is a token is taken whole."""
 
     def __init__(self, vocab, *, scores=None, merges=None, byte_ids=None, unk_id=None,
-                 fuse_unk=False, cache_size=1 << 16):
+                 fuse_unk=False, whole_newlines=False, cache_size=1 << 16):
         self.vocab, self.byte_ids, self.unk_id, self.fuse_unk = vocab, byte_ids, unk_id, fuse_unk
+        self.whole_newlines = whole_newlines
         if merges is not None:
             self._rank = lambda left, right: merges.get((left, right))
         else:
@@ -130,6 +133,8 @@ class SentencePieceBPE:
         self.encode_word = functools.lru_cache(maxsize=cache_size)(self._encode_word)
 
     def _encode_word(self, word: str) -> tuple:
+        if self.whole_newlines and word in self.vocab and not word.strip("\n"):
+            return (self.vocab[word],)
         ids = []
         for piece in merge(word, self._rank):
             if piece in self.vocab:

@@ -1,11 +1,19 @@
 """Pre-tokenizers: how a text segment is cut into the words that BPE then encodes one at a time.
 
-The splitting rules are the regex patterns published in the models' `tokenizer.json` files (GPT-2,
-Llama 3, Qwen2) and the digit splitting of SmolLM2/StarCoder. Each published pattern is translated
-once into a stdlib `re` pattern: `\\p{L}`, `\\p{N}` and `\\s` become explicit character classes
-built from `unicodedata` (general categories L* and N*, the White_Space property), so matching
-runs in C with exactly the published semantics. A pattern not in `PATTERNS` is refused rather than
-run under a different regex dialect. Not here: BPE (bpe.py), special tokens (tokenizer.py).
+A pre-tokenizer is the pipeline a model's `tokenizer.json` describes: a Unicode normalization,
+then steps that each cut every piece so far: split at the matches of a published regex (keeping
+the matches and the text between them, as `Split(behavior="Isolated")` does), split off digits,
+and the byte-level step that spells every byte as GPT-2's printable character (or, for Gemma 4's
+SentencePiece-style pieces, the step that spells a space '▁'). Steps after the byte-level one see
+that spelling, as they do in Hugging Face `tokenizers` (Falcon splits digits there). The words
+come out in the vocabulary's alphabet, ready for BPE.
+
+Each published pattern is translated once into a stdlib `re` pattern: `\\p{L}`, `\\p{N}`,
+`\\p{M}`, `\\p{P}` and `\\s` become explicit character classes built from `unicodedata`
+(general categories L*, N*, M*, P*, the White_Space property) and `$` the end of a line, so
+matching runs in C with exactly the published semantics. A pattern not in `PATTERNS` is refused
+rather than run under a different regex dialect. Not here: BPE (bpe.py), special tokens
+(tokenizer.py).
 """
 
 import functools
@@ -14,6 +22,7 @@ import sys
 import unicodedata
 
 from poot.errors import PootError
+from poot.text.bpe import byte_level_text
 
 
 class TokenizerUnsupported(PootError):
@@ -28,25 +37,62 @@ class TokenizerUnsupported(PootError):
         super().__init__(message)
 
 
+# DeepSeek LLM's letters: the cased letters (Lu, Ll, Lt) of the Unicode its tokenizer was built
+# with, spelled as its tokenizer.json spells them (escaped here, since several are canonical
+# singletons such as U+2126 OHM SIGN that an editor's normalization would silently change).
+_DEEPSEEK_LETTERS = (
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1"
+    "\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd"
+    "\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d"
+    "\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4"
+    "\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec"
+    "\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128"
+    "\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b"
+    "\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787"
+    "\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a"
+    "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943")
+
 # The split patterns exactly as they are spelled in the published tokenizer.json files.
-GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PATTERNS = {"gpt2": GPT2, "llama3": LLAMA3, "qwen2": QWEN2}
+PATTERNS = {
+    "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    "llama3": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    # Qwen3.5: combining marks join a run of letters and leave the run of symbols.
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    # DeepSeek LLM and DeepSeek Coder: a sequence of splits, each on the pieces of the last.
+    "newline": "[\r\n]",
+    "deepseek-letters": r"\s?[" + _DEEPSEEK_LETTERS + "]+",
+    "deepseek-punctuation": "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    "trailing-space": r"\s+$",
+    "cjk": "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    "letters": r"\s?\p{L}+",
+    "punctuation": r"\s?\p{P}+",
+    # Falcon: its Punctuation(Contiguous) pre-tokenizer (a run of ASCII punctuation and of
+    # Unicode P*), then a split into digit triples.
+    "punctuation-run": r"[!-/:-@\[-`{-~\p{P}]+",
+    "digit-triples": "[0-9][0-9][0-9]",
+    # Gemma 4: lines and runs of newlines, nothing else.
+    "lines": "[^\n]+|[\n]+",
+}
 
 # The Unicode White_Space property (PropList.txt), which is what `\s` means in the published
 # patterns; str.isspace() differs (it also counts U+001C..U+001F).
 WHITE_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680),
                (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F),
                (0x3000, 0x3000)]
+_CATEGORIES = ("L", "N", "M", "P")
 
 
 @functools.cache
 def _category_ranges():
-    """{'L': [(lo, hi), ...], 'N': [...]} over all code points, from this Python's unicodedata."""
-    ranges = {"L": [], "N": []}
+    """{'L': [(lo, hi), ...], 'N': [...], ...} over all code points, from this Python's
+    unicodedata."""
+    ranges = {major: [] for major in _CATEGORIES}
     category = unicodedata.category
     open_major, start = None, 0
     for cp in range(sys.maxunicode + 1):
@@ -67,8 +113,9 @@ def _class_body(ranges):
 @functools.cache
 def _escapes():
     ranges = _category_ranges()
-    return {"p{L}": _class_body(ranges["L"]), "p{N}": _class_body(ranges["N"]),
-            "s": _class_body(WHITE_SPACE)}
+    escapes = {f"p{{{major}}}": _class_body(ranges[major]) for major in _CATEGORIES}
+    escapes["s"] = _class_body(WHITE_SPACE)
+    return escapes
 
 
 def translate(pattern):
@@ -77,8 +124,7 @@ def translate(pattern):
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
-            escape = next((e for e in ("p{L}", "p{N}", "s", "S") if pattern.startswith(e, i + 1)),
-                          None)
+            escape = next((e for e in (*classes, "S") if pattern.startswith(e, i + 1)), None)
             if escape is None:
                 out.append(pattern[i:i + 2])
                 i += 2
@@ -95,6 +141,8 @@ def translate(pattern):
             in_class = True
         elif c == "]" and in_class:
             in_class = False
+        elif c == "$" and not in_class:
+            c = "(?m:$)"                   # Oniguruma's `$` is the end of any line
         out.append(c)
         i += 1
     return "".join(out)
@@ -125,20 +173,40 @@ def _isolate(regex, piece):
     return out
 
 
-class PreTokenizer:
-    """Normalization plus a sequence of splitting steps, each applied to every piece so far.
+def _spell_bytes(piece):
+    return [byte_level_text(piece.encode("utf-8"))]
 
-    `steps` holds ("regex", name) or ("digits", individual) entries; `normal_form` is a
-    unicodedata form such as "NFC" or None; `prefix_space` prepends a space to each segment that
-    does not already start with one (ByteLevel's add_prefix_space).
+
+def _spell_spaces(piece):
+    return [piece.replace(" ", "\u2581")]
+
+
+class PreTokenizer:
+    """Normalization plus a sequence of steps, each applied to every piece so far.
+
+    `steps` holds ("regex", name), ("digits", individual), ("bytes", None) (spell every byte
+    GPT-2's way) or ("spaces", None) (spell a space '▁') entries; `normal_form` is a unicodedata
+    form such as "NFC" or None; `prefix_space` prepends a space to each segment that does not
+    already start with one (ByteLevel's add_prefix_space).
     """
 
     def __init__(self, steps, normal_form=None, prefix_space=False):
         self.steps = tuple(steps)
         self.normal_form = normal_form
         self.prefix_space = prefix_space
-        self._regexes = [compiled(arg) if kind == "regex" else _digits(arg)
-                         for kind, arg in self.steps]
+
+    @functools.cached_property
+    def _cuts(self):
+        # Built on first use: the Unicode classes take a moment, and GGUF_PRE holds many.
+        return [self._cut(kind, arg) for kind, arg in self.steps]
+
+    @staticmethod
+    def _cut(kind, arg):
+        if kind == "regex":
+            return functools.partial(_isolate, compiled(arg))
+        if kind == "digits":
+            return functools.partial(_isolate, _digits(arg))
+        return {"bytes": _spell_bytes, "spaces": _spell_spaces}[kind]
 
     def __repr__(self):
         return f"PreTokenizer({self.steps!r}, normal_form={self.normal_form!r})"
@@ -151,40 +219,62 @@ class PreTokenizer:
         return text
 
     def words(self, text, first=True):
-        """The words of one text segment (`first` is unused: byte-level treats all alike)."""
+        """The words of one text segment (`first` is unused: these steps treat all alike)."""
         return self.split(self.normalize(text))
 
     def split(self, text):
         pieces = [text] if text else []
-        for (kind, _), regex in zip(self.steps, self._regexes):
-            # Every character matches some alternative of a published pattern, so findall loses
-            # nothing; digit splitting keeps the text between the digits.
-            cut = regex.findall if kind == "regex" else functools.partial(_isolate, regex)
+        for cut in self._cuts:
             pieces = [p for piece in pieces for p in cut(piece)]
         return pieces
 
 
-# tokenizer.ggml.pre names -> the pre-tokenizer the model was trained with. "default" is what the
-# converter writes for GPT-2-style vocabularies it does not otherwise name.
+def byte_level(*steps, normal_form=None):
+    """A byte-level pre-tokenizer: `steps` on the text, then every byte spelled GPT-2's way."""
+    return PreTokenizer([*steps, ("bytes", None)], normal_form)
+
+
+GPT2_REGEX, DIGITS = ("regex", "gpt2"), ("digits", True)
+
+# tokenizer.ggml.pre names -> the pre-tokenizer the model was trained with, as its
+# tokenizer.json defines it. "default" is what the converter writes for GPT-2-style vocabularies
+# it does not otherwise name.
 GGUF_PRE = {
-    "default": ([("regex", "gpt2")], None),
-    "gpt2": ([("regex", "gpt2")], None),
-    "gpt-2": ([("regex", "gpt2")], None),
-    "llama-bpe": ([("regex", "llama3")], None),
-    "llama3": ([("regex", "llama3")], None),
-    "llama-v3": ([("regex", "llama3")], None),
-    # Qwen2's tokenizer.json normalizes to NFC before splitting; the GGUF has no key for it.
-    "qwen2": ([("regex", "qwen2")], "NFC"),
-    "smollm": ([("digits", True), ("regex", "gpt2")], None),
-    "starcoder": ([("digits", True), ("regex", "gpt2")], None),
+    "default": byte_level(GPT2_REGEX),
+    "gpt2": byte_level(GPT2_REGEX),
+    "gpt-2": byte_level(GPT2_REGEX),
+    "llama-bpe": byte_level(("regex", "llama3")),
+    "llama3": byte_level(("regex", "llama3")),
+    "llama-v3": byte_level(("regex", "llama3")),
+    # Qwen's tokenizer.json files normalize to NFC before splitting; the GGUF has no key for it.
+    "qwen2": byte_level(("regex", "qwen2"), normal_form="NFC"),
+    "qwen35": byte_level(("regex", "qwen35"), normal_form="NFC"),
+    "smollm": byte_level(DIGITS, GPT2_REGEX),
+    "starcoder": byte_level(DIGITS, GPT2_REGEX),
+    "refact": byte_level(DIGITS, GPT2_REGEX),
+    "command-r": byte_level(DIGITS, GPT2_REGEX, normal_form="NFC"),
+    # MPT's GPT-NeoX vocabulary: GPT-2's split after NFC; its runs of spaces are user-defined
+    # tokens, which tokenizer.py matches before any of this.
+    "mpt": byte_level(GPT2_REGEX, normal_form="NFC"),
+    "deepseek-llm": byte_level(("regex", "newline"), ("regex", "deepseek-letters"),
+                               ("regex", "deepseek-punctuation"), ("regex", "trailing-space"),
+                               ("regex", "cjk"), DIGITS),
+    "deepseek-coder": byte_level(("regex", "newline"), ("regex", "letters"),
+                                 ("regex", "punctuation"), ("regex", "cjk"), DIGITS),
+    # Falcon splits digits after the byte-level spelling, so the bytes that spell themselves as
+    # numbers (B2 '²', BD '½', ...) split there too, as they do in `tokenizers`.
+    "falcon": PreTokenizer([("regex", "punctuation-run"), GPT2_REGEX, ("bytes", None),
+                            ("digits", False), ("regex", "digit-triples")]),
+    # Gemma 4 (SentencePiece-style pieces, not byte-level): spaces spelled '▁', the text cut
+    # only into lines and runs of newlines, as llama.cpp reads its GGUF files.
+    "gemma4": PreTokenizer([("spaces", None), ("regex", "lines")]),
 }
 
 
 def from_gguf_pre(name):
     if name not in GGUF_PRE:
         raise TokenizerUnsupported("pre-tokenizer", name, sorted(GGUF_PRE))
-    steps, normal_form = GGUF_PRE[name]
-    return PreTokenizer(steps, normal_form)
+    return GGUF_PRE[name]
 
 
 _NORMAL_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
@@ -209,7 +299,7 @@ def from_hf_byte_level(normalizer, pre_tokenizer):
     steps, prefix_space, byte_level = [], False, False
     for node in flatten(pre_tokenizer, "pretokenizers"):
         kind = node["type"]
-        if kind == "ByteLevel":
+        if kind == "ByteLevel" and not byte_level:
             byte_level = True
             if node.get("add_prefix_space"):
                 if steps:
@@ -218,6 +308,7 @@ def from_hf_byte_level(normalizer, pre_tokenizer):
                 prefix_space = True
             if node.get("use_regex", True):
                 steps.append(("regex", "gpt2"))
+            steps.append(("bytes", None))
         elif kind == "Split":
             pattern = node["pattern"].get("Regex")
             name = next((n for n, p in PATTERNS.items() if p == pattern), None)
@@ -227,8 +318,11 @@ def from_hf_byte_level(normalizer, pre_tokenizer):
             steps.append(("regex", name))
         elif kind == "Digits":
             steps.append(("digits", bool(node.get("individual_digits"))))
+        elif kind == "Punctuation" and node.get("behavior", "Isolated") == "Contiguous":
+            steps.append(("regex", "punctuation-run"))
         else:
-            raise TokenizerUnsupported("pre-tokenizer", kind, ["ByteLevel", "Split", "Digits"])
+            raise TokenizerUnsupported("pre-tokenizer", kind, [
+                "ByteLevel (once)", "Split", "Digits", "Punctuation(Contiguous)"])
     if not byte_level:
         raise TokenizerUnsupported("pre-tokenizer", "byte-level BPE without ByteLevel")
     return PreTokenizer(steps, normal_form, prefix_space)

@@ -72,7 +72,8 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, metadata):
         """From GGUF metadata (key -> value); `tokenizer.ggml.model` is "gpt2" (byte-level BPE
-        with merges) or "llama" (SentencePiece BPE with scores and byte fallback)."""
+        with merges), "llama" (SentencePiece BPE with scores and byte fallback) or "gemma4"
+        (SentencePiece BPE with merges and byte fallback)."""
         def get(key, default=None):
             value = metadata.get("tokenizer.ggml." + key)
             return default if value is None else value
@@ -82,17 +83,27 @@ class Tokenizer:
                 raise ModelFileError("<GGUF metadata>", f"tokenizer.ggml.{key} is missing")
             return metadata["tokenizer.ggml." + key]
 
-        kind = get("model")
+        kind, pre_name = get("model"), get("pre", "default")
         tokens = [str(t) for t in need("tokens")]
         types = [int(t) for t in get("token_type", [NORMAL] * len(tokens))]
         bos, eos, unk, pad = (get(k + "_token_id") for k in ("bos", "eos", "unknown", "padding"))
-        if kind == "gpt2":
-            pre_name = get("pre", "default")
+        if kind == "gemma4" or (kind == "gpt2" and pre_name == "gemma4"):
+            # SentencePiece-style pieces merged by rank; BOS always, as llama.cpp reads these
+            # files. A merged piece is looked up among all the tokens, control ones too, as
+            # tokenizer.json's BPE looks it up.
+            vocab = _vocab(tokens, types, set(types))
+            model = SentencePieceBPE(vocab, merges=parse_merges(need("merges")),
+                                     byte_ids=_byte_ids(tokens, types), unk_id=unk,
+                                     whole_newlines=True)
+            pre = from_gguf_pre("gemma4")
+            add_bos, space_prefix, byte_level = True, False, False
+        elif kind == "gpt2":
             pre = from_gguf_pre(pre_name)
             vocab = _vocab(tokens, types, (NORMAL,))
             model = ByteLevelBPE(vocab, parse_merges(need("merges")),
                                  ignore_merges=pre_name in _LLAMA3_PRE)
             add_bos, space_prefix = bool(get("add_bos_token", pre_name in _LLAMA3_PRE)), False
+            byte_level = True
         elif kind == "llama":
             vocab = _vocab(tokens, types, (NORMAL, USER_DEFINED))
             scores = [float(s) for s in need("scores")]
@@ -100,11 +111,11 @@ class Tokenizer:
                                      byte_ids=_byte_ids(tokens, types), unk_id=unk)
             space_prefix = bool(get("add_space_prefix", True))
             pre = SentencePieceSpaces("always" if space_prefix else "never")
-            add_bos = bool(get("add_bos_token", True))
+            add_bos, byte_level = bool(get("add_bos_token", True)), False
         else:
-            raise TokenizerUnsupported("model", kind, ["gpt2", "llama"])
+            raise TokenizerUnsupported("model", kind, ["gpt2", "llama", "gemma4"])
         add_eos = bool(get("add_eos_token", False))
-        return cls(tokens, types, model, pre, byte_level=kind == "gpt2",
+        return cls(tokens, types, model, pre, byte_level=byte_level,
                    bos_id=None if bos is None else int(bos),
                    pad_id=None if pad is None else int(pad),
                    eos_ids={int(get(k)) for k in ("eos_token_id", "eot_token_id", "eom_token_id")

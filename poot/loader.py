@@ -7,6 +7,8 @@ tokenizer. A model that loads here fails later only for reasons of the device.
 import os
 from pathlib import Path
 
+import numpy as np
+
 from .errors import ModelFileError
 from .formats import open_model
 from .models import MissingWeight, WrongShape, gguf_family, hf_family
@@ -74,11 +76,7 @@ class LoadedModel:
                                                        self._file_names)
         else:
             self.family = hf_family(self.path, self.file.config)
-            self._file_names = {}
-            for file_name in self.file.tensors:
-                gguf_name = self.family.gguf_name(file_name)
-                if gguf_name:
-                    self._file_names[gguf_name] = file_name
+            self._file_names = hf_weight_names(self.path, self.family, self.file.tensors)
             self.config = self.family.config_from_hf(self.path, self.file.config)
         # the rope's per-pair frequency divisors, where the file holds them as a tensor:
         # Llama 3.1's rope_freqs, or the one of LongRoPE's pair its family's config chose
@@ -93,15 +91,32 @@ class LoadedModel:
 
     def weight_shapes(self):
         """GGUF name -> (shape, storage dtype) of every weight the file holds."""
-        return {name: (self.file.tensors[file_name].shape, self.file.tensors[file_name].dtype)
-                for name, file_name in self._file_names.items()}
+        out = {}
+        for name, file_name in self._file_names.items():
+            if isinstance(file_name, tuple):        # stacked: one tensor per row
+                t = self.file.tensors[file_name[0]]
+                out[name] = ((len(file_name),) + tuple(t.shape), t.dtype)
+            else:
+                out[name] = (self.file.tensors[file_name].shape, self.file.tensors[file_name].dtype)
+        return out
 
     def weight_array(self, name):
         """A weight dequantised to float32 (the reference interpreter's view of it), with the
-        values a GGUF file would hold (a family's hf_array: Gemma's norms as 1 + w)."""
-        array = self.file.array(self._file_names[name])
+        values a GGUF file would hold (a family's hf_array: Gemma's norms as 1 + w); a stacked
+        one's parts stacked."""
+        file_name = self._file_names[name]
+        if isinstance(file_name, tuple):
+            return np.stack([self.file.array(n) for n in file_name])
+        array = self.file.array(file_name)
         as_gguf = getattr(self.family, "hf_array", None)
         return array if self.file.kind == "gguf" or as_gguf is None else as_gguf(name, array)
+
+    def weight_raw(self, name):
+        """A weight's stored bytes (a stacked one's: its parts' one after another)."""
+        file_name = self._file_names[name]
+        if isinstance(file_name, tuple):
+            return np.concatenate([self.file.raw(n) for n in file_name])
+        return self.file.raw(file_name)
 
     def embedding(self, last_hidden):
         """A prompt's embedding (unit length) from its last token's final hidden state."""
@@ -140,6 +155,28 @@ class LoadedModel:
 
     def close(self):
         self.file.close()
+
+
+def hf_weight_names(path, family, tensors):
+    """GGUF name -> the Hugging Face tensor of each weight the family reads, or for a stacked
+    one (a layer's experts) the tuple of its parts in order, which must be complete and alike."""
+    names, stacked = {}, {}
+    for file_name in tensors:
+        name = family.gguf_name(file_name)
+        if isinstance(name, tuple):
+            stacked.setdefault(name[0], {})[name[1]] = file_name
+        elif name:
+            names[name] = file_name
+    for name, parts in stacked.items():
+        if sorted(parts) != list(range(len(parts))):
+            missing = min(set(range(max(parts) + 1)) - set(parts))
+            raise ModelFileError(path, f"{name} lacks its part {missing}", tensor=name)
+        names[name] = tuple(parts[i] for i in range(len(parts)))
+        kinds = {(tuple(tensors[n].shape), tensors[n].dtype) for n in names[name]}
+        if len(kinds) != 1:
+            raise ModelFileError(path, f"the parts of {name} differ in shape or dtype: "
+                                       f"{sorted(kinds)}", tensor=names[name][0])
+    return names
 
 
 def hf_chat_template(path, tokenizer_config):

@@ -73,3 +73,25 @@ def test_compare_reference_reports_agreement_per_model(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("tiny:")]
     assert [line.split(":", 3)[-1].split(",")[0].strip() for line in lines] == \
         ["6/6 greedy tokens equal", "4/4 greedy tokens equal"], result.stdout
+
+
+def test_bench_counts_the_active_weights_of_a_mixture_of_experts(tmp_path):
+    """A random Qwen3-MoE-shaped model (as 30b-a3b is written, pooled rows, at a tiny size):
+    its rows, and the active weight bytes a token, which leave out the experts not chosen."""
+    try:
+        open_device("vulkan")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench"), "--backend", "vulkan", "--models",
+         "tiny-moe:Q4_0", "--batches", "1,4", "--steps", "2", "--prefill", "16", "--cache",
+         str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if "tiny-moe:Q4_0" in line]
+    assert [(r[2], r[3]) for r in rows] == [("Q4_0", "1"), ("Q4_0", "4")]
+    active = [line for line in result.stderr.splitlines() if "active weights a token" in line]
+    assert len(active) == 1 and "(2 of 6 experts)" in active[0], result.stderr
+    words = active[0].split()
+    active_bytes, total_bytes = (int(words[i - 1].replace(",", "")) for i, w in enumerate(words)
+                                 if w == "bytes")
+    assert 0 < active_bytes < total_bytes

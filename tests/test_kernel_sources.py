@@ -13,6 +13,7 @@ from poot.ir.graph import ACTIVATIONS
 from poot.kernels import choice, matmul, matvec, mma_vec, ops, softcap
 from poot.kernels.lang import WGMMA
 from poot.kernels.quant import DEVICE_DTYPES
+from tests.test_experts import expert_kernels
 
 
 # the matvec's fused variants the runner lowers to (engine/lowering.py: Matvec)
@@ -55,7 +56,7 @@ def runner_kernels(subgroup_size):
     out += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     out += [ops.all_gather(w) for w in (2, 8)]
     out += gemma_kernels(subgroup_size)
-    return out
+    return out + expert_kernels(subgroup_size)
 
 
 # Gemma's attention (a sliding window, soft-capped scores: Gemma 2 and 3 at head_dim 256),

@@ -27,7 +27,7 @@ from .kernel_choice import (ARGMAX_CHUNKS, MAX_SPLITS, SPLIT_MIN_CONTEXT, SPLIT_
                             TWO_PHASE_FLOATS, KernelChoice, attention_mods, runs_mma,
                             tiled_norm_x16, tiled_x16_format)
 from .lowering import assign_slots, lower, next_matmul, normed_after, shared_buffers
-from . import placement
+from . import expert_steps, placement
 from .device_choice import EDITS_PER_ROW, DeviceChoice
 from .step_runner import StepRunner
 
@@ -97,7 +97,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
 
     def _check_supported(self):
         for t in self.graph.weights.values():
-            if len(t.shape) == 2 and t.dtype not in DEVICE_DTYPES:
+            if len(t.shape) >= 2 and t.dtype not in DEVICE_DTYPES:
                 raise ModelRefused(f"{self.backend}: {self.device.name}: weight {t.name} is "
                                    f"{t.dtype}; the device kernels read "
                                    f"{', '.join(DEVICE_DTYPES)}")
@@ -140,7 +140,8 @@ class DeviceRunner(DeviceChoice, StepRunner):
 
     def _planes_of(self, t):
         r = reader(t.dtype)
-        return {p: t.shape[0] * r.row_words(p, t.shape[1]) for p in r.plane_names}
+        rows = math.prod(t.shape[:-1])        # a stack of matrices: their rows one after another
+        return {p: rows * r.row_words(p, t.shape[-1]) for p in r.plane_names}
 
     def _device_weights(self):
         """The graph's weights as the device holds them: a stacked weight in place of its
@@ -163,7 +164,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
     def _allocations(self):
         out = []
         for t in self._device_weights():
-            if len(t.shape) == 2:
+            if len(t.shape) >= 2:
                 for plane, words in self._planes_of(t).items():
                     out.append(Allocation(f"{t.name}:{plane}", words * 4, "weights"))
             else:
@@ -191,7 +192,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
         shared = {}
         for name, x in self._shared.values():
             shared[name] = max(shared.get(name, 0), self.choice.elements(x.shape))
-        step += list(shared.items())
+        step += list(shared.items()) + expert_steps.buffers(self.graph, self.max_tokens)
         out += [Allocation(name, words * 4, "arenas") for name, words in step]
         out += [Allocation(f"arena.{i}", size, "arenas") for i, size in enumerate(self._slot_sizes)]
         if self.attention_splits > 1:       # (o [head_dim], m, l) of each token, head and split
@@ -277,7 +278,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
             self.programs = {k.name: dev.program(k) for k in self._kernels()}
             return
         for t in self._device_weights():
-            if len(t.shape) == 2:
+            if len(t.shape) >= 2:
                 for plane, words in self._file_planes(t).items():
                     dev.write(self.buffers[f"{t.name}:{plane}"], words)
             else:
@@ -296,11 +297,11 @@ class DeviceRunner(DeviceChoice, StepRunner):
         each = []
         for p in parts:
             part = self.graph.file_slice(p.name)
-            info = self.model.file.tensors[self.model._file_names[part.tensor]]
-            raw = self.model.file.raw(info.name)
+            raw = self.model.weight_raw(part.tensor)
             if part.rows is not None or part.cols is not None:
-                raw = slice_raw(p.dtype, raw, info.shape, part.rows, part.cols)
-            each.append(planes(p.dtype, raw, p.shape))
+                shape = self.model.weight_shapes()[part.tensor][0]
+                raw = slice_raw(p.dtype, raw, shape, part.rows, part.cols)
+            each.append(planes(p.dtype, raw, (math.prod(p.shape[:-1]), p.shape[-1])))
         if len(each) == 1:
             return each[0]
         return {plane: np.concatenate([e[plane] for e in each]) for plane in each[0]}
@@ -785,4 +786,7 @@ STEPS = {
     "all_gather": StepKind(_one(lambda r, op: ops.all_gather(op.attrs["world"])),
                            DeviceRunner._gather_slices),
     "reshape": StepKind(lambda r, steps, i, long: [], DeviceRunner._reshape),
+    "route": StepKind(expert_steps.route_kernels, expert_steps.route),
+    "expert_matmul": StepKind(expert_steps.matvec_kernels, expert_steps.matvec),
+    "expert_sum": StepKind(expert_steps.sum_kernels, expert_steps.expert_sum),
 }

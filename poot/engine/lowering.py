@@ -42,6 +42,42 @@ class Matvec:
                     outputs=len(self.outputs), glu=self.glu)
 
 
+@dataclass(frozen=True)
+class ExpertMatvec:
+    """One expert_matvec launch (kernels/experts.py): each route's product with its chosen
+    expert's matrix (`weight` [experts, rows, cols]; `ids` the router's choice), or gate and up
+    with the gated unit of the two (`up`, `glu`), and the RMSNorm of its input (`norm`), as
+    Matvec's."""
+    x: object
+    weight: object
+    ids: object
+    outputs: tuple
+    up: object = None
+    glu: str = None
+    norm: object = None
+    eps: float = 0.0
+    kind = "expert_matmul"
+
+    @property
+    def inputs(self):
+        return tuple(t for t in (self.x, self.norm, self.weight, self.up, self.ids)
+                     if t is not None)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A router's top_k and the route_weights of its choice, one launch (kernels/experts.py:
+    route), in top_k's place: outputs (ids, weights)."""
+    logits: object
+    outputs: tuple
+    used: int
+    normalize: bool
+    kind = "route"
+
+    @property
+    def inputs(self):
+        return (self.logits,)
+
 
 def shared_buffers(graph):
     """What a tensor group reads from each other's memory lives in buffers of its own, not
@@ -62,7 +98,7 @@ def shared_buffers(graph):
 def lower(graph, stack_glu=False):
     """The graph's ops as launch steps, fusing ops into one kernel where what passes
     between them is used only there:
-    - an rms_norm read only by matmuls is folded into each of them;
+    - an rms_norm read only by matmuls (and expert_matmuls) is folded into each of them;
     - a glu (gated unit) of two matmuls of one input becomes one matmul over both weights;
     - an add whose input is a matmul used only there (a residual add) becomes the matmul's
       epilogue;
@@ -71,6 +107,9 @@ def lower(graph, stack_glu=False):
       each part's rows written to its own output, so q, k and v stay separate values;
     - the ropes of q and k and the store_kv of k become one kernel, where q goes on only
       to the attention that reads that cache;
+    - a route_weights of a top_k's choice over the same logits becomes one Route with it; a
+      glu of two expert_matmuls of one input and routing one ExpertMatvec over both (the
+      others are one each), and an add of an expert_sum used only there the sum's epilogue;
     - an add of an all_reduce's sum (a tensor group's) becomes the reduction's epilogue.
     With stack_glu (a device that runs the tensor-core matmul) a gated unit's gate and up
     weights are stacked too, so that mma_tiled reads them in one launch (twice the rows, a
@@ -103,6 +142,12 @@ def lower(graph, stack_glu=False):
                                              op.output, dict(reduce.attrs, residual=True))
                     place[id(op)] = None
                     break
+                total = made_once(op.inputs[mine], "expert_sum")
+                if total is not None and op.inputs[other].kind == "value":
+                    place[id(total)] = Op("expert_sum", (*total.inputs, op.inputs[other]),
+                                          op.output, {"residual": True})
+                    place[id(op)] = None
+                    break
         elif op.kind == "all_reduce":
             place.setdefault(id(op), Op("all_reduce", op.inputs, op.output,
                                           dict(op.attrs, residual=False)))
@@ -110,8 +155,8 @@ def lower(graph, stack_glu=False):
     for op in ops_:
         readers = users.get(op.output.name, [])
         if op.kind == "rms_norm" and readers and uses[op.output.name] == len(readers) and \
-                all(r.kind == "matmul" and r.inputs[0].name == op.output.name
-                    for r in readers):
+                all(r.kind in ("matmul", "expert_matmul") and
+                    r.inputs[0].name == op.output.name for r in readers):
             norm_of[op.output.name] = op
             place[id(op)] = None
 
@@ -121,6 +166,13 @@ def lower(graph, stack_glu=False):
             fused.update(norm=norm.inputs[1], eps=norm.attrs["eps"])
             x = norm.inputs[0]
         return Matvec(x, weight, tuple(outputs), **fused)
+
+    def expert_matvec(x, weight, ids, outputs, **fused):
+        norm = norm_of.get(x.name)
+        if norm is not None:
+            fused.update(norm=norm.inputs[1], eps=norm.attrs["eps"])
+            x = norm.inputs[0]
+        return ExpertMatvec(x, weight, ids, tuple(outputs), **fused)
 
     for op in ops_:
         if id(op) in place:
@@ -136,6 +188,17 @@ def lower(graph, stack_glu=False):
                 place[id(second)] = place[id(op)] = None
                 if stack_glu:
                     pair.append((gate.inputs[1], up.inputs[1]))
+                continue
+            gate, up = (made_once(t, "expert_matmul") for t in op.inputs)
+            if gate and up and [t.name for t in gate.inputs[::2]] == \
+                    [t.name for t in up.inputs[::2]] and \
+                    (gate.inputs[1].dtype, gate.inputs[1].shape) == \
+                    (up.inputs[1].dtype, up.inputs[1].shape):
+                first, second = sorted((gate, up), key=lambda m: order[id(m)])
+                x, w, ids = gate.inputs
+                place[id(first)] = expert_matvec(x, w, ids, [op.output], up=up.inputs[1],
+                                                 glu=op.attrs["activation"])
+                place[id(second)] = place[id(op)] = None
         elif op.kind == "add":
             for mine, other in ((0, 1), (1, 0)):
                 maker = made_once(op.inputs[mine], "matmul")
@@ -148,6 +211,15 @@ def lower(graph, stack_glu=False):
         elif op.kind == "store_kv":
             _fuse_rope_store_kv(op, users, order, made_once, place)
 
+    for op in ops_:
+        if op.kind == "expert_matmul" and id(op) not in place:
+            place[id(op)] = expert_matvec(*op.inputs, [op.output])
+        chooser = producer.get(op.inputs[1].name) if op.kind == "route_weights" else None
+        if chooser is not None and chooser.kind == "top_k" and \
+                chooser.inputs[0].name == op.inputs[0].name:
+            place[id(chooser)] = Route(op.inputs[0], (chooser.output, op.output),
+                                       chooser.attrs["k"], op.attrs["normalize"])
+            place[id(op)] = None
     groups = {}
     for op in ops_:
         if op.kind == "matmul" and id(op) not in place:

@@ -69,6 +69,9 @@ def even(n, parts, unit=1):
 def tensor_parts(cfg, weights, world):
     """The tensor-parallel part of each of `world` ranks. `weights` maps GGUF names to (shape,
     dtype), for the block alignment of the column-split projections."""
+    if "blk.0.ffn_gate_inp.weight" in weights:          # a router: a mixture of experts
+        raise PlacementRefused("tensor placement: a mixture of experts is not split over "
+                               "devices by columns (a pipeline placement splits its layers)")
     if world > cfg.n_kv_heads:
         raise PlacementRefused(f"tensor placement over {world} devices: the model has "
                                f"{cfg.n_kv_heads} KV heads, and each device needs at least one")

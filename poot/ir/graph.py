@@ -26,6 +26,13 @@ OPS = {
                   "optionally only the last `window` positions, scores soft-capped at `softcap`",
     "glu":        "out = activation(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU)",
     "gather":     "out[r] = x[index[r]]",
+    "top_k":      "out[t] = the indices (i32) of the k largest x[t], largest first, ties to the "
+                  "lower index",
+    "route_weights": "out[t, j] = softmax(logits[t])[ids[t, j]], divided by its sum over j "
+                     "where normalize",
+    "expert_matmul": "out[t, j, m] = sum_k x[t, k] * w[ids[t, j], m, k]   (x [T, K] or "
+                     "[T, k, K]: then x[t, j, k]; w [experts, M, K] in its storage dtype)",
+    "expert_sum": "out[t] = sum_j weights[t, j] * y[t, j]",
     "softcap":    "out = tanh(x / cap) * cap   (Gemma 2's final logits)",
     "all_reduce": "out = the sum of x over the devices of a group (each holds a partial sum)",
     "all_gather": "out = the concatenation along the last axis of x over the devices of a group, "
@@ -125,9 +132,9 @@ class Graph:
         return list(self.weights.values())
 
     # -- operations -----------------------------------------------------------------------------
-    def _op(self, kind, inputs, shape, attrs=None, name=None):
+    def _op(self, kind, inputs, shape, attrs=None, name=None, dtype="f32"):
         self._count += 1
-        out = Tensor(name or f"%{self._count}.{kind}", tuple(shape), "f32", "value")
+        out = Tensor(name or f"%{self._count}.{kind}", tuple(shape), dtype, "value")
         self.ops.append(Op(kind, tuple(inputs), out, dict(attrs or {})))
         return out
 
@@ -191,6 +198,34 @@ class Graph:
     def gather(self, x, index):
         return self._op("gather", (x, index), (index.shape[0],) + x.shape[1:])
 
+    # -- mixture of experts: route each token to k experts, run theirs, sum them weighted --------
+    def top_k(self, x, k):
+        """The ids (i32) of each row's k largest values, e.g. a router's chosen experts."""
+        if not 1 <= k <= x.shape[-1]:
+            raise ValueError(f"top_k: k={k} of {x.shape[-1]} values")
+        return self._op("top_k", (x,), (x.shape[0], int(k)), {"k": int(k)}, dtype="i32")
+
+    def route_weights(self, logits, ids, normalize):
+        """The chosen experts' router probabilities (softmax over every expert), renormalised to
+        sum to one over the chosen where `normalize`."""
+        if ids.dtype != "i32" or ids.shape[0] != logits.shape[0]:
+            raise ValueError(f"route_weights: ids {ids.shape} {ids.dtype} for {logits.shape}")
+        return self._op("route_weights", (logits, ids), ids.shape, {"normalize": bool(normalize)})
+
+    def expert_matmul(self, x, w, ids):
+        """Each token's product with each of its chosen experts' matrices: x [T, K] (the same
+        row for every expert) or [T, k, K] (a row per chosen expert), w [experts, M, K]."""
+        if len(w.shape) != 3 or x.shape[-1] != w.shape[2] or ids.dtype != "i32" or (
+                len(x.shape) == 3 and x.shape[1] != ids.shape[1]):
+            raise ValueError(f"expert_matmul: x {x.shape} against w {w.name} {w.shape}, "
+                             f"ids {ids.shape}")
+        return self._op("expert_matmul", (x, w, ids), (x.shape[0], ids.shape[1], w.shape[1]))
+
+    def expert_sum(self, y, weights):
+        """Each token's chosen experts' outputs y [T, k, M] summed with their weights [T, k]."""
+        if y.shape[:2] != weights.shape:
+            raise ValueError(f"expert_sum: y {y.shape} with weights {weights.shape}")
+        return self._op("expert_sum", (y, weights), (y.shape[0], y.shape[2]))
     def softcap(self, x, cap):
         return self._op("softcap", (x,), x.shape, {"cap": float(cap)})
 

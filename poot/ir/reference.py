@@ -197,6 +197,32 @@ def gather(x, index):
     return x[index]
 
 
+def top_k(x, k):
+    """A stable sort of the negated values: largest first, equal values by lower index."""
+    return np.argsort(-x, axis=-1, kind="stable")[:, :k].astype(np.int32)
+
+
+def route_weights(logits, ids, normalize):
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    chosen = np.take_along_axis(shifted / shifted.sum(axis=-1, keepdims=True), ids, axis=-1)
+    return chosen / chosen.sum(axis=-1, keepdims=True) if normalize else chosen
+
+
+def expert_matmul(x, w, ids):
+    """Each expert's rows gathered, multiplied by its matrix and scattered back."""
+    n_tokens, k = ids.shape
+    rows = np.broadcast_to(x[:, None, :] if x.ndim == 2 else x, (n_tokens, k, x.shape[-1]))
+    out = np.empty((n_tokens, k, w.shape[1]), np.float32)
+    for expert in np.unique(ids):
+        mine = ids == expert
+        out[mine] = rows[mine] @ w[expert].T
+    return out
+
+
+def expert_sum(y, weights):
+    return np.einsum("tjm,tj->tm", y, weights)
+
+
 def capped(x, cap):
     return (np.tanh(x / cap) * cap).astype(np.float32)
 
@@ -204,5 +230,6 @@ def capped(x, cap):
 KERNELS = {
     "embedding": embedding, "rms_norm": rms_norm, "matmul": matmul, "add": add,
     "reshape": reshape, "rope": rope, "store_kv": store_kv, "attention": attention,
-    "glu": glu, "gather": gather, "softcap": capped,
+    "glu": glu, "gather": gather, "softcap": capped, "top_k": top_k,
+    "route_weights": route_weights, "expert_matmul": expert_matmul, "expert_sum": expert_sum,
 }

@@ -1,8 +1,10 @@
-"""The Llama family in the graph IR: Llama 2/3/3.x, Mistral, SmolLM2, Qwen2/2.5, Qwen3.
+"""The Llama family in the graph IR: Llama 2/3/3.x, Mistral, SmolLM2, Qwen2/2.5, Qwen3, and the
+mixtures of experts Mixtral and Qwen3-MoE.
 
 `forward` reads top to bottom as the model's forward pass; the variants are small named switches
 in `LlamaConfig` (q/k/v bias for Qwen2, q/k norm for Qwen3, rope layout and frequency scaling,
-tied embeddings). Weights are named as in GGUF files; Hugging Face names are mapped onto those.
+tied embeddings, a feed-forward block of routed experts). Weights are named as in GGUF files;
+Hugging Face names are mapped onto those, each expert's matrix onto its row of the stacked one.
 """
 import math
 from dataclasses import dataclass
@@ -14,9 +16,10 @@ from ..engine.placement import Part
 from ..ir.graph import Graph
 from .family import weight_reader
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+            "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,11 @@ class LlamaConfig:
     qkv_bias: bool = False       # Qwen2
     qk_norm: bool = False        # Qwen3
     tied_embeddings: bool = False
+    # mixture of experts (Mixtral, Qwen3-MoE): each token's feed-forward block is the weighted
+    # sum of experts_used of n_experts SwiGLU blocks (d_ff wide each), chosen by a router
+    n_experts: int = 0
+    experts_used: int = 0
+    norm_topk: bool = True       # the chosen experts' weights renormalised to sum to one
 
     def rope_inv_freq(self, freq_factors=None):
         """Rotation frequency of each dimension pair, after any frequency scaling."""
@@ -89,10 +97,19 @@ def config_from_gguf(path, metadata, tensor_names):
     elif kind not in ("none", None):
         raise ModelFileError(path, f"rope scaling {kind!r} is not supported")
     vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+    n_experts = int(key("expert_count", 0))
+    d_ff = int(key("expert_feed_forward_length" if arch == "qwen3moe" else
+                   "feed_forward_length"))
+    if n_experts and "blk.0.ffn_gate_exps.weight" not in tensor_names:
+        raise ModelFileError(path, "the experts are stored one tensor each (an older "
+                                   "conversion); poot reads the stacked ffn_*_exps tensors: "
+                                   "convert the model again with a current llama.cpp")
+    if arch == "qwen3moe" and not n_experts:
+        raise ModelFileError(path, "metadata key qwen3moe.expert_count is missing")
     return LlamaConfig(
         arch=arch, n_layers=int(key("block_count")), d_model=d_model, n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)), head_dim=head_dim,
-        d_ff=int(key("feed_forward_length")), vocab_size=int(vocab),
+        d_ff=d_ff, vocab_size=int(vocab),
         context_length=int(key("context_length")),
         norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
@@ -100,7 +117,9 @@ def config_from_gguf(path, metadata, tensor_names):
         rope_style="normal" if arch == "llama" else "neox", rope_scaling=scaling,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        tied_embeddings="output.weight" not in tensor_names)
+        tied_embeddings="output.weight" not in tensor_names,
+        n_experts=n_experts, experts_used=int(key("expert_used_count", 0)) if n_experts else 0,
+        norm_topk=bool(key("expert_weights_norm", True)))
 
 
 def config_from_hf(path, config):
@@ -125,20 +144,40 @@ def config_from_hf(path, config):
                        float(rope["original_max_position_embeddings"]))
         else:
             raise ModelFileError(path, f"rope scaling {kind!r} is not supported")
+        n_experts, d_ff = hf_experts(path, arch, config)
         return LlamaConfig(
             arch=arch, n_layers=int(config["num_hidden_layers"]), d_model=d_model,
             n_heads=n_heads, n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-            head_dim=head_dim, d_ff=int(config["intermediate_size"]),
+            head_dim=head_dim, d_ff=d_ff,
             vocab_size=int(config["vocab_size"]), context_length=context,
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_dim=int(head_dim * config.get("partial_rotary_factor", 1.0)),
             rope_style="neox", rope_scaling=scaling,
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias")),
-            qk_norm=arch == "qwen3",
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)))
+            qk_norm=arch in ("qwen3", "qwen3moe"),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            n_experts=n_experts,
+            experts_used=int(config["num_experts_per_tok"]) if n_experts else 0,
+            norm_topk=bool(config.get("norm_topk_prob", True)))
     except KeyError as missing:
         raise ModelFileError(path, f"config.json lacks {missing}") from None
+
+
+def hf_experts(path, arch, config):
+    """(experts, each one's d_ff) of a config.json: Mixtral's num_local_experts of
+    intermediate_size, Qwen3-MoE's num_experts of moe_intermediate_size on every layer (its
+    dense layers, mlp_only_layers or a decoder_sparse_step past 1, are refused); (0, d_ff) for
+    a dense model."""
+    n_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if arch != "qwen3moe":
+        return n_experts, int(config["intermediate_size"])
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
+        raise ModelFileError(path, "Qwen3-MoE with dense layers (mlp_only_layers, "
+                                   "decoder_sparse_step) is not supported")
+    if not n_experts:
+        raise ModelFileError(path, "config.json lacks num_experts")
+    return n_experts, int(config["moe_intermediate_size"])
 
 
 # Hugging Face tensor names -> the GGUF names the graph uses.
@@ -155,15 +194,36 @@ HF_LAYER_NAMES = {
 }
 HF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
             "output_norm.weight", "lm_head.weight": "output.weight"}
+# A layer's experts, one tensor each in Hugging Face files (Qwen3-MoE's mlp.experts.N.*, Mixtral's
+# block_sparse_moe.experts.N.w1/w3/w2), are rows of one stacked GGUF tensor [experts, ...].
+HF_EXPERT_NAMES = {
+    ("mlp", "gate_proj.weight"): "ffn_gate_exps.weight",
+    ("mlp", "up_proj.weight"): "ffn_up_exps.weight",
+    ("mlp", "down_proj.weight"): "ffn_down_exps.weight",
+    ("block_sparse_moe", "w1.weight"): "ffn_gate_exps.weight",
+    ("block_sparse_moe", "w3.weight"): "ffn_up_exps.weight",
+    ("block_sparse_moe", "w2.weight"): "ffn_down_exps.weight",
+}
+HF_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 
 
 def gguf_name(hf_name):
-    """The GGUF name of a Hugging Face tensor name, or None for tensors the model does not use."""
+    """The GGUF name of a Hugging Face tensor name, or None for tensors the model does not use;
+    for one expert's matrix, (the stacked tensor's GGUF name, the expert's index)."""
     if hf_name in HF_NAMES:
         return HF_NAMES[hf_name]
     parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in HF_LAYER_NAMES:
-        return f"blk.{parts[2]}.{HF_LAYER_NAMES[parts[3]]}"
+    if len(parts) != 4 or parts[:2] != ["model", "layers"]:
+        return None
+    layer, rest = parts[2], parts[3]
+    if rest in HF_LAYER_NAMES:
+        return f"blk.{layer}.{HF_LAYER_NAMES[rest]}"
+    if rest in HF_ROUTERS:
+        return f"blk.{layer}.ffn_gate_inp.weight"
+    block, experts, index, *matrix = rest.split(".")
+    name = HF_EXPERT_NAMES.get((block, ".".join(matrix)))
+    if experts == "experts" and index.isdigit() and name:
+        return f"blk.{layer}.{name}", int(index)
     return None
 
 
@@ -193,6 +253,19 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     def reduced(partial):
         return g.all_reduce(partial, part.world) if part.world > 1 else partial
 
+    def experts(h, p):
+        """The router's softmax chooses experts_used experts of each token; the block is the
+        weighted sum of their SwiGLU blocks."""
+        X, K = cfg.n_experts, cfg.experts_used
+        router = g.matmul(h, w(p + "ffn_gate_inp.weight", X, E))
+        ids = g.top_k(router, K)
+        weights = g.route_weights(router, ids, cfg.norm_topk)
+        gate = g.expert_matmul(h, w(p + "ffn_gate_exps.weight", X, F, E), ids)
+        up = g.expert_matmul(h, w(p + "ffn_up_exps.weight", X, F, E), ids)
+        down = g.expert_matmul(g.glu(gate, up, "silu"), w(p + "ffn_down_exps.weight", X, E, F),
+                               ids)
+        return g.expert_sum(down, weights)
+
     part = part or Part((0, cfg.n_layers))
     H, Hkv, D, E, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff
     group = H // Hkv
@@ -201,6 +274,8 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     q_rows, kv_rows = (kv0 * group * D, kv1 * group * D), (kv0 * D, kv1 * D)
     Hs, Hkvs = (kv1 - kv0) * group, kv1 - kv0
     whole = (kv0, kv1, f0, f1) == (0, Hkv, 0, F)
+    if cfg.n_experts and not whole:
+        raise ValueError("a mixture of experts is not split over a tensor group")
     if whole:
         q_rows = kv_rows = None
     if part.first:
@@ -228,6 +303,9 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
         x = g.add(x, reduced(o))
         # feed-forward block
         h = g.rms_norm(x, w(p + "ffn_norm.weight", E), cfg.norm_eps)
+        if cfg.n_experts:
+            x = g.add(x, experts(h, p))
+            continue
         ff = None if whole else (f0, f1)
         gate = g.matmul(h, w(p + "ffn_gate.weight", F, E, rows=ff))
         up = g.matmul(h, w(p + "ffn_up.weight", F, E, rows=ff))

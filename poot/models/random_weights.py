@@ -1,6 +1,6 @@
 """Llama-, Phi-3- and Gemma-shaped GGUF files with random weights, for tests and benchmarks on
-machines with no network: tiny ones for fast end-to-end tests, Llama-3.2-1B and Llama-3.1-8B
-shapes for speed.
+machines with no network: tiny ones for fast end-to-end tests, Llama-3.2-1B, Llama-3.1-8B and
+Qwen3-30B-A3B (a mixture of experts) shapes for speed.
 
 A Llama's tokenizer is a real byte-level BPE (every byte a token, plus merges learnt from a
 short text) with ChatML special tokens and template; a Gemma's a real SentencePiece BPE with
@@ -8,6 +8,7 @@ Gemma's conventions (byte fallback, no space prefix, <start_of_turn>/<end_of_tur
 template). Generated files run everywhere a real model runs. Weights are drawn so activations
 stay of order one through the layers.
 """
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ class Shape:
     vocab_size: int
     context_length: int = 2048
     rope_theta: float = 10000.0
+    head_dim: int = 0            # 0: d_model / n_heads
+    n_experts: int = 0           # a mixture of experts: d_ff is each expert's width
+    experts_used: int = 0
 
 
 SHAPES = {
@@ -44,6 +48,9 @@ SHAPES = {
     "tiny-odd": Shape(3, 96, 6, 3, 192, 320, context_length=512),   # 3 KV heads: uneven shards
     "llama-1b": Shape(16, 2048, 32, 8, 8192, 128256, 131072, 500000.0),
     "llama-8b": Shape(32, 4096, 32, 8, 14336, 128256, 131072, 500000.0),
+    "tiny-moe": Shape(2, 256, 4, 2, 256, 320, context_length=512, n_experts=6, experts_used=2),
+    "qwen3-30b-a3b": Shape(48, 2048, 32, 4, 768, 151936, 40960, 1000000.0, head_dim=128,
+                           n_experts=128, experts_used=8),
 }
 
 
@@ -86,7 +93,9 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
     Matrices are stored in `dtype` (F32, F16, BF16 or a block quantisation); norms in F32.
     `mixed` gives some matrices another dtype, as quantisation mixes do (Q4_K_M keeps attn_v
     in Q6_K): (("attn_v", "Q6_K"), ...) by the name's part after the layer.
-    `arch` "qwen2" adds q/k/v biases, "qwen3" q/k norms. `tied`: no output.weight, the
+    `arch` "qwen2" adds q/k/v biases, "qwen3" q/k norms; a shape with experts makes a mixture
+    of experts (arch "llama": Mixtral's layout, "qwen3moe": Qwen3-MoE's, with q/k norms), its
+    router in F32 as llama.cpp's quantiser keeps it. `tied`: no output.weight, the
     embedding table serves as the output head (as in SmolLM2 and the small Qwens).
     `pool_rows` (for benchmarks): each matrix draws and encodes only that many random rows and
     fills its rows from them in random order, so an 8B-shaped file is written in the time its
@@ -97,7 +106,7 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
         return dict(mixed).get(name.split(".")[-2], dtype)
 
     s = SHAPES[shape] if isinstance(shape, str) else shape
-    head_dim = s.d_model // s.n_heads
+    head_dim = s.head_dim or s.d_model // s.n_heads
     meta = {
         "general.architecture": arch, "general.name": f"random-{arch}",
         f"{arch}.block_count": s.n_layers, f"{arch}.context_length": s.context_length,
@@ -108,24 +117,41 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
         f"{arch}.rope.freq_base": s.rope_theta, f"{arch}.vocab_size": s.vocab_size,
         **byte_level_metadata(s.vocab_size, SPECIALS, CHATML, eos=2),
     }
+    if s.head_dim:
+        meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = head_dim
+    if s.n_experts:
+        meta.update({f"{arch}.expert_count": s.n_experts,
+                     f"{arch}.expert_used_count": s.experts_used})
+    if arch == "qwen3moe":
+        meta[f"{arch}.expert_feed_forward_length"] = s.d_ff
 
     specs = [("token_embd.weight", dtype, RandomArray((s.vocab_size, s.d_model), 4.0))]
     for i in range(s.n_layers):
         p = f"blk.{i}."
         specs.append((p + "attn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)))
-        for name, rows in (("attn_q", s.d_model), ("attn_k", s.n_kv_heads * head_dim),
+        for name, rows in (("attn_q", s.n_heads * head_dim), ("attn_k", s.n_kv_heads * head_dim),
                            ("attn_v", s.n_kv_heads * head_dim)):
             specs.append((p + name + ".weight", matrix(p + name + ".weight"),
                           RandomArray((rows, s.d_model))))
             if arch == "qwen2":
                 specs.append((p + name + ".bias", "F32", RandomArray((rows,), 0.1)))
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             specs.append((p + "attn_q_norm.weight", "F32", RandomArray((head_dim,), 0.1, 1.0)))
             specs.append((p + "attn_k_norm.weight", "F32", RandomArray((head_dim,), 0.1, 1.0)))
         specs += [(p + "attn_output.weight", matrix(p + "attn_output.weight"),
-                   RandomArray((s.d_model, s.d_model))),
-                  (p + "ffn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0)),
-                  (p + "ffn_gate.weight", matrix(p + "ffn_gate.weight"),
+                   RandomArray((s.d_model, s.n_heads * head_dim))),
+                  (p + "ffn_norm.weight", "F32", RandomArray((s.d_model,), 0.1, 1.0))]
+        if s.n_experts:
+            X = s.n_experts
+            specs += [(p + "ffn_gate_inp.weight", "F32", RandomArray((X, s.d_model), 2.0)),
+                      (p + "ffn_gate_exps.weight", matrix(p + "ffn_gate_exps.weight"),
+                       RandomArray((X, s.d_ff, s.d_model))),
+                      (p + "ffn_up_exps.weight", matrix(p + "ffn_up_exps.weight"),
+                       RandomArray((X, s.d_ff, s.d_model))),
+                      (p + "ffn_down_exps.weight", matrix(p + "ffn_down_exps.weight"),
+                       RandomArray((X, s.d_model, s.d_ff)))]
+            continue
+        specs += [(p + "ffn_gate.weight", matrix(p + "ffn_gate.weight"),
                    RandomArray((s.d_ff, s.d_model))),
                   (p + "ffn_up.weight", matrix(p + "ffn_up.weight"),
                    RandomArray((s.d_ff, s.d_model))),
@@ -137,7 +163,7 @@ def write_random_llama(path, shape="tiny", dtype="F16", seed=0, arch="llama", mi
     for index, (_, _, values) in enumerate(specs):
         values.seed = (seed, index)
     if pool_rows:
-        specs = [(name, d, values.pooled(d, pool_rows) if len(values.shape) == 2 else values)
+        specs = [(name, d, values.pooled(d, pool_rows) if len(values.shape) >= 2 else values)
                  for name, d, values in specs]
     write_gguf(path, meta, specs)
     return path
@@ -320,8 +346,9 @@ class RandomArray:
         self.shape, self.scale, self.offset, self.seed = shape, scale, offset, 0
 
     def pooled(self, dtype, rows):
-        """The matrix encoded in `dtype` with its rows drawn from `rows` random ones."""
-        n_rows, cols = self.shape
+        """The matrix (or stack of them) encoded in `dtype` with its rows drawn from `rows`
+        random ones."""
+        n_rows, cols = math.prod(self.shape[:-1]), self.shape[-1]
         if n_rows <= rows:
             return self
         pool = RandomArray((rows, cols), self.scale, self.offset)
@@ -332,17 +359,20 @@ class RandomArray:
 
     def __array__(self, dtype=None, copy=None):
         values = np.random.default_rng(self.seed).standard_normal(self.shape, dtype=np.float32)
-        scale = self.scale / np.sqrt(self.shape[1]) if len(self.shape) == 2 else self.scale
+        scale = self.scale / np.sqrt(self.shape[-1]) if len(self.shape) >= 2 else self.scale
         return (values * np.float32(scale) + np.float32(self.offset)).astype(dtype or np.float32)
 
 
-SPEC_SHAPES = {"tiny": "tiny-k", "1b": "llama-1b", "8b": "llama-8b"}
+SPEC_SHAPES = {"tiny": "tiny-k", "1b": "llama-1b", "8b": "llama-8b", "tiny-moe": "tiny-moe",
+               "30b-a3b": "qwen3-30b-a3b"}
+SHAPE_ARCHS = {"tiny-moe": "qwen3moe", "qwen3-30b-a3b": "qwen3moe"}   # the others: llama
 POOL_ROWS = 512         # a benchmark matrix's rows drawn from this many random ones
 
 
 def model_file(spec, folder):
     """The file of a model named as the scripts name them: 'default' (the default model), or
-    SIZE:FORMAT (tiny, 1b or 8b, e.g. 8b:F16) for a random Llama of that shape, written into
+    SIZE:FORMAT (tiny, 1b, 8b, tiny-moe or 30b-a3b, e.g. 8b:F16; the last two mixtures of
+    experts, Qwen3-MoE-shaped) for a random model of that shape, written into
     `folder` once (matrices pooled from POOL_ROWS rows: an 8B file is written in seconds)."""
     from ..loader import default_model_path
     if spec == "default":
@@ -354,5 +384,7 @@ def model_file(spec, folder):
     path = Path(folder) / f"random-{size}-{dtype.lower()}-pooled.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_random_llama(path, SPEC_SHAPES[size], dtype=dtype, pool_rows=POOL_ROWS)
+        shape = SPEC_SHAPES[size]
+        write_random_llama(path, shape, dtype=dtype, pool_rows=POOL_ROWS,
+                           arch=SHAPE_ARCHS.get(shape, "llama"))
     return path

@@ -1,0 +1,263 @@
+"""The kernels of a mixture-of-experts block: the router's choice (`route`: the ops top_k and
+route_weights), the routes grouped by expert (`expert_groups`; both in one launch for decode
+steps, `route_grouped`), each expert's matrix over its
+routes (`expert_matvec`) and the weighted sum of a token's experts (`expert_sum`). Their numpy
+meanings are the ops of those names in poot/ir/reference.py (expert_groups is the runner's own:
+the order in which expert_matvec takes the routes).
+
+A route is one (token, chosen expert) pair, numbered t * used + j; the expert ids stay on the
+device from the router to the sum, so a step reads nothing back: expert_matvec's grid covers as
+many experts as the step's routes could choose, each workgroup column taking the next chosen
+one or none. expert_matvec streams each
+chosen expert's rows once for all the routes that chose it (a step of many tokens reads each
+expert once, not once a token), from the stacked weight [experts * rows, cols] in its device
+layout (quant.py).
+"""
+from functools import cache
+
+from . import activations
+from .lang import F32, I32, U32, KernelBuilder
+from .ops import LOWEST
+from .quant import reader
+
+WG = 256
+MAX_EXPERTS = 1024
+TOKEN_GROUPS = (1, 2, 4, 8)     # routes an expert_matvec subgroup takes a pass
+GROUPED_ROUTES = 512            # route_grouped keeps this many routes' choices (64 tokens of 8)      # expert_groups counts each expert's routes in shared memory
+
+
+def _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept=None):
+    """Token t's choice by one subgroup: ids[t, j] = the j-th largest of logits[t, :n] (ties to
+    the lower index), `used` rounds of a subgroup maximum over the experts not yet chosen;
+    w[t, j] = its softmax probability over all n (the denominator from the first round's, the
+    largest), divided by the chosen ones' sum where `normalize`. Lane 0 writes them (and the
+    ids into the shared array `kept` too, where given)."""
+    lane = k.lane_id()
+    chosen, tops = [], []
+    for _ in range(used):
+        best, best_at = k.var(F32, LOWEST), k.var(I32, n)
+        with k.for_(lane, n, subgroup_size) as e:
+            v = logits[t * n + e]
+            free = v > best.get()
+            for c in chosen:
+                free = free & e.ne(c)
+            with k.if_(free):          # each lane's experts rise: the first of equals stays
+                best.set(v)
+                best_at.set(e)
+        top = k.subgroup_max(best.get())
+        chosen.append(k.subgroup_min(k.select(best.get().eq(top), best_at.get(), n)))
+        tops.append(top)
+    total = k.var(F32, 0.0)
+    with k.for_(lane, n, subgroup_size) as e:
+        total.set(total.get() + k.exp(logits[t * n + e] - tops[0]))
+    shares = [k.exp(top - tops[0]) for top in tops]
+    denominator = k.subgroup_add(total.get())
+    if normalize:
+        denominator = shares[0]
+        for share in shares[1:]:
+            denominator = denominator + share
+    with k.if_(lane.eq(0)):
+        for j, (at, share) in enumerate(zip(chosen, shares)):
+            ids[t * used + j] = at
+            w[t * used + j] = share / denominator
+            if kept is not None:
+                kept[t * used + j] = at
+
+
+def _group(k, expert_of, n_routes, n_experts, offsets, routes, active):
+    """The routes grouped by expert, by the workgroup, a thread an expert: offsets[e] ..
+    offsets[e + 1] are expert e's entries of routes, in route order; active lists the experts
+    some route chose, in order, then -1s. expert_of(r): route r's expert."""
+    # MAX_EXPERTS + 1 counts, rounded to whole 16 bytes: a compiler may place another shared
+    # array after it at a 16-byte boundary, which the kernel's shared bytes then include
+    counts = k.shared("counts", I32, MAX_EXPERTS + 4)
+    tid = k.thread_id()
+    with k.for_(tid, n_experts, WG) as e:
+        count = k.var(I32, 0)
+        with k.for_(0, n_routes) as r:
+            with k.if_(expert_of(r).eq(e)):
+                count.set(count.get() + 1)
+        counts[e + 1] = count.get()
+    k.barrier()
+    with k.if_(tid.eq(0)):             # a running sum over the experts: a few hundred adds
+        counts[0] = 0
+        offsets[0] = 0
+        n_active = k.var(I32, 0)
+        with k.for_(1, n_experts + 1) as e:
+            with k.if_(counts[e] > 0):
+                active[n_active.get()] = e - 1
+                n_active.set(n_active.get() + 1)
+            counts[e] = counts[e] + counts[e - 1]
+            offsets[e] = counts[e]
+        with k.for_(n_active.get(), n_experts) as e:
+            active[e] = -1
+    k.barrier()
+    with k.for_(tid, n_experts, WG) as e:
+        at = k.var(I32, counts[e])
+        with k.for_(0, n_routes) as r:
+            with k.if_(expert_of(r).eq(e)):
+                routes[at.get()] = r
+                at.set(at.get() + 1)
+
+
+def _route_params(k):
+    logits = k.buffer("logits", F32)
+    return logits, k.buffer("ids", I32, "w"), k.buffer("w", F32, "w")
+
+
+@cache
+def route(subgroup_size, used, normalize):
+    """A router's choice, the ops top_k and route_weights in one launch (_choose), one
+    subgroup a token: ids [T, used] and w [T, used] from logits [T, n]. grid (T)."""
+    k = KernelBuilder(f"route{used}_s{subgroup_size}" + "_norm" * normalize, (subgroup_size,))
+    logits, ids, w = _route_params(k)
+    n = k.scalar("n", I32)
+    _choose(k, logits, ids, w, k.block_id(), n, used, normalize, subgroup_size)
+    return k.build()
+
+
+@cache
+def route_grouped(subgroup_size, used, normalize):
+    """route, then expert_groups, in one workgroup: for steps of at most GROUPED_ROUTES
+    routes (decode steps), whose choices the workgroup keeps in shared memory for the
+    grouping. Buffers route's, then expert_groups' outputs; scalars n, n_tokens. grid (1)."""
+    k = KernelBuilder(f"route_grouped{used}_s{subgroup_size}" + "_norm" * normalize, (WG,))
+    logits, ids, w = _route_params(k)
+    offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
+    active = k.buffer("active", I32, "w")
+    n, n_tokens = k.scalar("n", I32), k.scalar("n_tokens", I32)
+    kept = k.shared("kept", I32, GROUPED_ROUTES)
+    with k.for_(k.subgroup_id(), n_tokens, WG // subgroup_size) as t:
+        _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept)
+    k.barrier()
+    _group(k, lambda r: kept[r], n_tokens * used, n, offsets, routes, active)
+    return k.build()
+
+
+@cache
+def expert_groups():
+    """The routes grouped by expert (_group) from their ids [routes]; one workgroup
+    (n_experts <= MAX_EXPERTS). grid (1)."""
+    k = KernelBuilder("expert_groups", (WG,))
+    ids = k.buffer("ids", I32)
+    offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
+    active = k.buffer("active", I32, "w")
+    n_routes, n_experts = k.scalar("n_routes", I32), k.scalar("n_experts", I32)
+    _group(k, lambda r: ids[r], n_routes, n_experts, offsets, routes, active)
+    return k.build()
+
+
+@cache
+def expert_matvec(dtype, subgroup_size, tokens=1, glu=None, rows_per=1, norm=False):
+    """y[r, m] = W[e, m, :] . x[r / x_per, :] for every route r of expert e; with `glu` (gate
+    then up planes) y[r, m] = glu(gate[e, m] . x, up[e, m] . x). A subgroup streams `rows_per`
+    consecutive rows of one expert (so that each x value it loads serves them all, as
+    matvec.matvec's do) for `tokens` of its routes at a time (more routes: the rows again, from
+    cache). grid expert_grid(rows, slots, subgroup_size, rows_per): workgroup column s takes
+    the expert active[s] (expert_groups), none where that is -1.
+
+    Buffers: W's planes (u32; [experts * rows, cols]), x f32, offsets, routes and active
+    (expert_groups), y f32 [routes, rows]; scalars rows, cols, x_per (the routes a row of x
+    serves: a token's `used` where x is the token's, 1 where each route has its own). With
+    `norm`, x is RMS-normalised first as in matvec.matvec (its gain g f32 [cols], buffer
+    `norm` after x, and scalar eps last): the subgroup streams all of x for its rows anyway."""
+    r = reader(dtype)
+    matrices = ("gate", "up") if glu else ("w",)
+    name = f"expert_matvec_{dtype.lower()}_t{tokens}_s{subgroup_size}" + f"_r{rows_per}" * (
+        rows_per > 1) + "_norm" * norm
+    k = KernelBuilder(name + (f"_{activations.UNITS[glu]}" if glu else ""), (WG,))
+    bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in r.plane_names} for m in matrices]
+    x = k.buffer("x", F32)
+    gain = k.buffer("norm", F32) if norm else None
+    offsets, routes = k.buffer("offsets", I32), k.buffer("routes", I32)
+    active = k.buffer("active", I32)
+    y = k.buffer("y", F32, "w")
+    rows, cols, x_per = k.scalar("rows", I32), k.scalar("cols", I32), k.scalar("x_per", I32)
+    eps = k.scalar("eps", F32) if norm else None
+    first = (k.block_id(0) * (WG // subgroup_size) + k.subgroup_id()) * rows_per
+    expert, lane = active[k.block_id(1)], k.lane_id()
+    with k.if_((first >= rows) | (expert < 0)):
+        k.return_()
+    start = offsets[expert]
+    count = offsets[expert + 1] - start
+    # rows past the end read the last row again and store nothing
+    mine_rows = [expert * rows + k.min(first + q, rows - 1) for q in range(rows_per)]
+
+    def accumulate(route, block, values, sums, squares):
+        """Adds a route's products with the block's decoded values (of each matrix and row)
+        to its sums (vars, [matrix][row]), 4 x values live at a time; with `norm`, the squares
+        of its x to its `squares` var."""
+        xrow = (route / x_per) * cols + block * r.block_elems
+        totals = [[v.get() for v in per_matrix] for per_matrix in sums]
+        square = squares.get() if norm else None
+        for i in range(0, r.block_elems, 4):
+            xs = x.load(xrow + i, 4)
+            if norm:
+                gains = gain.load(block * r.block_elems + i, 4)
+                for xv in xs:
+                    square = k.fma(xv, xv, square)
+                xs = [xv * g for xv, g in zip(xs, gains)]
+            for m, per_values in enumerate(values):
+                for q, vs in enumerate(per_values):
+                    for v, xv in zip(vs[i:i + 4], xs):
+                        totals[m][q] = k.fma(v, xv, totals[m][q])
+        for per_matrix, row_totals in zip(sums, totals):
+            for v, total in zip(per_matrix, row_totals):
+                v.set(total)
+        if norm:
+            squares.set(square)
+
+    with k.for_(0, count, tokens) as c:
+        mine = [routes[start + k.min(c + t, count - 1)] for t in range(tokens)]
+        acc = [[[k.var(F32, 0.0) for _ in range(tokens)] for _ in mine_rows] for _ in matrices]
+        squares = [k.var(F32, 0.0) for _ in range(tokens)] if norm else []
+        with k.for_(lane, cols // r.block_elems, subgroup_size) as block:
+            values = [[r.decode(k, buf, row, block, cols) for row in mine_rows] for buf in bufs]
+            for t in range(tokens):
+                with k.if_(c + t < count):          # the same in the whole subgroup
+                    accumulate(mine[t], block, values,
+                               [[per_row[t] for per_row in per_matrix] for per_matrix in acc],
+                               squares[t] if norm else None)
+        scales = [k.rsqrt(k.subgroup_add(sq.get()) / cols.to(F32) + eps) for sq in squares]
+        for q in range(rows_per):
+            for t in range(tokens):
+                sums = [k.subgroup_add(per_matrix[q][t].get()) for per_matrix in acc]
+                if norm:
+                    sums = [v * scales[t] for v in sums]
+                value = activations.glu(k, glu, *sums) if glu else sums[0]
+                with k.if_(lane.eq(0) & (c + t < count) & (first + q < rows)):
+                    y[mine[t] * rows + first + q] = value
+    return k.build()
+
+
+def expert_tokens(dtype):
+    """The routes an expert_matvec of a weight format may take a pass: TOKEN_GROUPS', but one
+    for the K quants, whose decoded units (64 values a matrix) leave no registers for the sums
+    of several."""
+    return (1,) if dtype in ("Q4_K", "Q6_K") else TOKEN_GROUPS
+
+
+def expert_grid(rows, slots, subgroup_size, rows_per=1):
+    """The grid of an expert_matvec launch: each of its rows once for `slots` experts, as many
+    as the step's routes can choose (its tokens times the experts each uses, at most all)."""
+    return (-(-rows // (WG // subgroup_size * rows_per)), slots)
+
+
+@cache
+def expert_sum(used, residual=False):
+    """out[t, m] = sum_j w[t, j] * y[t, j, m] (+ res[t, m], read at out's index, so it may be
+    out itself). grid (ceil(T * cols / WG))."""
+    k = KernelBuilder(f"expert_sum{used}" + "_residual" * residual, (WG,))
+    y, w = k.buffer("y", F32), k.buffer("w", F32)
+    res = k.buffer("residual", F32) if residual else None
+    out = k.buffer("out", F32, "w")
+    n_tokens, cols = k.scalar("n_tokens", I32), k.scalar("cols", I32)
+    i = k.block_id() * WG + k.thread_id()
+    with k.if_(i < n_tokens * cols):
+        t, m = i / cols, i % cols
+        total = res[i] if residual else None
+        for j in range(used):
+            part = w[t * used + j] * y[(t * used + j) * cols + m]
+            total = part if total is None else total + part
+        out[i] = total
+    return k.build()

@@ -21,7 +21,7 @@ from poot.errors import BackendUnavailable, ModelFileError, NoSuchDevice
 from poot.formats import open_model
 from poot.formats.gguf import write_gguf
 from poot.ir.reference import ReferenceInterpreter, run_group
-from poot.models import phi3
+from poot.models import family, phi3
 from poot.models.random_weights import PHI3_CHAT, PHI3_SPECIALS, byte_level_metadata, \
     byte_level_vocab, write_random_phi3
 from poot.text.chat import ChatTemplate
@@ -226,7 +226,7 @@ def test_chunked_prefill_decode_and_batching_match(tmp_path):
     assert rel_err(np.concatenate(got[1]), hf_logits(model, b)) < 1e-4
 
 
-HF_NAMES = {g: h for h, g in phi3.HF_NAMES.items()}
+HF_NAMES = {g: h for h, g in family.HF_NAMES.items()}
 
 
 def hf_of_gguf(model):

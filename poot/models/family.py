@@ -39,3 +39,29 @@ def weight_reader(g, weights):
             raise ValueError(f"{name} is read with two slices (a tied head is not split)")
         return g.weights[name]
     return w
+
+
+# The Hugging Face names of the tensors outside the layers: the same in every family here.
+HF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+            "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def layer_tensor(hf_name):
+    """(layer index, the rest of the name) of a Hugging Face layer tensor name
+    (model.layers.N.rest), or None for a name outside the layers."""
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        return parts[2], parts[3]
+    return None
+
+
+def gguf_name_by(hf_name, layer_names):
+    """The GGUF name of a Hugging Face tensor name by a family's table of its layer tensors'
+    names (the rest of model.layers.N.rest -> its name in blk.N.), or None for tensors the model
+    does not use."""
+    if hf_name in HF_NAMES:
+        return HF_NAMES[hf_name]
+    layer = layer_tensor(hf_name)
+    if layer is not None and layer[1] in layer_names:
+        return f"blk.{layer[0]}.{layer_names[layer[1]]}"
+    return None

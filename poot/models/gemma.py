@@ -16,7 +16,7 @@ import numpy as np
 from ..engine.placement import Part
 from ..errors import ModelFileError
 from ..ir.graph import Graph
-from .family import weight_reader
+from .family import gguf_name_by, weight_reader
 from .llama import embedding  # noqa: F401  (the same rule: the last token's final hidden state)
 
 GGUF_ARCHS = ("gemma2", "gemma3")
@@ -197,18 +197,11 @@ HF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-HF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-            "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
 def gguf_name(hf_name):
     """The GGUF name of a Hugging Face tensor name, or None for tensors the model does not use."""
-    if hf_name in HF_NAMES:
-        return HF_NAMES[hf_name]
-    parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in HF_LAYER_NAMES:
-        return f"blk.{parts[2]}.{HF_LAYER_NAMES[parts[3]]}"
-    return None
+    return gguf_name_by(hf_name, HF_LAYER_NAMES)
 
 
 def hf_array(name, array):

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ModelFileError
 from ..engine.placement import Part
 from ..ir.graph import Graph
-from .family import weight_reader
+from .family import gguf_name_by, layer_tensor, weight_reader
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
@@ -192,8 +192,6 @@ HF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-HF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-            "output_norm.weight", "lm_head.weight": "output.weight"}
 # A layer's experts, one tensor each in Hugging Face files (Qwen3-MoE's mlp.experts.N.*, Mixtral's
 # block_sparse_moe.experts.N.w1/w3/w2), are rows of one stacked GGUF tensor [experts, ...].
 HF_EXPERT_NAMES = {
@@ -210,14 +208,10 @@ HF_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 def gguf_name(hf_name):
     """The GGUF name of a Hugging Face tensor name, or None for tensors the model does not use;
     for one expert's matrix, (the stacked tensor's GGUF name, the expert's index)."""
-    if hf_name in HF_NAMES:
-        return HF_NAMES[hf_name]
-    parts = hf_name.split(".", 3)
-    if len(parts) != 4 or parts[:2] != ["model", "layers"]:
-        return None
-    layer, rest = parts[2], parts[3]
-    if rest in HF_LAYER_NAMES:
-        return f"blk.{layer}.{HF_LAYER_NAMES[rest]}"
+    name = gguf_name_by(hf_name, HF_LAYER_NAMES)
+    if name is not None or layer_tensor(hf_name) is None:
+        return name
+    layer, rest = layer_tensor(hf_name)
     if rest in HF_ROUTERS:
         return f"blk.{layer}.ffn_gate_inp.weight"
     block, experts, index, *matrix = rest.split(".")

@@ -18,7 +18,7 @@ from ..engine.placement import Part
 from ..errors import ModelFileError
 from ..ir.graph import Graph
 from . import llama
-from .family import WrongShape, weight_reader
+from .family import WrongShape, gguf_name_by, weight_reader
 from .llama import rope_frequencies
 
 GGUF_ARCHS = ("phi3",)
@@ -161,18 +161,11 @@ HF_LAYER_NAMES = {
     "mlp.gate_up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-HF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-            "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
 def gguf_name(hf_name):
     """The GGUF name of a Hugging Face tensor name, or None for tensors the model does not use."""
-    if hf_name in HF_NAMES:
-        return HF_NAMES[hf_name]
-    parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in HF_LAYER_NAMES:
-        return f"blk.{parts[2]}.{HF_LAYER_NAMES[parts[3]]}"
-    return None
+    return gguf_name_by(hf_name, HF_LAYER_NAMES)
 
 
 def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):

@@ -1,8 +1,10 @@
 """Every kernel the device runner can launch, rendered for each target and checked by the
 target's own tool: ptxas for PTX (sm_80 and sm_90), spirv-val for SPIR-V. Runs in CI with no
 GPU; the numeric checks are in test_kernels.py."""
+import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -136,28 +138,39 @@ def mma_variant_kernels(dtypes=DEVICE_DTYPES):
             for split, residual in ((False, False), (False, True), (True, False))]
 
 
+def check_all(commands):
+    """Runs every (name, command) at once, as many as there are cores; the failures' names and
+    messages."""
+    def run(item):
+        name, command = item
+        result = subprocess.run(command, capture_output=True, text=True)
+        return None if result.returncode == 0 else f"{name}: {result.stderr}"
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return [failed for failed in pool.map(run, commands) if failed]
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")
 @pytest.mark.parametrize("sm", [80, 90])
 def test_every_runner_kernel_assembles_with_ptxas(tmp_path, sm):
     """Each kernel the target offers (wgmma: sm_90a only), for its architecture."""
+    commands = []
     for kernel in runner_kernels(32) + mma_kernels():
         if not kernel.caps <= ptx_caps(sm):
             continue
         source = tmp_path / f"{kernel.name}.ptx"
         source.write_text(render_ptx(kernel, sm))
         arch = f"sm_{sm}" + "a" * (WGMMA in kernel.caps)
-        result = subprocess.run(["ptxas", f"-arch={arch}", str(source), "-o", "/dev/null"],
-                                capture_output=True, text=True)
-        assert result.returncode == 0, f"{kernel.name}: {result.stderr}"
+        commands.append((kernel.name, ["ptxas", f"-arch={arch}", str(source), "-o", "/dev/null"]))
+    assert commands and check_all(commands) == []
 
 
 @pytest.mark.skipif(shutil.which("spirv-val") is None, reason="spirv-val is not installed")
 @pytest.mark.parametrize("subgroup_size", [8, 32, 64])
 @pytest.mark.parametrize("vector_loads", [False, True])     # wgpu's modules, and vulkan's
 def test_every_runner_kernel_validates_with_spirv_val(tmp_path, subgroup_size, vector_loads):
+    commands = []
     for kernel in runner_kernels(subgroup_size):
         module = tmp_path / f"{kernel.name}.spv"
         module.write_bytes(render_spirv(kernel, subgroup_size, vector_loads))
-        result = subprocess.run(["spirv-val", "--target-env", "vulkan1.1", str(module)],
-                                capture_output=True, text=True)
-        assert result.returncode == 0, f"{kernel.name}: {result.stderr}"
+        commands.append((kernel.name, ["spirv-val", "--target-env", "vulkan1.1", str(module)]))
+    assert commands and check_all(commands) == []

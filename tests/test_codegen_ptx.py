@@ -21,6 +21,7 @@ import re
 import secrets
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -785,6 +786,17 @@ def _ptxas(tmp_path, text, sm, *flags):
     return run.stdout + run.stderr
 
 
+def _ptxas_each(tmp_path, texts, sm, *flags):
+    """_ptxas of each text, as many at once as there are cores; their reports, in order."""
+    def one(item):
+        i, text = item
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        return _ptxas(folder, text, sm, *flags)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return list(pool.map(one, enumerate(texts)))
+
+
 @pytest.mark.parametrize("sm", SMS)
 @pytest.mark.parametrize("name", list(CASES) + list(PTX_ONLY_CASES))
 def test_ptxas_assembles(tmp_path, name, sm):
@@ -802,8 +814,9 @@ def test_mma_tiled_assembles_without_spills(tmp_path, dtype, sm):
                 if dynamic_shared_bytes(k) <= SHARED_LIMIT[sm] and k.caps <= ptx_caps(sm)]
     tiled = [k for k in mma_kernels([dtype])
              if k.name.startswith("mma_tiled") and k.caps <= ptx_caps(sm)]
-    for kernel in tiled + variants:
-        report = _ptxas(tmp_path, render_ptx(kernel, sm), sm, "-v")
+    kernels = tiled + variants
+    reports = _ptxas_each(tmp_path, [render_ptx(k, sm) for k in kernels], sm, "-v")
+    for kernel, report in zip(kernels, reports):
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, \
             f"{kernel.name}: {report}"
 
@@ -814,8 +827,9 @@ def test_mma_vec_spills_at_most_a_few_words(tmp_path, dtype, sm):
     """The decode kernel on the tensor cores, in every variant and shape the runner launches
     on Llama shapes (test_kernel_sources.mma_kernels): ptxas trades a few words of spill for
     registers in some (up to 20 bytes seen), never its tiles' operands (hundreds of bytes)."""
-    for kernel in [k for k in mma_kernels([dtype]) if k.name.startswith("mma_vec")]:
-        report = _ptxas(tmp_path, render_ptx(kernel, sm), sm, "-v")
+    kernels = [k for k in mma_kernels([dtype]) if k.name.startswith("mma_vec")]
+    reports = _ptxas_each(tmp_path, [render_ptx(k, sm) for k in kernels], sm, "-v")
+    for kernel, report in zip(kernels, reports):
         spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
         assert spilled and max(spilled) <= 64, f"{kernel.name}: {report}"
 

@@ -72,9 +72,10 @@ def matvec_rows(dtype, group, matrices=1):
     gate/up SwiGLU) for one token, so that each x value it loads serves them all: two for float
     weights, four for the 32-value block quants (a block's 18-34 bytes would otherwise ask for
     128 bytes of x), two of each matrix for their SwiGLU (four spill registers on RDNA); the K
-    quants (256-value super-blocks) keep one, their decoding leaves no registers for more.
+    quants (256-value super-blocks) and IQ4_NL (a table lookup a value) keep one, their
+    decoding leaves no registers for more (four rows of IQ4_NL spill on gfx908's wave64).
     Several tokens (group > 1) already share each row's loads: one row."""
-    if group > 1 or QUANTS[dtype].block_elems == 256:
+    if group > 1 or QUANTS[dtype].block_elems == 256 or dtype == "IQ4_NL":
         return 1
     return 2 if dtype in ("F32", "F16", "BF16") else 4 // matrices
 

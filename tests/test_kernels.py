@@ -779,11 +779,12 @@ def test_attention(device, head_dim, n_heads, n_kv, shared):
     assert rel_err(got, want) < 1e-5
 
 
-def prompt_attention_case(head_dim, n_heads, n_kv):
+def prompt_attention_case(head_dim, n_heads, n_kv, window=0, cap=0.0):
     """A step with prompt tokens: whose 16-token tiles attention_tiles takes (the first two of
     A's 37 new tokens after 40 cached, C's full tile and G's last, partial tile) and which it
-    leaves (tiles of several sequences, decode tokens). Returns (tiled, q, numpy's attention,
-    the kernels' arguments after q and out)."""
+    leaves (tiles of several sequences, decode tokens). Returns (tiled, q, numpy's attention
+    (with a sliding `window` and a soft-`cap` where given), the kernels' arguments after q and
+    out)."""
     bs, nb = 16, 128
     new = {"A": (40, 37), "C": (0, 27), "B": (300, 1), "D": (5, 1), "E": (100, 3),
            "G": (0, 21)}
@@ -800,7 +801,7 @@ def prompt_attention_case(head_dim, n_heads, n_kv):
     assert list(np.nonzero(tiled)[0]) == [*range(32), *range(48, 64), *range(80, 90)]
     q = rng.standard_normal((T, n_heads, head_dim)).astype(np.float32)
     scale = head_dim ** -0.5
-    want = ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale)
+    want = ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale, window, cap)
     cache = (cache_k.astype(np.float16).view(np.uint32), cache_v.astype(np.float16).view(np.uint32),
              qpos, qrows, tables, n_heads, n_kv, tables.shape[1], bs, scale, T)
     return tiled, q, want, cache

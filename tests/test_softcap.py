@@ -10,7 +10,8 @@ import pytest
 from poot.ir import reference as ref
 from poot.kernels import ops, softcap
 from poot.kernels.quant import DEVICE_DTYPES
-from tests.test_kernels import cuda_device, paged_case, rel_err, run, weight  # noqa: F401
+from tests.test_kernels import (cuda_device, prompt_attention_case, rel_err,  # noqa: F401
+                                run, weight)
 
 rng = np.random.default_rng()
 
@@ -41,27 +42,10 @@ def test_every_embedding_dtype_has_a_scaled_kernel():
 
 
 def step_case(head_dim, n_heads, n_kv, window, cap):
-    """A step of prompt tiles and decode tokens over a paged cache of blocks of 16 (as
-    test_kernels.prompt_attention_case, at a window and cap): (tiled, q, numpy's attention,
-    the kernels' arguments after q and out)."""
-    bs, nb = 16, 128
-    new = {"A": (40, 37), "C": (0, 27), "B": (300, 1), "D": (5, 1), "E": (100, 3),
-           "G": (0, 21)}
-    lengths = [start + n for start, n in new.values()]
-    tables, positions, seq_rows, k, v = paged_case(n_kv, head_dim, lengths, bs, nb)
-    cache_k, cache_v = (np.zeros((nb, bs, n_kv, head_dim), np.float32) for _ in range(2))
-    ref.store_kv(k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32),
-                 cache_k, cache_v, positions, seq_rows, tables)
-    qpos = np.concatenate([np.arange(start, start + n) for start, n in new.values()]).astype(
-        np.int32)
-    qrows = np.concatenate([[s] * n for s, (_, n) in enumerate(new.values())]).astype(np.int32)
-    T = len(qpos)
-    q = rng.standard_normal((T, n_heads, head_dim)).astype(np.float32)
-    scale = head_dim ** -0.5
-    want = ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale, window, cap)
-    cache = (cache_k.astype(np.float16).view(np.uint32), cache_v.astype(np.float16).view(np.uint32),
-             qpos, qrows, tables, n_heads, n_kv, tables.shape[1], bs, scale)
-    return np.array(ops.tiled_tokens(qrows)), q, want, cache
+    """test_kernels.prompt_attention_case at a window and cap: (tiled, q, numpy's attention,
+    the kernels' arguments after q and out, the step's token count left off)."""
+    tiled, q, want, cache = prompt_attention_case(head_dim, n_heads, n_kv, window, cap)
+    return tiled, q, want, cache[:-1]
 
 
 def kwargs(window, cap):

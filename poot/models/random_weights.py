@@ -61,25 +61,32 @@ def byte_symbols():
     return {b: chr(b if b in keep else next(extra)) for b in range(256)}
 
 
-def byte_level_vocab(vocab_size, n_merges=40, specials=SPECIALS):
-    """Tokens (specials, 256 bytes, merged pairs, reserved fillers) and the merge list."""
-    symbols = byte_symbols()
-    words = [[symbols[b] for b in (" " + w if i else w).encode()] for i, w in
-             enumerate(CORPUS.split(" ")) if w]
-    tokens, merges = list(specials) + [symbols[b] for b in range(256)], []
+def learnt_merges(words, n_merges):
+    """BPE's merges learnt from `words` (each a list of symbols, merged in place): the most
+    frequent adjacent pair, up to n_merges times."""
     for _ in range(n_merges):
         pairs = Counter(p for w in words for p in zip(w, w[1:]))
         if not pairs:
-            break
+            return
         (a, b), _ = pairs.most_common(1)[0]
-        merges.append(f"{a} {b}")
-        tokens.append(a + b)
+        yield a, b
         for w in words:
             i = 0
             while i < len(w) - 1:
                 if (w[i], w[i + 1]) == (a, b):
                     w[i:i + 2] = [a + b]
                 i += 1
+
+
+def byte_level_vocab(vocab_size, n_merges=40, specials=SPECIALS):
+    """Tokens (specials, 256 bytes, merged pairs, reserved fillers) and the merge list."""
+    symbols = byte_symbols()
+    words = [[symbols[b] for b in (" " + w if i else w).encode()] for i, w in
+             enumerate(CORPUS.split(" ")) if w]
+    tokens, merges = list(specials) + [symbols[b] for b in range(256)], []
+    for a, b in learnt_merges(words, n_merges):
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
     tokens += [f"<|reserved_{i}|>" for i in range(vocab_size - len(tokens))]
     if len(tokens) != vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the byte-level base")
@@ -254,20 +261,10 @@ def sentencepiece_vocab(vocab_size, n_merges=40):
     tokens += chars
     types += [1] * len(chars)
     scores = [0.0] * (len(tokens) - len(chars)) + [-1e6] * len(chars)
-    for rank in range(n_merges):
-        pairs = Counter(p for w in words for p in zip(w, w[1:]))
-        if not pairs:
-            break
-        (a, b), _ = pairs.most_common(1)[0]
+    for rank, (a, b) in enumerate(learnt_merges(words, n_merges)):
         tokens.append(a + b)
         types.append(1)
         scores.append(-float(rank))
-        for w in words:
-            i = 0
-            while i < len(w) - 1:
-                if (w[i], w[i + 1]) == (a, b):
-                    w[i:i + 2] = [a + b]
-                i += 1
     n = vocab_size - len(tokens)
     if n < 0:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the SentencePiece base")

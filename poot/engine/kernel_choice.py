@@ -43,13 +43,18 @@ def mma_choice(dtype, caps=frozenset(), tokens=matmul.MMA_TOKENS):
     stream through a ring of asynchronous copies (three stages) with x rounded once beforehand
     (mma_x16), their splits kept to one wave of two workgroups a multiprocessor; where the
     device has wgmma (sm_90a) the products run on it, from four stages for the 32- and 64-token
-    tiles, whose steps are short, and three for 128 and 256 (long steps take 256-token tiles
-    there: mma_launch's `wide`). The formats decoded in the kernel keep the register pipeline
-    (their words are not operands as they are)."""
+    tiles, whose steps are short, and three for 128; long steps take 256-token tiles there
+    (mma_launch's `wide`), four stages deep with one step's wgmma kept running while the next
+    is waited for (`in_flight`: the tile alone on its multiprocessor has no neighbour to hide
+    the wait). The formats decoded in the kernel keep the register pipeline (their words are
+    not operands as they are)."""
     if dtype not in ("F16", "BF16"):
         return {}, {}
     policy = {"per_sm": 2, "one_wave": True}
     if WGMMA in caps:
+        if tokens == matmul.WIDE_TOKENS:
+            return {"stages": 4, "x16": True, "wgmma": True, "in_flight": 1}, \
+                dict(policy, wide=True)
         return {"stages": 4 if tokens < matmul.MMA_TOKENS else 3, "x16": True,
                 "wgmma": True}, dict(policy, wide=True)
     return {"stages": 3, "x16": True}, policy

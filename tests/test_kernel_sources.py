@@ -106,6 +106,17 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
                                                        (True, False))] + \
                         [matmul.mma_tiled(d, tokens=tokens, outputs=3, **variant)]:
                     chosen[kernel.name] = kernel
+        variant = mma_choice(d, ptx_caps(90), matmul.WIDE_TOKENS)[0]
+        if variant.get("wgmma"):        # the 256-token tile, and gated units stored by tiles
+            for kernel in [matmul.mma_tiled(d, residual, matmul.WIDE_TOKENS, split, **variant)
+                           for split, residual in ((False, False), (False, True),
+                                                   (True, False))]:
+                chosen[kernel.name] = kernel
+            for tokens in (*matmul.MMA_TOKEN_TILES, matmul.WIDE_TOKENS):
+                variant = mma_choice(d, ptx_caps(90), tokens)[0]
+                for glu, x16 in (("silu", d), ("gelu_tanh", None)):
+                    kernel = matmul.mma_tiled(d, tokens=tokens, glu=glu, glu_x16=x16, **variant)
+                    chosen[kernel.name] = kernel
     tiled += list(chosen.values())
     vec = [mma_vec.mma_vec(d, **dict(shape), **mma_vec_variant(v))
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS

@@ -411,6 +411,46 @@ def test_split_sum_swiglu_of_stacked_gate_up(cuda_device, dtype, n_tokens, split
     assert np.array_equal(words.view(np.float16).reshape(got.shape), got.astype(np.float16))
 
 
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+@pytest.mark.parametrize("n_tokens", [5, 130, 300, 520])
+@pytest.mark.parametrize("glu", ["silu", "gelu_tanh"])
+def test_gated_unit_stored_by_wgmma_tiles(cuda_device, dtype, n_tokens, glu):
+    """A gated unit's tiles on wgmma (mma_tiled's glu: a tile's first warpgroup takes gate's
+    rows, its second up's of the same units) store the unit, as f32 and as the x16 words of
+    the matmul next: bit for bit what the split tile's sums give through split_sum, whose
+    sums are the same products in the same order (half not a whole number of tiles)."""
+    from poot.engine.kernel_choice import WGMMA, mma_choice
+    if WGMMA not in cuda_device.caps:
+        pytest.skip(f"{cuda_device.name} has no wgmma (sm_90a)")
+    half, cols = 200, 512
+    w_planes, _ = weight(dtype, 2 * half, cols)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * 0.5
+    launch = matmul.mma_launch(2 * half, cols, n_tokens, 1, **mma_choice(dtype,
+                                                                          cuda_device.caps)[1])
+    keywords = mma_choice(dtype, cuda_device.caps, launch.tokens)[0]
+    x_in = mma_x(cuda_device, dtype, keywords, x)
+    tile = matmul.mma_tiled(dtype, tokens=launch.tokens, split=True, **keywords)
+    partials = run(cuda_device, tile, launch.grid(2 * half, n_tokens), *w_planes, x_in,
+                   np.zeros((1, n_tokens, 2 * half), np.float32), 2 * half, cols, n_tokens,
+                   launch.split_cols)["partials"]
+    want = run(cuda_device, matmul.split_sum(glu=glu),
+               (-(-n_tokens * half // matmul.WORKGROUP),), partials,
+               np.zeros((n_tokens, half), np.float32), n_tokens * half, 1, half)["y"]
+    want16 = run(cuda_device, matmul.split_sum(glu=glu, x16=dtype),
+                 (-(-n_tokens * half // (2 * matmul.WORKGROUP)),), partials,
+                 np.zeros(n_tokens * half // 2, np.uint32), n_tokens * half, 1, half)["x16"]
+    grid = (-(-half // matmul.WGMMA_ROWS), -(-n_tokens // launch.tokens), 1)
+    unit = matmul.mma_tiled(dtype, tokens=launch.tokens, glu=glu, **keywords)
+    got = run(cuda_device, unit, grid, *w_planes, x_in,
+              np.full((n_tokens, half), np.nan, np.float32), 2 * half, cols, n_tokens)["y"]
+    assert np.array_equal(got, want), f"{unit.name} T={n_tokens}"
+    unit16 = matmul.mma_tiled(dtype, tokens=launch.tokens, glu=glu, glu_x16=dtype, **keywords)
+    got16 = run(cuda_device, unit16, grid, *w_planes, x_in,
+                np.full(n_tokens * half // 2, 0xFFFFFFFF, np.uint32), 2 * half, cols,
+                n_tokens)["y16"]
+    assert np.array_equal(got16, want16), f"{unit16.name} T={n_tokens}"
+
+
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "Q4_0", "Q8_0", "F32"])
 def test_tiled_norm_x16_feeds_mma_tiled(cuda_device, dtype):
     """The runner's folded norm on the tensor cores: tiled_norm_x16 (x normed, times the gain,

@@ -207,6 +207,8 @@ class DeviceRunner(DeviceChoice, StepRunner):
             out.append(Allocation("dequant_f16", self._dequant_words() * 4, "arenas"))
         if self._mma_x16_words():           # x rounded for the tensor cores, [T, cols / 2]
             out.append(Allocation("mma_x16", self._mma_x16_words() * 4, "arenas"))
+        if self._unit_x16_words():          # a gated unit stored by its tiles, [T, half / 2]
+            out.append(Allocation("mma_units_x16", self._unit_x16_words() * 4, "arenas"))
         if self.choice.norm_x16_words():          # x normed and rounded for mma_vec, [T, cols / 2]
             out.append(Allocation("norm_x16", self.choice.norm_x16_words() * 4, "arenas"))
         return out
@@ -220,9 +222,19 @@ class DeviceRunner(DeviceChoice, StepRunner):
     def _mma_partials(self):
         """The floats of the largest partial sums a split matmul of any step writes."""
         return max((launch.splits * n * self.choice.tiled_weight(op).shape[0]
-                    if launch.splits > 1 or op.up is not None else 0
+                    if launch.splits > 1 or op.up is not None and
+                    not self.choice.stores_unit(op, launch, n) else 0
                     for op in self.choice.tiled_ops()
                     for n, launch in self.choice.mma_launches(op).items()), default=0)
+
+    def _unit_x16_words(self):
+        """The words of the largest gated unit a step's tiles store as x16 (0: none does): it
+        cannot share mma_x16, which holds the tiles' own input meanwhile."""
+        return max((n * self.choice.tiled_weight(op).shape[0] // 4
+                    for i, op in enumerate(self.steps) if op in self.choice.tiled_ops()
+                    and self.choice.unit_x16(op, next_matmul(self.steps, i)) is not None
+                    for n, launch in self.choice.mma_launches(op).items()
+                    if self.choice.stores_unit(op, launch, n)), default=0)
 
     def _mma_x16_words(self):
         """The words of the largest x a step's x16 mma_tiled reads rounded (0: none does)."""
@@ -528,7 +540,9 @@ class DeviceRunner(DeviceChoice, StepRunner):
             x = self.buffers["mma_x16"]
             held = (op.x.name, None if op.norm is None else op.norm.name,
                     matmul.mma_operand(w.dtype))
-            if rounded != held:
+            if rounded == (*held, "mma_units_x16"):     # the gated unit's tiles stored it
+                x = self.buffers["mma_units_x16"]
+            elif rounded != held:
                 rounded = held
                 if op.norm is None:
                     self._launch(matmul.mma_x16(w.dtype), (-(-n * cols // (4 * ops.WG)),),
@@ -550,6 +564,13 @@ class DeviceRunner(DeviceChoice, StepRunner):
             if len(outs) > 1 else []
         kernels = self.choice.mma_kernels(op, launch, after, n)
         grid = launch.grid(rows, n)
+        if self.choice.stores_unit(op, launch, n):       # 64 units of gate's and up's a tile
+            unit = self.choice.unit_x16(op, after)
+            out = outs[0] if unit is None else self.buffers["mma_units_x16"]
+            self._launch(kernels[0], (-(-rows // 2 // matmul.WGMMA_ROWS), *grid[1:]), *planes,
+                         x, out, rows, cols, n)
+            return rounded if unit is None else (after.x.name, None,
+                                                 matmul.mma_operand(unit), "mma_units_x16")
         if len(kernels) == 1:
             self._launch(kernels[0], grid, *planes, x, *outs, *residual, rows, cols, n, *starts)
             return rounded

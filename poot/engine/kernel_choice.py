@@ -226,18 +226,32 @@ class KernelChoice:
         return self.tiled_weight(op).dtype not in ("F16", "BF16") and \
             n > DEQUANT_PAST_TOKENS and WGMMA in self.device.caps
 
+    def tiled_pipeline(self, op, launch, n=0):
+        """(weight format, mma_tiled keywords) of a matmul step's MmaLaunch over n tokens: the
+        step's own, or F16's over the weight decoded first (dequantizes)."""
+        w, variant = self.tiled_weight(op), self.tiled_variant(op, launch.tokens)
+        if self.dequantizes(op, n):        # F16's pipeline, on x16 where the format's is
+            return "F16", mma_choice("F16", self.device.caps, launch.tokens)[0] \
+                if variant.get("x16") else {}
+        return w.dtype, variant
+
+    def stores_unit(self, op, launch, n=0):
+        """Whether a gated unit's unsplit launch on wgmma stores the unit from its tiles
+        (mma_tiled's glu) rather than through split_sum."""
+        return op.up is not None and launch.splits == 1 and \
+            bool(self.tiled_pipeline(op, launch, n)[1].get("wgmma"))
+
     def mma_kernels(self, op, launch, after=None, n=0):
         """The kernels of a matmul step's MmaLaunch, in launch order (after its x16's): one
-        mma_tiled writing the outputs, or a split one and what adds its slices into them
-        (a SwiGLU's always: only the sum sees gate's and up's together): split_sum, or where
-        it can make the x16 of `after`, the matmul step next, the kernel makes_x16 names."""
-        w, variant = self.tiled_weight(op), self.tiled_variant(op, launch.tokens)
-        dtype = w.dtype
-        if self.dequantizes(op, n):        # F16's pipeline, on x16 where the format's is
-            dtype = "F16"
-            variant = mma_choice(dtype, self.device.caps, launch.tokens)[0] \
-                if variant.get("x16") else {}
+        mma_tiled writing the outputs (a gated unit's on wgmma too: stores_unit), or a split
+        one and what adds its slices into them (a gated unit's elsewhere: only the sum sees
+        gate's and up's together): split_sum, or where it can make the x16 of `after`, the
+        matmul step next, the kernel makes_x16 names."""
+        dtype, variant = self.tiled_pipeline(op, launch, n)
         residual, outputs = op.residual is not None, len(op.outputs)
+        if self.stores_unit(op, launch, n):
+            return [matmul.mma_tiled(dtype, tokens=launch.tokens, glu=op.glu,
+                                     glu_x16=self.unit_x16(op, after), **variant)]
         if launch.splits == 1 and op.up is None:
             return [matmul.mma_tiled(dtype, residual, launch.tokens, outputs=outputs,
                                      **variant)]
@@ -257,12 +271,22 @@ class KernelChoice:
                 op.up is None or not self.mma_launches(after):
             return None
         dtype = self.tiled_weight(after).dtype
-        if op.up is not None and after.norm is None and self.uses[out.name] == 1 and \
-                self.tiled_variant(after).get("x16"):
+        if self.unit_x16(op, after) is not None:
             return matmul.split_sum(glu=op.glu, x16=dtype)
         if op.residual is not None and after.norm is not None and len(op.outputs) == 1:
             return mma_vec.reduce_norm_x16(tiled_x16_format(dtype), launch.splits)
         return None
+
+    def unit_x16(self, op, after):
+        """The weight format whose x16 words a gated unit step `op` can make for `after`, the
+        matmul step next, in place of after's own rounding: where after alone reads the unit,
+        on x16 and with no norm; else None."""
+        out = op.outputs[0]
+        if op.up is None or after is None or after.x.name != out.name or \
+                after.norm is not None or self.uses[out.name] != 1 or \
+                not self.mma_launches(after) or not self.tiled_variant(after).get("x16"):
+            return None
+        return self.tiled_weight(after).dtype
 
     def tiled_ops(self):
         """The matmul steps that run mma_tiled at some step length."""

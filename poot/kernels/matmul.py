@@ -104,7 +104,8 @@ def _pack(k, operand, lo, hi):
 
 @cache
 def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_DEPTH,
-              stages=None, x16=False, outputs=1, wgmma=False, in_flight=0):
+              stages=None, x16=False, outputs=1, wgmma=False, in_flight=0, glu=None,
+              glu_x16=None):
     """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / tokens))
     (mma_launch picks tokens and the split).
 
@@ -158,6 +159,15 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     - `in_flight` 1 (with wgmma): a step waits only for the step before's wgmma, so the tensor
       cores always have the next step's queued; the copies then run S - 2 steps ahead (the
       slot of the step before the last is the one known free at a step's barrier).
+
+    `glu` (an activation; with wgmma, unsplit): W is a gated unit's gate rows stacked on its
+    up rows (`rows` both, half each) and a tile takes 64 of each, the first warpgroup gate's
+    and the second up's of the same units, so that it stores the unit itself: y [n_tokens,
+    half], grid (ceil(half / 64), ...). The second warpgroup's sums reach the first through
+    shared memory, each thread's to its twin, which holds gate's sums of the same places.
+    With `glu_x16` (the weight format of the x16 matmul that reads the unit next) the buffer is
+    `y16`, u32 [n_tokens, half / 2], the units rounded to that matmul's operand two a word
+    (split_sum's x16 words; half even).
     """
     if split and residual:
         raise ValueError("a split mma_tiled leaves the residual to split_sum")
@@ -177,12 +187,16 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
         raise ValueError(f"mma_tiled: wgmma reads staged x16 tiles of {WGMMA_DEPTH} columns")
     if in_flight not in (0, 1) or in_flight and not (wgmma and stages >= 3):
         raise ValueError("mma_tiled: in_flight 1 keeps a wgmma step running, 3 stages or more")
+    if glu and not wgmma or glu and (split or residual or outputs > 1) or glu_x16 and not glu:
+        raise ValueError("mma_tiled: a gated unit's tiles are unsplit wgmma ones storing it alone")
     r = reader(dtype)
     operand = mma_operand(dtype)
     name = f"mma_tiled_{dtype.lower()}" + f"_t{tokens}" * (tokens != MMA_TOKENS) + \
         f"_d{depth}" * (depth != MMA_DEPTH) + f"_s{stages}" * bool(stages) + "_x16" * x16 + \
         "_wgmma" * wgmma + f"_f{in_flight}" * bool(in_flight) + "_split" * split + \
-        "_residual" * residual + f"_out{outputs}" * (outputs > 1)
+        "_residual" * residual + f"_out{outputs}" * (outputs > 1) + \
+        (f"_{activations.UNITS[glu]}" if glu else "") + \
+        (f"_x16_{mma_operand(glu_x16).name}" if glu_x16 else "")
     row_words = WGMMA_DEPTH // 2 if wgmma else depth // 2 + 4
     x_tile, w_tile = tokens * row_words, MMA_ROWS * row_words
     two = stages and (stages * (x_tile + w_tile) * 4 <= TWO_RESIDENT_SHARED)
@@ -191,6 +205,8 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     x = k.buffer("x16", U32) if x16 else k.buffer("x", F32)
     if outputs > 1:
         ys = [k.buffer(f"y{i}", F32, "w") for i in range(outputs)]
+    elif glu_x16:
+        y16 = k.buffer("y16", U32, "w")
     else:
         y = k.buffer("partials" if split else "y", F32, "w")
     res = k.buffer("residual", F32) if residual else None
@@ -201,6 +217,8 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     ws = k.shared("ws", U32, (stages or 1) * w_tile, align)
     tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
     m0, t0 = k.block_id(0) * MMA_ROWS, k.block_id(1) * tokens
+    if glu:                         # W tile row r: gate's unit g0 + r, then up's g0 + r - 64
+        g0, half = k.block_id(0) * WGMMA_ROWS, rows / 2
     if split:
         piece = k.block_id(2)
         begin, end = split_columns(piece, k.scalar("split_cols", I32), cols, k.min)
@@ -234,7 +252,12 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
         """(shared word, W word, inside) of part p: 4 words (8 values) of a row."""
         i = tid + p * MMA_WORKGROUP
         row, part = i >> w_shift, i & (w_row_parts - 1)
-        m, c = k.min(m0 + row, rows - 1), c0 + part * 8
+        c = c0 + part * 8
+        if glu:
+            unit = k.min(g0 + (row & (WGMMA_ROWS - 1)), half - 1)
+            m = k.select(row < WGMMA_ROWS, unit, half + unit)
+        else:
+            m = k.min(m0 + row, rows - 1)
         return place(row, part, 4), m * r.row_words("values", cols) + (c >> 1), c < end
 
     def fetch_x(c0):
@@ -390,6 +413,9 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
             else:
                 y[at] = v.get() + res[at] if residual else v.get()
 
+    if glu:
+        _store_units(k, acc, xs, y16 if glu_x16 else y, glu, glu_x16, g0, t0, half, n_tokens)
+        return k.build()
     if wgmma:
         base = m0 + (warp >> 2) * WGMMA_ROWS + (warp & 3) * 16 + (lane >> 2)
         for j, v in enumerate(acc):
@@ -401,6 +427,50 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
                 dt, dm = accumulator_position(lane, e)
                 store(v, t0 + wt + 16 * i + dt, m0 + wn + 8 * j + dm)
     return k.build()
+
+
+def _store_units(k, acc, xs, y, glu, glu_x16, g0, t0, half, n_tokens):
+    """A glu tile's stores (mma_tiled): the second warpgroup's sums (up's) go to shared memory,
+    sum j of thread i at word j * 128 + i, where thread i of the first (gate's, of the same
+    unit and token) takes them; it stores the units, as f32 or as x16 words. In wgmma's
+    accumulator layout a thread's sums j and j + 1 are two tokens of one unit, and the thread
+    four lanes on holds the next unit's: each pair of them trades one value (shuffle_xor 4) so
+    that each holds two neighbouring units of one token, one word."""
+    threads = MMA_WORKGROUP // 2
+    tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
+    own = tid & (threads - 1)
+    k.barrier()                             # every wgmma and copy is done with xs
+    with k.if_(warp >= 4):
+        for j, v in enumerate(acc):
+            xs[j * threads + own] = v.get().bitcast(U32)
+    k.barrier()
+    with k.if_(warp >= 4):
+        k.return_()
+    unit = g0 + (warp & 3) * 16 + (lane >> 2)
+    units = [activations.glu(k, glu, v.get(), xs[j * threads + own].bitcast(F32))
+             for j, v in enumerate(acc)]
+
+    def token(j):
+        return t0 + 8 * (j >> 2) + 2 * (lane & 3) + (j & 1)
+
+    def place(j):
+        return unit + 8 * ((j >> 1) & 1)
+
+    if glu_x16 is None:
+        for j, value in enumerate(units):
+            with k.if_((token(j) < n_tokens) & (place(j) < half)):
+                y[token(j) * half + place(j)] = value
+        return
+    odd = (lane >> 2) & 1                   # this thread's unit is the odd one of its word
+    operand = mma_operand(glu_x16)
+    for j in range(0, len(units), 2):
+        # an even unit's thread keeps token j's word, an odd one's token j + 1's
+        theirs = k.shuffle_xor(k.select(odd.eq(1), units[j], units[j + 1]), 4)
+        word = k.select(odd.eq(1), _pack(k, operand, theirs, units[j + 1]),
+                        _pack(k, operand, units[j], theirs))
+        t, first = token(j) + odd, place(j) - odd
+        with k.if_((t < n_tokens) & (first < half)):
+            y[t * (half / 2) + (first >> 1)] = word
 
 
 def wgmma_descriptor(k, address):

@@ -414,7 +414,8 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
                 y[at] = v.get() + res[at] if residual else v.get()
 
     if glu:
-        _store_units(k, acc, xs, y16 if glu_x16 else y, glu, glu_x16, g0, t0, half, n_tokens)
+        _store_units(k, acc, xs, ws, y16 if glu_x16 else y, glu, glu_x16, g0, t0, half,
+                     n_tokens)
         return k.build()
     if wgmma:
         base = m0 + (warp >> 2) * WGMMA_ROWS + (warp & 3) * 16 + (lane >> 2)
@@ -429,45 +430,52 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     return k.build()
 
 
-def _store_units(k, acc, xs, y, glu, glu_x16, g0, t0, half, n_tokens):
-    """A glu tile's stores (mma_tiled): the second warpgroup's sums (up's) go to shared memory,
-    sum j of thread i at word j * 128 + i, where thread i of the first (gate's, of the same
-    unit and token) takes them; it stores the units, as f32 or as x16 words. In wgmma's
-    accumulator layout a thread's sums j and j + 1 are two tokens of one unit, and the thread
-    four lanes on holds the next unit's: each pair of them trades one value (shuffle_xor 4) so
-    that each holds two neighbouring units of one token, one word."""
+def _store_units(k, acc, xs, ws, y, glu, glu_x16, g0, t0, half, n_tokens):
+    """A glu tile's stores (mma_tiled): every thread puts its sums in shared memory (gate's
+    warpgroup in ws, up's in xs; sum j of thread i of its warpgroup at word j * 128 + i), then
+    both warpgroups make the units, each half of the places: thread i of either takes the
+    places of thread i of gate's, sums j in its half. In wgmma's accumulator layout a thread's
+    sums j and j + 1 are two tokens of one unit, and the thread four lanes on holds the next
+    unit's: each pair of them trades one value (shuffle_xor 4) so that each holds two
+    neighbouring units of one token, one word."""
     threads = MMA_WORKGROUP // 2
     tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
     own = tid & (threads - 1)
-    k.barrier()                             # every wgmma and copy is done with xs
-    with k.if_(warp >= 4):
+    k.barrier()                             # every wgmma and copy is done with the tiles
+    with k.if_(warp < 4) as gate:
+        for j, v in enumerate(acc):
+            ws[j * threads + own] = v.get().bitcast(U32)
+    with k.else_(gate):
         for j, v in enumerate(acc):
             xs[j * threads + own] = v.get().bitcast(U32)
     k.barrier()
-    with k.if_(warp >= 4):
-        k.return_()
     unit = g0 + (warp & 3) * 16 + (lane >> 2)
-    units = [activations.glu(k, glu, v.get(), xs[j * threads + own].bitcast(F32))
-             for j, v in enumerate(acc)]
+    ours = len(acc) // 2                    # the sums a warpgroup makes units of
+    first_j = (warp >> 2) * ours
+
+    def unit_of(j):                         # j: this warpgroup's half, from 0
+        at = (first_j + j) * threads + own
+        return activations.glu(k, glu, ws[at].bitcast(F32), xs[at].bitcast(F32))
 
     def token(j):
-        return t0 + 8 * (j >> 2) + 2 * (lane & 3) + (j & 1)
+        jj = first_j + j
+        return t0 + 8 * (jj >> 2) + 2 * (lane & 3) + (jj & 1)
 
     def place(j):
-        return unit + 8 * ((j >> 1) & 1)
+        return unit + 8 * (((first_j + j) >> 1) & 1)
 
     if glu_x16 is None:
-        for j, value in enumerate(units):
+        for j in range(ours):
             with k.if_((token(j) < n_tokens) & (place(j) < half)):
-                y[token(j) * half + place(j)] = value
+                y[token(j) * half + place(j)] = unit_of(j)
         return
     odd = (lane >> 2) & 1                   # this thread's unit is the odd one of its word
     operand = mma_operand(glu_x16)
-    for j in range(0, len(units), 2):
+    for j in range(0, ours, 2):
         # an even unit's thread keeps token j's word, an odd one's token j + 1's
-        theirs = k.shuffle_xor(k.select(odd.eq(1), units[j], units[j + 1]), 4)
-        word = k.select(odd.eq(1), _pack(k, operand, theirs, units[j + 1]),
-                        _pack(k, operand, units[j], theirs))
+        a, b = unit_of(j), unit_of(j + 1)
+        theirs = k.shuffle_xor(k.select(odd.eq(1), a, b), 4)
+        word = k.select(odd.eq(1), _pack(k, operand, theirs, b), _pack(k, operand, a, theirs))
         t, first = token(j) + odd, place(j) - odd
         with k.if_((t < n_tokens) & (first < half)):
             y[t * (half / 2) + (first >> 1)] = word

@@ -42,6 +42,7 @@ class Server:
         `on_failure` is called once the engine can serve no more (its device lost).
         `served_names`: the names requests may use for the model (default: its file's).
         `prefix_caching`: whether requests reuse the KV blocks of prompts that began alike."""
+        model.tokenizer.encode("Ready.")    # compiles its pre-tokenizer before the first request
         engine = Engine(runner, model.tokenizer, max_seqs=max_seqs, step_tokens=step_tokens,
                         max_context=max_context, prefix_caching=prefix_caching)
         engine.on_failure = on_failure

@@ -163,6 +163,16 @@ class TokenGrammar:
                 self.class_of[symbol] = automaton.class_of[N_BYTES + i]
         self._class_list = self.class_of.tolist()
         self.eos_bits = vocab.bits(vocab.eos_ids)
+        # A token takes at most (rules + 1) moves a symbol (calls, then a shift; pops need
+        # no reach of their own): states alike that far read every token alike, so masks are
+        # kept by the blocks of a stack's states, shared by the places that look the same.
+        reach = int(vocab.lengths.max(initial=0)) * (len(automaton.rule_names) + 1) + 1
+        self._block = automaton.alike(reach).tolist()
+
+    def key(self, stack):
+        """What the masks of `stack` are kept by: its states' blocks (see Automaton.alike)."""
+        block = self._block
+        return (self.serial, tuple([block[s] for s in stack]))
 
     def start(self):
         return Matcher(self)
@@ -172,7 +182,7 @@ class TokenGrammar:
     def mask(self, stack):
         """The packed bitmask of the tokens allowed after `stack` (end-of-sequence included
         where the grammar may end there)."""
-        key = (self.serial, stack)
+        key = self.key(stack)
         got = _CACHE.get(key)
         if got is not None:
             return got
@@ -202,7 +212,7 @@ class TokenGrammar:
         """For a stack whose top is state s: (the packed mask of the tokens read within its
         rule, (tokens, offsets) of those that end it before their offset-th symbol, (tokens,
         offsets) of those that enter more than TOKEN_STACK rules)."""
-        key = (self.serial, "frame", s)
+        key = (self.serial, "frame", self._block[s])
         got = _CACHE.get(key)
         if got is None:
             v = self.vocab
@@ -341,7 +351,7 @@ class Matcher:
     def ready(self):
         """Whether allowed() answers at once: its mask is kept (or it cannot be made)."""
         return self.ended or self.failed is not None or \
-            _CACHE.get((self.grammar.serial, self.stack)) is not None
+            _CACHE.get(self.grammar.key(self.stack)) is not None
 
     def allowed(self):
         if self.ended:

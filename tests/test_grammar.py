@@ -285,7 +285,8 @@ class RandomVocabulary:
 
     PIECES = [b'"', b"\\", b'\\"', b"{", b"}", b"[", b"]", b",", b":", b" ", b"\n", b"-", b".",
               b"e", b"0", b"7", b"12", b"a", b"bc", b"name", b"x", b"true", b"null",
-              "é".encode(), "€".encode(), "€".encode()[:2], "€".encode()[2:], b"\x01", b"\xff"]
+              "é".encode(), "€".encode(), "€".encode()[:2], "€".encode()[2:], b"\x01",
+              b"\xff"]
 
     def __init__(self, size, seed):
         rng = random.Random(seed)

@@ -7,11 +7,15 @@ of one sequence: `allowed()` is the packed bitmask of the tokens that may come n
 of word t // 32, end-of-sequence tokens where the grammar may end), `advance(token)` reads one.
 
 A mask is read from the stack's top state for every token at once: numpy reads the
-vocabulary's trie a depth at a time (a prefix many tokens share is read once), each prefix with
-its own small stack for the rules it enters and leaves within itself. A token that reads to its end is allowed, one that finds no way on is not;
-one that ends the top state's rule partway is read on, from there, by the state below, and so
-down the stack. The top state's reading is kept per state, a stack's mask per stack, in a cache
-bounded in bytes: a place seen before costs a lookup. Compiling grammars is automaton.py's.
+vocabulary's trie a depth at a time, down the prefixes still read only (a prefix many tokens
+share is read once), each prefix with its own small stack for the rules it enters and leaves
+within itself; a prefix at a state that reads every byte below it back to itself (inside a
+string, say) is read whole. A token that reads to its end is allowed, one that finds no way on
+is not; one that ends the top state's rule partway is read on, from there, by the state below,
+and so down the stack. Masks are kept by the blocks of the stack's states (states that no
+token can tell apart: Automaton.alike), the top state's reading per block, in a cache bounded
+in bytes: a place seen before, or one alike to it (the same place in another item of an
+array), costs a lookup. Compiling grammars is automaton.py's.
 """
 import threading
 import weakref
@@ -76,9 +80,9 @@ class Vocabulary:
         depth d, a node's children `child_lo[x]:child_hi[x]`, `node` per token its whole
         spelling's node. `order` is the tokens in their spellings' order, so that the tokens a
         node begins are `order[sub_lo[x]:sub_hi[x]]`, the first `own[x]` of them spelling the
-        node itself; `below[:, x]` is the bit set (words) of the symbols under the node. Tokens
-        share their prefixes' reading, so reading the trie reads a third of the symbols that
-        reading every token would."""
+        node itself; `below[:, x]` is the bit set (words) of the bytes under the node, and a
+        last bit for any control symbol. Tokens share their prefixes' reading, so reading the
+        trie reads a third of the symbols that reading every token would."""
         parent, symbol, levels = [-1], [-1], [0, 1]
         node = np.zeros(self.size, np.int64)
         at = {t: 0 for t in self.tokens.tolist()}      # token -> its node so far
@@ -118,15 +122,14 @@ class Vocabulary:
         self.sub_hi = np.zeros(n, np.int64)
         np.minimum.at(self.sub_lo, ends, np.arange(len(self.order)))
         np.maximum.at(self.sub_hi, ends, np.arange(1, len(self.order) + 1))
-        symbols = N_BYTES + len(self.control)
-        below = np.zeros((n, -(-symbols // 64)), np.uint64)
+        below = np.zeros((n, N_BYTES // 64 + 1), np.uint64)     # bytes; then any control
         for d in range(len(levels) - 2, 1, -1):     # each depth's nodes into their parents
             lo, hi = levels[d], levels[d + 1]
             up = self.parent[lo:hi]
             np.minimum.at(self.sub_lo, up, self.sub_lo[lo:hi])
             np.maximum.at(self.sub_hi, up, self.sub_hi[lo:hi])
             under = below[lo:hi].copy()
-            sym = self.symbol[lo:hi]
+            sym = np.minimum(self.symbol[lo:hi], N_BYTES)
             under[np.arange(hi - lo), sym // 64] |= np.uint64(1) << (sym % 64).astype(np.uint64)
             first = np.flatnonzero(np.append(True, up[1:] != up[:-1]))
             below[up[first]] |= np.bitwise_or.reduceat(under, first, axis=0)
@@ -210,11 +213,11 @@ class TokenGrammar:
         # kept by the blocks of a stack's states, shared by the places that look the same.
         reach = int(vocab.lengths.max(initial=0)) * (len(automaton.rule_names) + 1) + 1
         self._block = automaton.alike(reach).tolist()
-        # per state, the bit set of the symbols it reads back to itself: a prefix that reaches
-        # it with only such symbols below is read whole, every token it begins allowed
+        # per state, the bit set of the bytes it reads back to itself: a prefix that reaches it
+        # with only such bytes below is read whole, every token it begins allowed
         A, words = automaton, len(vocab.below)
         loops = A.shift == np.arange(len(A.accepting))[:, None]
-        loops = np.pad(loops[:, self.class_of], ((0, 0), (0, 64 * words - len(self.class_of))))
+        loops = np.pad(loops[:, self.class_of[:N_BYTES]], ((0, 0), (0, 64 * words - N_BYTES)))
         self.loops = np.ascontiguousarray(np.packbits(loops, axis=1, bitorder="little")).view(
             np.uint64).T.copy()
         self.looping = loops.any(axis=1)

@@ -313,13 +313,17 @@ ROWS = {"type": "array", "minItems": 6, "items": {
                    "tag": {"enum": ["red", "green"]}, "note": {"type": "string"}}}}
 
 
-@pytest.mark.parametrize("which", ["rows", "json_object", "recursive"])
+TEXT = {"type": "object", "required": ["title", "body"], "additionalProperties": False,
+        "properties": {"title": {"type": "string", "maxLength": 40}, "body": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("which", ["rows", "text", "json_object", "recursive"])
 def test_masks_of_places_alike_and_strings_read_whole_equal_the_token_walk(tiny, which):
     """Masks along random walks (each token drawn from the slow walk's own mask) equal the
     token-by-token walk, for vocabularies of random tokens and the tiny one: places that share
     a kept mask (the rows' items) and string states whose tokens are read whole included."""
     build = {"json_object": json_object_grammar, "recursive": lambda: schema_grammar(RECURSIVE),
-             "rows": lambda: schema_grammar(ROWS)}[which]
+             "rows": lambda: schema_grammar(ROWS), "text": lambda: schema_grammar(TEXT)}[which]
     for tokenizer in (tiny, RandomVocabulary(3000, 1), RandomVocabulary(1500, 2)):
         grammar = TokenGrammar(Automaton(build()), Vocabulary.of(tokenizer))
         rng = np.random.default_rng(len(which))

@@ -279,16 +279,16 @@ class TokenGrammar:
     def _walk_trie(self, s):
         """_walk of every token from its start, read over the vocabulary's trie from the root
         down the prefixes still read: a prefix's outcome is that of every token it begins,
-        once it has one, and a prefix at a state that reads all the symbols below it back to
+        once it has one, and a prefix at a state that reads all the bytes below it back to
         itself is read whole."""
         v = self.vocab
         n = len(v.parent)
         state, depth = np.empty(n, np.int32), np.empty(n, np.int32)
         stack = np.empty((n, TOKEN_STACK), np.int32)
         state[0], depth[0] = s, 0
-        read, escapes, deep = [], [], []
+        read, ends, escapes, deep = [], [], [], []     # prefixes, and where their tokens end
         alive, d = np.zeros(1, np.int64), 0
-        while alive.size:
+        while alive.size and d + 2 < len(v.levels):     # a prefix of the deepest has no child
             d += 1
             if len(alive) == v.levels[d] - v.levels[d - 1]:     # the whole depth read on
                 nodes = np.arange(v.levels[d], v.levels[d + 1])
@@ -298,25 +298,36 @@ class TokenGrammar:
                 parents = np.repeat(alive, v.child_hi[alive] - v.child_lo[alive])
             state[nodes], depth[nodes] = state[parents], depth[parents]
             nested = depth[nodes] > 0
-            stack[nodes[nested]] = stack[parents[nested]]
+            if nested.any():
+                stack[nodes[nested]] = stack[parents[nested]]
             moved, escaped, deeper = self._step(nodes, self.class_of[v.symbol[nodes]], state,
                                                 depth, stack)
-            escapes.append((escaped, d - 1))
+            if len(escaped):
+                escapes += [escaped, np.full(len(escaped), d - 1, np.int64)]
             deep.append(deeper)
+            end = v.sub_lo[moved] + v.own[moved]        # the prefix's own tokens alone
             looping = np.flatnonzero(self.looping[state[moved]])
-            whole = np.ones(len(looping), bool)
-            for below, loops in zip(v.below, self.loops):
-                whole &= (below[moved[looping]] & ~loops[state[moved[looping]]]) == 0
-            keep = np.ones(len(moved), bool)
-            keep[looping[whole]] = False
-            done, alive = moved[~keep], moved[keep]
-            read += [_ranges(v.sub_lo[done], v.sub_hi[done]),
-                     _ranges(v.sub_lo[alive], v.sub_lo[alive] + v.own[alive])]
-        read = v.order[np.concatenate(read)]
-        escaped = [(v.order[_ranges(v.sub_lo[x], v.sub_hi[x])], at) for x, at in escapes]
-        escaped = (np.concatenate([t for t, _ in escaped]),
-                   np.concatenate([np.full(len(t), at, np.int64) for t, at in escaped]))
-        deep = v.order[_ranges(v.sub_lo[np.concatenate(deep)], v.sub_hi[np.concatenate(deep)])]
+            if len(looping):
+                whole = np.ones(len(looping), bool)
+                for below, loops in zip(v.below, self.loops):
+                    whole &= (below[moved[looping]] & ~loops[state[moved[looping]]]) == 0
+                looping = looping[whole]
+                end[looping] = v.sub_hi[moved[looping]]
+                keep = np.ones(len(moved), bool)
+                keep[looping] = False
+                alive = moved[keep]
+            else:
+                alive = moved
+            read.append(moved)
+            ends.append(end)
+        read = np.concatenate(read)
+        read = v.order[_ranges(v.sub_lo[read], np.concatenate(ends))]
+        gone = np.concatenate(escapes[0::2] or [read[:0]])      # each token it begins, at
+        escaped = (v.order[_ranges(v.sub_lo[gone], v.sub_hi[gone])],      # its symbol `at`
+                   np.repeat(np.concatenate(escapes[1::2] or [read[:0]]),
+                             v.sub_hi[gone] - v.sub_lo[gone]))
+        deep = np.concatenate(deep)
+        deep = v.order[_ranges(v.sub_lo[deep], v.sub_hi[deep])]
         return read, escaped, (deep, np.zeros(len(deep), np.int64))
 
     def _step(self, items, classes, state, depth, stack):
@@ -419,7 +430,7 @@ class Matcher:
             return self.grammar.eos_bits
         try:
             return self.grammar.mask(self.stack)
-        except ConstraintViolated as exc:
+        except Exception as exc:        # kept, so that a mask thread's failure fails it too
             self.failed = exc
             raise
 

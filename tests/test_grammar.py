@@ -278,6 +278,71 @@ def test_masks_hold_exactly_the_tokens_the_automaton_reads(tiny, smol, which):
             assert max(depths) >= 3, depths
 
 
+class RandomVocabulary:
+    """A tokenizer's vocabulary, as Vocabulary reads one: every byte, then random tokens
+    joined from JSON's structure, letters, digits, escapes and multi-byte characters (some
+    split inside a character), and an end-of-sequence control token."""
+
+    PIECES = [b'"', b"\\", b'\\"', b"{", b"}", b"[", b"]", b",", b":", b" ", b"\n", b"-", b".",
+              b"e", b"0", b"7", b"12", b"a", b"bc", b"name", b"x", b"true", b"null",
+              "é".encode(), "€".encode(), "€".encode()[:2], "€".encode()[2:], b"\x01",
+              b"\xff"]
+
+    def __init__(self, size, seed):
+        rng = random.Random(seed)
+        spelled = {bytes([b]) for b in range(256)}
+        self.extra = []
+        while len(self.extra) < size:
+            token = b"".join(rng.choice(self.PIECES) for _ in range(rng.randint(2, 6)))
+            if token not in spelled:
+                spelled.add(token)
+                self.extra.append(token)
+        self.vocab_size = 257 + size
+        self.tokens = [chr(b) for b in range(256)] + ["<eos>"] + [
+            t.decode("latin-1") for t in self.extra]
+        self.token_types = [NORMAL] * 256 + [CONTROL] + [NORMAL] * size
+        self.eos_ids = [256]
+
+    def token_bytes(self, i):
+        return bytes([i]) if i < 256 else self.extra[i - 257]
+
+
+ROWS = {"type": "array", "minItems": 6, "items": {
+    "type": "object", "required": ["name", "score", "tag"], "additionalProperties": False,
+    "properties": {"name": {"type": "string", "maxLength": 5}, "score": {"type": "integer"},
+                   "tag": {"enum": ["red", "green"]}, "note": {"type": "string"}}}}
+
+
+TEXT = {"type": "object", "required": ["title", "body"], "additionalProperties": False,
+        "properties": {"title": {"type": "string", "maxLength": 40}, "body": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("which", ["rows", "text", "json_object", "recursive"])
+def test_masks_of_places_alike_and_strings_read_whole_equal_the_token_walk(tiny, which):
+    """Masks along random walks (each token drawn from the slow walk's own mask) equal the
+    token-by-token walk, for vocabularies of random tokens and the tiny one: places that share
+    a kept mask (the rows' items) and string states whose tokens are read whole included."""
+    build = {"json_object": json_object_grammar, "recursive": lambda: schema_grammar(RECURSIVE),
+             "rows": lambda: schema_grammar(ROWS), "text": lambda: schema_grammar(TEXT)}[which]
+    for tokenizer in (tiny, RandomVocabulary(3000, 1), RandomVocabulary(1500, 2)):
+        grammar = TokenGrammar(Automaton(build()), Vocabulary.of(tokenizer))
+        rng = np.random.default_rng(len(which))
+        compared = 0
+        for _ in range(4):
+            matcher = grammar.start()
+            for _ in range(60):
+                want = token_walk(grammar, matcher.stack)
+                assert (unpack(grammar.mask(matcher.stack), tokenizer.vocab_size) == want).all()
+                compared += 1
+                choices = np.flatnonzero(want)
+                token = int(rng.choice(choices[~np.isin(choices, tokenizer.eos_ids)]
+                                       if len(choices) > 1 else choices))
+                matcher.advance(token)
+                if matcher.ended:
+                    break
+        assert compared >= 100
+
+
 def test_a_mask_is_computed_once_per_stack_and_a_schema_once(smol):
     schema = {"type": "object", "properties": {"k": {"type": "integer"}}}
     first = compiled(("again", json.dumps(schema)), lambda: schema_grammar(schema), smol)

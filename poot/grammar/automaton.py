@@ -232,6 +232,55 @@ class Automaton:
     def can_end(self, stack):
         return all(self._accepting[s] for s in stack)
 
+    def alike(self, steps):
+        """Block ids of the states (an int64 array): two states share one when no run of up to
+        `steps` moves (shifts, calls and pops) from them tells them apart, so that stacks of
+        states alike read every string of that reach alike. Moore's refinement from the
+        accepting states, each round recomputing only the blocks that hold a state with a move
+        into a state whose block changed; it ends early where nothing changes."""
+        S = len(self.accepting)
+        moves = np.concatenate([self.shift, self.call_state, self.call_return], axis=1)
+        moves = moves[:, (moves >= 0).any(axis=0)]
+        sources, columns = np.nonzero(moves >= 0)
+        targets = moves[sources, columns]
+        by_target = np.argsort(targets, kind="stable")
+        into = sources[by_target]                       # the states with a move into t, by t
+        into_at = np.searchsorted(targets[by_target], np.arange(S + 1))
+        weights = np.random.default_rng(0).integers(1, 1 << 62, moves.shape[1], np.uint64)
+        block = self.accepting.astype(np.int64)
+        blocks = 2
+        todo = np.arange(S)
+        for _ in range(steps):
+            old = block[todo]
+            rows = np.append(block, -1)[moves[todo]]   # -1: no such move
+            key = (rows.astype(np.uint64) * weights).sum(axis=1)    # a hash, checked below
+            order = np.lexsort((key, old))
+            todo, old, rows, key = todo[order], old[order], rows[order], key[order]
+            starts = np.ones(len(todo), bool)
+            starts[1:] = (key[1:] != key[:-1]) | (old[1:] != old[:-1])
+            group = np.cumsum(starts) - 1
+            if not (rows == rows[np.flatnonzero(starts)][group]).all():    # a hash collision
+                _, group = np.unique(np.column_stack([old, rows]), axis=0, return_inverse=True)
+                order = np.argsort(group.ravel(), kind="stable")
+                todo, old, group = todo[order], old[order], group.ravel()[order]
+                starts = np.ones(len(todo), bool)
+                starts[1:] = group[1:] != group[:-1]
+            # a block's first group keeps its id; the others take new ones
+            group_block = old[starts]
+            parted = np.append(False, group_block[1:] == group_block[:-1])
+            new_id = blocks + np.cumsum(parted) - 1
+            moved = parted[group]
+            if not moved.any():
+                break
+            changed = todo[moved]
+            block[changed] = new_id[group[moved]]
+            blocks += int(parted.sum())
+            lo, n = into_at[changed], into_at[changed + 1] - into_at[changed]
+            touched = np.zeros(blocks, bool)
+            touched[block[into[np.repeat(lo - np.cumsum(n) + n, n) + np.arange(n.sum())]]] = True
+            todo = np.flatnonzero(touched[block])
+        return block
+
 
 # ---- NFA ---------------------------------------------------------------------------------------
 

@@ -7,11 +7,15 @@ of one sequence: `allowed()` is the packed bitmask of the tokens that may come n
 of word t // 32, end-of-sequence tokens where the grammar may end), `advance(token)` reads one.
 
 A mask is read from the stack's top state for every token at once: numpy reads the
-vocabulary's trie a depth at a time (a prefix many tokens share is read once), each prefix with
-its own small stack for the rules it enters and leaves within itself. A token that reads to its end is allowed, one that finds no way on is not;
-one that ends the top state's rule partway is read on, from there, by the state below, and so
-down the stack. The top state's reading is kept per state, a stack's mask per stack, in a cache
-bounded in bytes: a place seen before costs a lookup. Compiling grammars is automaton.py's.
+vocabulary's trie a depth at a time, down the prefixes still read only (a prefix many tokens
+share is read once), each prefix with its own small stack for the rules it enters and leaves
+within itself; a prefix at a state that reads every byte below it back to itself (inside a
+string, say) is read whole. A token that reads to its end is allowed, one that finds no way on
+is not; one that ends the top state's rule partway is read on, from there, by the state below,
+and so down the stack. Masks are kept by the blocks of the stack's states (states that no
+token can tell apart: Automaton.alike), the top state's reading per block, in a cache bounded
+in bytes: a place seen before, or one alike to it (the same place in another item of an
+array), costs a lookup. Compiling grammars is automaton.py's.
 """
 import threading
 import weakref
@@ -26,7 +30,6 @@ from .automaton import N_BYTES
 
 TOKEN_STACK = 8                 # rules one token may enter within itself, read at once
 CACHE_BYTES = 256 << 20         # masks kept, over every grammar
-READ, DEAD, ESCAPED, DEEP = range(4)   # a prefix's outcome in a walk over the trie
 
 
 class ConstraintViolated(RuntimeError):
@@ -72,10 +75,14 @@ class Vocabulary:
         self._trie()
 
     def _trie(self):
-        """The tokens' prefixes as a trie, numbered by depth (node 0 is the empty prefix):
-        `parent` and `symbol` per node, `levels[d]` the first node of depth d, `node` per token
-        its whole spelling's node. Tokens share their prefixes' reading, so reading the trie
-        reads a third of the symbols that reading every token would."""
+        """The tokens' prefixes as a trie, numbered by depth (node 0 is the empty prefix) and
+        within a depth by parent: `parent` and `symbol` per node, `levels[d]` the first node of
+        depth d, a node's children `child_lo[x]:child_hi[x]`, `node` per token its whole
+        spelling's node. `order` is the tokens in their spellings' order, so that the tokens a
+        node begins are `order[sub_lo[x]:sub_hi[x]]`, the first `own[x]` of them spelling the
+        node itself; `below[:, x]` is the bit set (words) of the bytes under the node, and a
+        last bit for any control symbol. Tokens share their prefixes' reading, so reading the
+        trie reads a third of the symbols that reading every token would."""
         parent, symbol, levels = [-1], [-1], [0, 1]
         node = np.zeros(self.size, np.int64)
         at = {t: 0 for t in self.tokens.tolist()}      # token -> its node so far
@@ -94,14 +101,52 @@ class Vocabulary:
             levels.append(len(parent))
             for t in [t for t in at if self.lengths[t] == depth]:
                 node[t] = at.pop(t)
-        self.parent, self.symbol = np.array(parent, np.int64), np.array(symbol, np.int32)
-        self.levels, self.node = levels, node
+        parent, symbol = np.array(parent, np.int64), np.array(symbol, np.int32)
+        n = len(parent)
+        renamed = np.arange(n)
+        for d in range(1, len(levels) - 1):
+            lo, hi = levels[d], levels[d + 1]
+            renamed[lo + np.argsort(renamed[parent[lo:hi]], kind="stable")] = np.arange(lo, hi)
+        self.parent = np.full(n, -1, np.int64)
+        self.parent[renamed[1:]] = renamed[parent[1:]]
+        self.symbol = np.zeros(n, np.int32)
+        self.symbol[renamed] = symbol
+        self.levels, self.node = levels, renamed[node]
+        self.child_lo = np.searchsorted(self.parent, np.arange(n), "left")
+        self.child_hi = np.searchsorted(self.parent, np.arange(n), "right")
+        self.order = np.array(sorted(self.tokens.tolist(), key=self.spelled.__getitem__),
+                              np.int64)
+        ends = self.node[self.order]
+        self.own = np.bincount(ends, minlength=n)
+        self.sub_lo = np.full(n, len(self.order), np.int64)
+        self.sub_hi = np.zeros(n, np.int64)
+        np.minimum.at(self.sub_lo, ends, np.arange(len(self.order)))
+        np.maximum.at(self.sub_hi, ends, np.arange(1, len(self.order) + 1))
+        below = np.zeros((n, N_BYTES // 64 + 1), np.uint64)     # bytes; then any control
+        for d in range(len(levels) - 2, 1, -1):     # each depth's nodes into their parents
+            lo, hi = levels[d], levels[d + 1]
+            up = self.parent[lo:hi]
+            np.minimum.at(self.sub_lo, up, self.sub_lo[lo:hi])
+            np.maximum.at(self.sub_hi, up, self.sub_hi[lo:hi])
+            under = below[lo:hi].copy()
+            sym = np.minimum(self.symbol[lo:hi], N_BYTES)
+            under[np.arange(hi - lo), sym // 64] |= np.uint64(1) << (sym % 64).astype(np.uint64)
+            first = np.flatnonzero(np.append(True, up[1:] != up[:-1]))
+            below[up[first]] |= np.bitwise_or.reduceat(under, first, axis=0)
+        self.sub_lo[0], self.sub_hi[0] = 0, len(self.order)
+        self.below = below.T.copy()                     # [word, node]
 
     def bits(self, token_ids):
         """The packed bitmask holding `token_ids`."""
         mask = np.zeros(self.words * 32, bool)
         mask[np.asarray(token_ids, np.int64)] = True
         return pack(mask)
+
+
+def _ranges(lo, hi):
+    """The indices lo[i]:hi[i] of every i, one after another."""
+    count = hi - lo
+    return np.repeat(lo - np.cumsum(count) + count, count) + np.arange(count.sum())
 
 
 def pack(mask):
@@ -163,6 +208,24 @@ class TokenGrammar:
                 self.class_of[symbol] = automaton.class_of[N_BYTES + i]
         self._class_list = self.class_of.tolist()
         self.eos_bits = vocab.bits(vocab.eos_ids)
+        # A token takes at most (rules + 1) moves a symbol (calls, then a shift; pops need
+        # no reach of their own): states alike that far read every token alike, so masks are
+        # kept by the blocks of a stack's states, shared by the places that look the same.
+        reach = int(vocab.lengths.max(initial=0)) * (len(automaton.rule_names) + 1) + 1
+        self._block = automaton.alike(reach).tolist()
+        # per state, the bit set of the bytes it reads back to itself: a prefix that reaches it
+        # with only such bytes below is read whole, every token it begins allowed
+        A, words = automaton, len(vocab.below)
+        loops = A.shift == np.arange(len(A.accepting))[:, None]
+        loops = np.pad(loops[:, self.class_of[:N_BYTES]], ((0, 0), (0, 64 * words - N_BYTES)))
+        self.loops = np.ascontiguousarray(np.packbits(loops, axis=1, bitorder="little")).view(
+            np.uint64).T.copy()
+        self.looping = loops.any(axis=1)
+
+    def key(self, stack):
+        """What the masks of `stack` are kept by: its states' blocks (see Automaton.alike)."""
+        block = self._block
+        return (self.serial, tuple([block[s] for s in stack]))
 
     def start(self):
         return Matcher(self)
@@ -172,7 +235,7 @@ class TokenGrammar:
     def mask(self, stack):
         """The packed bitmask of the tokens allowed after `stack` (end-of-sequence included
         where the grammar may end there)."""
-        key = (self.serial, stack)
+        key = self.key(stack)
         got = _CACHE.get(key)
         if got is not None:
             return got
@@ -202,7 +265,7 @@ class TokenGrammar:
         """For a stack whose top is state s: (the packed mask of the tokens read within its
         rule, (tokens, offsets) of those that end it before their offset-th symbol, (tokens,
         offsets) of those that enter more than TOKEN_STACK rules)."""
-        key = (self.serial, "frame", s)
+        key = (self.serial, "frame", self._block[s])
         got = _CACHE.get(key)
         if got is None:
             v = self.vocab
@@ -214,39 +277,58 @@ class TokenGrammar:
         return got
 
     def _walk_trie(self, s):
-        """_walk of every token from its start, read over the vocabulary's trie: a node's
-        prefix is read once for the tokens it begins (their outcome is its, once it has one)."""
+        """_walk of every token from its start, read over the vocabulary's trie from the root
+        down the prefixes still read: a prefix's outcome is that of every token it begins,
+        once it has one, and a prefix at a state that reads all the bytes below it back to
+        itself is read whole."""
         v = self.vocab
         n = len(v.parent)
-        state = np.zeros(n, np.int32)
-        state[0] = s
-        depth = np.zeros(n, np.int32)
-        stack = np.zeros((n, TOKEN_STACK), np.int32)
-        outcome = np.zeros(n, np.int8)              # READ, DEAD, ESCAPED or DEEP
-        escaped_at = np.zeros(n, np.int64)
-        for d in range(1, len(v.levels) - 1):
-            nodes = np.arange(v.levels[d], v.levels[d + 1])
-            parents = v.parent[nodes]
-            settled = outcome[parents] != READ
-            outcome[nodes[settled]] = outcome[parents[settled]]
-            escaped_at[nodes[settled]] = escaped_at[parents[settled]]
-            nodes, parents = nodes[~settled], parents[~settled]
+        state, depth = np.empty(n, np.int32), np.empty(n, np.int32)
+        stack = np.empty((n, TOKEN_STACK), np.int32)
+        state[0], depth[0] = s, 0
+        read, ends, escapes, deep = [], [], [], []     # prefixes, and where their tokens end
+        alive, d = np.zeros(1, np.int64), 0
+        while alive.size and d + 2 < len(v.levels):     # a prefix of the deepest has no child
+            d += 1
+            if len(alive) == v.levels[d] - v.levels[d - 1]:     # the whole depth read on
+                nodes = np.arange(v.levels[d], v.levels[d + 1])
+                parents = v.parent[nodes]
+            else:
+                nodes = _ranges(v.child_lo[alive], v.child_hi[alive])
+                parents = np.repeat(alive, v.child_hi[alive] - v.child_lo[alive])
             state[nodes], depth[nodes] = state[parents], depth[parents]
-            nested = depth[parents] > 0
-            stack[nodes[nested]] = stack[parents[nested]]
-            read, escaped, deeper = self._step(nodes, self.class_of[v.symbol[nodes]], state,
-                                               depth, stack)
-            outcome[nodes] = DEAD
-            outcome[read] = READ
-            outcome[escaped] = ESCAPED
-            escaped_at[escaped] = d - 1
-            outcome[deeper] = DEEP
-        ends = outcome[v.node[v.tokens]]
-        tokens = v.tokens
-        escapes = tokens[ends == ESCAPED]
-        deep = tokens[ends == DEEP]
-        return (tokens[ends == READ], (escapes, escaped_at[v.node[escapes]]),
-                (deep, np.zeros(len(deep), np.int64)))
+            nested = depth[nodes] > 0
+            if nested.any():
+                stack[nodes[nested]] = stack[parents[nested]]
+            moved, escaped, deeper = self._step(nodes, self.class_of[v.symbol[nodes]], state,
+                                                depth, stack)
+            if len(escaped):
+                escapes += [escaped, np.full(len(escaped), d - 1, np.int64)]
+            deep.append(deeper)
+            end = v.sub_lo[moved] + v.own[moved]        # the prefix's own tokens alone
+            looping = np.flatnonzero(self.looping[state[moved]])
+            if len(looping):
+                whole = np.ones(len(looping), bool)
+                for below, loops in zip(v.below, self.loops):
+                    whole &= (below[moved[looping]] & ~loops[state[moved[looping]]]) == 0
+                looping = looping[whole]
+                end[looping] = v.sub_hi[moved[looping]]
+                keep = np.ones(len(moved), bool)
+                keep[looping] = False
+                alive = moved[keep]
+            else:
+                alive = moved
+            read.append(moved)
+            ends.append(end)
+        read = np.concatenate(read)
+        read = v.order[_ranges(v.sub_lo[read], np.concatenate(ends))]
+        gone = np.concatenate(escapes[0::2] or [read[:0]])      # each token it begins, at
+        escaped = (v.order[_ranges(v.sub_lo[gone], v.sub_hi[gone])],      # its symbol `at`
+                   np.repeat(np.concatenate(escapes[1::2] or [read[:0]]),
+                             v.sub_hi[gone] - v.sub_lo[gone]))
+        deep = np.concatenate(deep)
+        deep = v.order[_ranges(v.sub_lo[deep], v.sub_hi[deep])]
+        return read, escaped, (deep, np.zeros(len(deep), np.int64))
 
     def _step(self, items, classes, state, depth, stack):
         """Reads one class for each of `items` (indices into state, depth and stack, which it
@@ -341,14 +423,14 @@ class Matcher:
     def ready(self):
         """Whether allowed() answers at once: its mask is kept (or it cannot be made)."""
         return self.ended or self.failed is not None or \
-            _CACHE.get((self.grammar.serial, self.stack)) is not None
+            _CACHE.get(self.grammar.key(self.stack)) is not None
 
     def allowed(self):
         if self.ended:
             return self.grammar.eos_bits
         try:
             return self.grammar.mask(self.stack)
-        except ConstraintViolated as exc:
+        except Exception as exc:        # kept, so that a mask thread's failure fails it too
             self.failed = exc
             raise
 

@@ -156,6 +156,35 @@ def test_a_stop_string_ends_the_text_before_it(model):
     assert outs[-1].finish_reason == "stop"
 
 
+def test_a_stop_string_found_while_the_next_step_runs_drops_its_token_and_frees_its_blocks(
+        model):
+    """The engine launches a sequence's next step before it decodes the text of the token
+    just landed: a stop string found in that text ends the sequence with its next step in
+    flight. That step's token is dropped, its blocks are freed once it lands, and the request
+    beside it writes what it writes alone."""
+    prompt, other = prompts(model, [5, 9], seed=4)
+    texts = [o.text for o in make_engine(model).generate(prompt, greedy(24))]
+    k = next(k for k in range(2, len(texts)) if texts[k] and
+             ("".join(texts[:k]) + texts[k]).find(texts[k]) == len("".join(texts[:k])))
+    engine = make_engine(model)
+    stopped = engine.submit(prompt, greedy(24, stop=(texts[k],)))
+    beside = engine.submit(other, greedy(30))
+    outs, in_flight = [], []
+
+    def listener(handle, out):
+        outs.append(out)
+        in_flight.append(handle.seq_ids[0] in engine.scheduler.in_flight)
+    stopped.listen(listener)
+    engine.run_until_idle()
+    assert in_flight[-1] and outs[-1].finish_reason == "stop"   # its next step ran meanwhile
+    assert tokens(outs) == alone(model, prompt, greedy(24))[:k + 1]
+    assert "".join(o.text for o in outs) == "".join(texts[:k])
+    assert stopped.finished and stopped.usage.completion_tokens == k + 1
+    assert tokens(beside) == alone(model, other, greedy(30))
+    assert engine.stats().kv_blocks_used == 0 and engine.stats().running == 0
+    assert engine.stats().generation_tokens_total == k + 1 + 30
+
+
 def test_a_stop_token_ends_generation_and_is_counted_but_not_written(model):
     prompt = prompts(model, [6], seed=3)[0]
     generated = alone(model, prompt, greedy(12))
@@ -251,11 +280,11 @@ class Counting:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def step(self, batch):
+    def launch(self, batch):
         self.computed += len(batch.tokens)
         self.rows.append(len(batch.sample_tokens))
         assert self.max_rows is None or self.rows[-1] <= self.max_rows
-        return self.runner.step(batch)
+        self.runner.launch(batch)
 
 
 def counting_engine(model, num_blocks=64, max_rows=None, **kw):
@@ -511,13 +540,13 @@ def test_a_request_whose_delivery_raises_fails_alone(model, monkeypatch):
     expected = alone(model, *requests[1])
     engine = make_engine(model)
     handles = [engine.submit(p, params) for p, params in requests]
-    accept = Sequence.accept
+    emit = Sequence.emit
 
-    def fragile(seq, token_id, *args):
+    def fragile(seq, *args):
         if seq.seq_id == handles[0].seq_ids[0] and seq.num_generated == 2:
             raise UnicodeError("a decoder fault")
-        return accept(seq, token_id, *args)
-    monkeypatch.setattr(Sequence, "accept", fragile)
+        return emit(seq, *args)
+    monkeypatch.setattr(Sequence, "emit", fragile)
     engine.run_until_idle()
     first, second = outcome(handles[0]), outcome(handles[1])
     assert isinstance(first, EngineFailed) and "a decoder fault" in str(first)
@@ -647,7 +676,7 @@ def test_the_scheduler_decodes_first_then_chunks_prompts_within_the_budget(model
     batch, rows = s.build(plan)
     assert len(batch.tokens) == 16 and rows == [(a, None)]          # b's chunk samples nothing
     s.computed(plan)
-    s.accept(a, 7, None, 0.0, 64)
+    s.accept(a, 7, 64)
     plan = s.schedule()
     assert [(q.seq_id, n) for q, n in plan] == [(0, 1), (1, 15)]    # a's token first
     assert s.prompt_tokens_total == 43 and s.generation_tokens_total == 1
@@ -662,7 +691,7 @@ def test_the_scheduler_preempts_the_latest_arrival_and_never_one_in_flight(model
     plan = s.schedule()
     s.computed(plan)
     for seq in (a, b):
-        s.accept(seq, 7, None, 0.0, 64)
+        s.accept(seq, 7, 64)
     a.tokens += [7] * 4                         # a needs two more blocks; b's are the only ones
     a.num_computed = len(a.tokens) - 1
     s.launched([(b, 1)])                        # b's step is in flight: a cannot take its blocks

@@ -571,6 +571,39 @@ def test_concurrent_clients_get_what_each_request_gives_alone(server, tiny):
     assert wait_for_free_blocks(server)
 
 
+def test_sixty_four_concurrent_streams_each_equal_the_engine_run_alone(tiny):
+    """64 clients stream at once, all decoding in the same steps: each answer (text and token
+    count) is what its request gives alone, and every block is free after."""
+    server = start_server(tiny, num_blocks=1024, max_seqs=64, step_tokens=512)
+    try:
+        prompts = [f"Stream {i} begins" + " again" * (i % 7) for i in range(64)]
+        lengths = [8 + (i * 5) % 17 for i in range(64)]
+        expected = [engine_alone(tiny, tiny.tokenizer.encode(p), max_tokens=n, temperature=0,
+                                 ignore_eos=True)[0] for p, n in zip(prompts, lengths)]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        results = [None] * 64
+        go = threading.Barrier(64)
+
+        def run_client(i):
+            go.wait()
+            chunks = list(client.completions.create(
+                model=tiny.name, prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True}))
+            results[i] = ("".join(c.choices[0].text for c in chunks if c.choices),
+                          chunks[-1].usage.completion_tokens)
+
+        threads = [threading.Thread(target=run_client, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert results == [(text, n) for text, n in zip(expected, lengths)]
+        assert wait_for_free_blocks(server)
+    finally:
+        server.close(grace=0)
+
+
 def test_a_kv_cache_too_small_for_everyone_still_gives_identical_outputs(tiny):
     server = start_server(tiny, num_blocks=20, block_size=4, max_seqs=6)   # 80 tokens
     try:

@@ -1,6 +1,7 @@
-"""The writer thread of streamed responses (poot/serve/streams.py): a client that stops reading
-holds up no other stream, and gets its whole stream once it reads again; one that leaves ends
-its request."""
+"""The writer of streamed responses (poot/serve/streams.py: its thread, its sender process): a
+client that stops reading holds up no other stream, and gets its whole stream once it reads
+again; one that leaves ends its request; a socket's bytes are all sent before its stream is
+done, and the socket is the handler's again."""
 import json
 import socket
 import time
@@ -78,7 +79,7 @@ def test_a_client_that_reads_nothing_holds_up_no_other_stream(engine, model):
     assert generated(read_all(reading)) == 40
     assert fast.done.wait(10)
     time.sleep(0.5)
-    assert not slow.done.is_set() and len(slow.out) > 0, "the stalled stream's bytes fit anyway"
+    assert not slow.done.is_set(), "the stalled stream's bytes fit anyway"
     assert generated(read_all(stalled)) == 300
     assert slow.done.wait(10) and not slow.gone
 

@@ -2,16 +2,20 @@
 
 `Engine.submit` queues a prompt (`submit_prompts`: several, with n choices each) and returns a
 `RequestHandle` that yields an `Output` per step of each choice.
-Each `Engine.step` asks the scheduler (scheduler.py: the policy) for the next step, has the
-runner run it and gives each sampled sequence its token. The engine runs on its own thread
-(`start`) or is driven by the caller (`generate`, `run_until_idle`); both use the same `step`.
-It never formats JSON.
+Each `Engine.step` lands the step in flight (the runner's `collect`: its tokens), takes what
+the next step needs of it (each token, and the stops a token decides), asks the scheduler
+(scheduler.py: the policy) for the next step and launches it, and only then delivers the landed
+step's outputs (text, stop strings, log probabilities, each request's handle): the device runs
+step n+1 while the host delivers step n. A sequence that a stop string ends during delivery while
+its next step is in flight drops that step's token and frees its blocks when the step lands. The
+engine runs on its own thread (`start`) or is driven by the caller (`generate`,
+`run_until_idle`); both use the same `step`. It never formats JSON.
 
 A runner with lanes (a pipeline over several devices, engine/group.py) gets a step of each lane
-in flight: `step` takes the lanes in turn, collecting the lane's step in flight, delivering its
-tokens, then scheduling and launching its next step while the other lanes' run. A sequence
-whose step is in flight is never preempted nor freed: where only such a sequence could give up
-blocks, or a cancelled one is in flight, its lane's step is collected first.
+in flight: `step` takes the lanes in turn, landing the lane's step in flight and launching its
+next while the other lanes' run. A sequence whose step is in flight is never preempted nor
+freed: where only such a sequence could give up blocks, or a cancelled one is in flight, its
+lane's step is landed first.
 
 A step that raises fails its own requests (their handles get EngineFailed, their blocks are
 freed), the runner recovers (`recover`: what the step issued is waited for) and the engine
@@ -179,7 +183,7 @@ class Engine:
         self._inbox = deque()
         self._wake = threading.Condition()
         self._step_lock = threading.RLock()
-        self._flight = [None] * len(self.lanes)     # per lane: (plan, rows, output)
+        self._flight = [None] * len(self.lanes)     # per lane: (plan, rows) launched
         self._turn = 0
         self._handles = {}
         self._thread = None
@@ -303,7 +307,8 @@ class Engine:
 
     @property
     def idle(self):
-        return not (self._inbox or self.scheduler.waiting or self.scheduler.running)
+        return not (self._inbox or self.scheduler.waiting or self.scheduler.running
+                    or any(self._flight))
 
     def stats(self):
         with self._wake:
@@ -350,87 +355,116 @@ class Engine:
                     self._wake.wait(0.01)
 
     def step(self):
-        """Run one batch (with lanes: the next lane's, after delivering its step in flight);
-        False when there was nothing to run."""
+        """Land the lane's step in flight (its tokens taken), schedule and launch the lane's
+        next, then deliver the landed step's outputs while the device runs the next; False
+        when there was nothing to run."""
         with self._step_lock:
             self._apply_inbox()
             if self.error is not None:
                 return False
             lane = self._turn
             self._turn = (lane + 1) % len(self.lanes)
-            delivered = self._collect(lane)
+            landed = self._land(lane)
             plan = self.scheduler.schedule(lane, make_room=lambda: self._drain(but=lane))
-            if plan and self._launch(lane, plan) and len(self.lanes) == 1:
-                self._collect(lane)
-            return self.error is None and bool(delivered or plan or any(self._flight))
+            if plan:
+                self._launch(lane, plan)
+            if landed is not None:
+                self._deliver(*landed)
+            return self.error is None and bool(landed or plan or any(self._flight))
 
     def _launch(self, lane, plan):
-        """Issues a lane's step of `plan` (without lanes: runs it); False if it raised (its
-        requests failed)."""
+        """Issues a lane's step of `plan`; False if it raised (its requests failed)."""
         try:
             batch, rows = self.scheduler.build(plan)
-            if len(self.lanes) == 1:
-                out = self.runner.step(batch)
-            else:
-                self.lanes[lane].launch(batch)
-                out = None                      # collect() gives it
+            self.lanes[lane].launch(batch)
         except Exception as exc:
             self._step_failed(lane, plan, exc)
             return False
         self._steps_total += 1
         self.scheduler.launched(plan)
-        self._flight[lane] = (plan, rows, out)
+        self._flight[lane] = (plan, rows)
         return True
 
     def _collect(self, lane):
-        """Waits for a lane's step in flight and delivers its tokens; False if it had none."""
+        """Lands a lane's step in flight and delivers it; False if it had none."""
+        landed = self._land(lane)
+        if landed is not None:
+            self._deliver(*landed)
+        return landed is not None
+
+    def _land(self, lane):
+        """Waits for a lane's step in flight and takes what the next step needs of it: each
+        sampled token (Sequence.take: the stops a token decides), prompt log probabilities,
+        embeddings, the ends of max_tokens 0. Returns (its output, [(sequence, row)] whose
+        tokens are to be delivered, the time it landed), or None where it had no step."""
         flight = self._flight[lane]
         if flight is None:
-            return False
+            return None
         self._flight[lane] = None
-        plan, rows, out = flight
+        plan, rows = flight
         try:
-            if out is None:
-                out = self.lanes[lane].collect()
+            out = self.lanes[lane].collect()
         except Exception as exc:
             self.scheduler.released(plan)
             self._step_failed(lane, plan, exc)
-            return False
+            return None
         self.scheduler.computed(plan)
         now = time.monotonic()
+        tokens = out.tokens.tolist()
+        taken = []
         for r, (seq, position) in enumerate(rows):
-            if seq.finish_reason is not None:       # failed at an earlier row of the step
+            if seq.finish_reason is not None:   # ended while the step ran, or at an earlier row
                 continue
             try:
-                if position is None:
-                    self._deliver(seq, out, r, now)
-                else:
+                if position is not None:
                     seq.prompt_logprobs.append(_logprob(out, r, seq.params.prompt_logprobs))
-            except Exception as exc:        # one request's text or stop check: it alone fails
-                log.error("request %d failed", seq.seq_id, exc_info=exc)
-                self._fail_sequences([seq], f"request failed: {type(exc).__name__}: {exc}")
-        for seq, _ in plan:         # max_tokens 0: done once the prompt is
-            if seq.max_tokens == 0 and seq.finish_reason is None \
-                    and seq.num_computed == len(seq.tokens):
+                elif seq.params.embed:
+                    self.scheduler.remove(seq)
+                    self._handles.pop(seq.seq_id)._put(seq.embedded(out.hidden[r]))
+                else:
+                    if seq.constraint is not None:
+                        seq.constraint.advance(tokens[r])   # raises where the runner broke the mask
+                    self.scheduler.accept(seq, tokens[r], self.context_limit)
+                    taken.append((seq, r))
+            except Exception as exc:        # one request's bookkeeping: it alone fails
+                self._request_failed(seq, exc)
+        for seq, _ in plan:
+            if seq.finish_reason is not None:       # ended while its step ran: its token is dropped
+                self.scheduler.remove(seq)
+            elif seq.max_tokens == 0 and seq.num_computed == len(seq.tokens):
                 self._handles.pop(seq.seq_id)._put(self.scheduler.end_at_prompt(seq))
-        return True
+        return out, taken, now
 
-    def _deliver(self, seq, out, r, now):
-        if seq.params.embed:
+    def _deliver(self, out, taken, now):
+        """Each taken token's Output (its text, stop strings, log probabilities) to its
+        request. A sequence a stop string ends here leaves at once, or, where its next step is
+        in flight, when that step lands."""
+        for seq, r in taken:
+            handle = self._handles.get(seq.seq_id)
+            if handle is None:                  # failed since it was taken
+                continue
+            try:
+                logprob = None
+                if seq.params.logprobs is not None:
+                    logprob = _logprob(out, r, seq.params.logprobs)
+                output = seq.emit(logprob, now)
+            except Exception as exc:        # one request's text or stop check: it alone fails
+                self._request_failed(seq, exc)
+                continue
+            if seq.finish_reason is not None:
+                del self._handles[seq.seq_id]
+                self._retire(seq)
+            handle._put(output)
+
+    def _request_failed(self, seq, exc):
+        log.error("request %d failed", seq.seq_id, exc_info=exc)
+        self._fail_sequences([seq], f"request failed: {type(exc).__name__}: {exc}")
+
+    def _retire(self, seq):
+        """An ended sequence leaves the scheduler and frees its blocks, unless a step of it is
+        in flight (that step still writes them): it then leaves when the step lands."""
+        if seq.seq_id not in self.scheduler.in_flight:
             self.scheduler.remove(seq)
-            self._handles.pop(seq.seq_id)._put(seq.embedded(out.hidden[r]))
-            return
-        token = int(out.tokens[r])
-        if seq.constraint is not None:
-            seq.constraint.advance(token)       # raises where the runner broke the mask
-        logprob = None
-        if seq.params.logprobs is not None:
-            logprob = _logprob(out, r, seq.params.logprobs)
-        output = self.scheduler.accept(seq, token, logprob, now, self.context_limit)
-        if seq.finish_reason is not None:
-            self._handles.pop(seq.seq_id)._put(output)
-        else:
-            self._handles[seq.seq_id]._put(output)
 
     def _step_failed(self, lane, plan, exc):
         """A step raised: its requests fail and the lane's runner recovers; a runner that
@@ -449,13 +483,13 @@ class Engine:
                              f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _fail_sequences(self, seqs, message):
-        """These requests end with EngineFailed(message); their blocks are freed."""
+        """These requests end with EngineFailed(message); their blocks are freed (_retire)."""
         for seq in seqs:
-            if self.scheduler.remove(seq):
+            handle = self._handles.pop(seq.seq_id, None)
+            if handle is not None:
                 seq.finish_reason = "error"
-                handle = self._handles.pop(seq.seq_id, None)
-                if handle is not None:
-                    handle._put(EngineFailed(message))
+                handle._put(EngineFailed(message))
+            self._retire(seq)
 
     def _drain(self, but=None):
         """Collects every lane's step in flight (but lane `but`'s); True if there was one."""
@@ -483,12 +517,17 @@ class Engine:
                 self._abort(item[1])
 
     def _abort(self, seq_id):
-        if seq_id in self.scheduler.in_flight:      # its step still writes into its blocks
-            self._drain()
+        """A cancelled sequence ends "abort" at once; a step of it in flight is landed first
+        (it still writes its blocks), its token dropped."""
         seq = self.scheduler.find(seq_id)
-        if seq is not None:
-            self.scheduler.remove(seq)
-            self._handles.pop(seq_id)._put(seq.abort())
+        if seq is None:
+            return
+        handle = self._handles.pop(seq_id, None)
+        if handle is not None:
+            handle._put(seq.abort())
+        if seq_id in self.scheduler.in_flight:
+            self._drain()
+        self.scheduler.remove(seq)
 
     def _fail(self, message, exc):
         """The engine can serve no more: every request ends with the error, and on_failure

@@ -313,29 +313,39 @@ class Sequence:
         self.prompt_reported = True
         return list((self if self.fork is None else self.fork.first).prompt_logprobs)
 
-    def accept(self, token_id, logprob, now, context_limit):
-        """Append a sampled token, check every stop condition, and return this step's Output."""
+    def take(self, token_id, context_limit):
+        """Append a sampled token and check the stops a token alone decides (a stop token, the
+        end of sequence, max_tokens, the context): all the next step needs, so the engine can
+        launch it before this token's text is decoded (emit)."""
         self.tokens.append(token_id)
         if self.controls is not None:
             self.controls.accept(token_id)
+        if token_id in self.params.stop_token_ids \
+                or (token_id in self.eos_ids and not self.params.ignore_eos):
+            self.finish_reason = "stop"
+        elif self.num_generated >= self.max_tokens or len(self.tokens) >= context_limit:
+            self.finish_reason = "length"
+
+    def emit(self, logprob, now):
+        """The Output of the token take() appended: its text (a stop string in it finishes
+        the sequence "stop", and cuts the text there), its log probability, the time since
+        the previous token."""
+        token_id = self.tokens[-1]
         elapsed = now - self.last_token_time
         self.last_token_time = now
-        stops_here = (token_id in self.params.stop_token_ids
-                      or (token_id in self.eos_ids and not self.params.ignore_eos))
-        if stops_here:
+        stop_token = self.finish_reason == "stop"
+        if stop_token:
             # Held-back text was waiting to see if it starts a stop string; now it is final.
-            self.finish_reason = "stop"
             text = self._flush_text()
         else:
             text, hit = self.stop_text.push(self.decoder.push(token_id))
             if hit:
                 self.finish_reason = "stop"
-            elif self.num_generated >= self.max_tokens or len(self.tokens) >= context_limit:
-                self.finish_reason = "length"
+            elif self.finish_reason == "length":
                 text += self._flush_text()
         logprobs = None
         if self.params.logprobs is not None:
-            logprobs = [] if stops_here else [logprob]
+            logprobs = [] if stop_token else [logprob]
         return Output(token_ids=[token_id], text=text, logprobs=logprobs, elapsed=elapsed,
                       finish_reason=self.finish_reason,
                       usage=self.usage() if self.finish_reason else None, index=self.index,

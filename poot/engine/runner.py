@@ -13,6 +13,7 @@ from .sampling import edit_logits, sample
 class ReferenceRunner:
     backend = "reference"
     faults = None               # engine/faults.py: steps made to fail, for tests
+    _launched = None            # the StepOutput of the step launch() computed
 
     def __init__(self, model, num_blocks, block_size=16):
         self.model = model
@@ -49,7 +50,17 @@ class ReferenceRunner:
                           for r in np.flatnonzero(batch.sampling.hidden)}
         return out
 
+    def launch(self, batch):
+        """Computes a step (numpy runs it at once); collect() gives its tokens, as a device
+        runner's (step_runner.py) launch and collect do."""
+        self._launched = self.step(batch)
+
+    def collect(self):
+        out, self._launched = self._launched, None
+        return out
+
     def recover(self):
         """After a step raised: the host holds nothing of it (see StepRunner.recover)."""
+        self._launched = None
         if self.faults is not None:
             self.faults.recover()

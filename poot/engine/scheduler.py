@@ -120,7 +120,8 @@ class Scheduler:
                     return 0
             return n
 
-        mine = [s for s in self.running if s.lane == lane]
+        # a sequence that ended while its step was in flight leaves when the step lands
+        mine = [s for s in self.running if s.lane == lane and s.finish_reason is None]
         # Decode first: every running sequence with one token to go gets its token.
         for seq in [s for s in mine if s.num_uncomputed == 1]:
             if seq in self.running and budget > 0 and self.mask_ready(seq) and fit(seq, 1):
@@ -237,14 +238,13 @@ class Scheduler:
         """A step of `plan` has ended, landed or failed: its sequences are in flight no more."""
         self.in_flight.difference_update(seq.seq_id for seq, _ in plan)
 
-    def accept(self, seq, token, logprob, now, context_limit):
-        """A sampled sequence's new token; its Output. A sequence that finishes leaves and
+    def accept(self, seq, token, context_limit):
+        """A sampled sequence's new token (Sequence.take); a sequence it finishes leaves and
         frees its blocks."""
-        output = seq.accept(token, logprob, now, context_limit)
+        seq.take(token, context_limit)
         self.generation_tokens_total += 1
         if seq.finish_reason is not None:
             self.remove(seq)
-        return output
 
     def end_at_prompt(self, seq):
         """A sequence of max_tokens 0 whose prompt is computed leaves; its Output."""

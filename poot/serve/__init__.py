@@ -68,3 +68,4 @@ class Server:
             engine.stop()
         # Handlers write the last chunks of what just finished or was cancelled.
         self.serving.wait_quiet(2.0)
+        self.serving.writer.close()

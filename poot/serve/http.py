@@ -3,7 +3,7 @@
 One handler thread per connection (HTTP/1.1 keep-alive). A handler reads and checks the body,
 lets openai.py turn it into a request, submits that to the engine and writes what comes back:
 one JSON response, or server-sent events per token (chunked transfer encoding), which one
-writer thread writes for every stream (streams.py). It notices a client that went away, while
+writer thread encodes and one sender process sends for every stream (streams.py). It notices a client that went away, while
 waiting as well as while writing, and cancels its request (every choice of it) so the engine frees its KV blocks.
 It never touches the engine's internals.
 """
@@ -484,13 +484,14 @@ class Handler(BaseHTTPRequestHandler):
             raise ClientGone from None
         stream = streams.Stream(self.connection, request, handle, self.serving.metrics)
         timeout = self.connection.gettimeout()
-        self.connection.settimeout(0.0)             # the writer never blocks on one client
         self.serving.writer.attach(stream)
         while not stream.done.wait(DISCONNECT_POLL_S):
             if self._client_gone():
                 with stream.lock:
                     stream.give_up()
-        self.connection.settimeout(timeout)
+        if stream.gone:
+            self.serving.writer.forget(stream)
+        self.connection.settimeout(timeout)     # the sender's copy made the socket non-blocking
         if stream.gone:
             self.close_connection = True
             raise ClientGone

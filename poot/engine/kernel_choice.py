@@ -33,11 +33,14 @@ MAX_SPLITS = 32                 # ... and more when the context would need more 
 SPLIT_MIN_CONTEXT = 4096        # shorter contexts keep one workgroup per (token, head): two
                                 # launches cost more than the split saves there
 # Prompt attention's tensor-core kernel, by name in PROMPT_TILES: (kernel of head_dim, heads and
-# the attention_mods, grid of T tokens over n_heads query heads, `heads` a workgroup). Both take
+# the attention_mods, grid of T tokens over n_heads query heads, `heads` a workgroup). All take
 # the same tokens (ops.tiled_tokens) with the same arguments; "flash" serves 128 query rows a
-# K/V round, "tiles" 16 tokens of a KV head's query heads.
+# K/V round (eight subgroups), "flash4" 64 (four: more workgroups a multiprocessor), "tiles"
+# 16 tokens of a KV head's query heads.
 PROMPT_TILES = {
     "flash": (flash.attention_flash, flash.flash_grid),
+    "flash4": (lambda *a, **mods: flash.attention_flash(*a, **mods, warps=4),
+               lambda *a: flash.flash_grid(*a, warps=4)),
     "tiles": (ops.attention_tiles,
               lambda T, n_heads, heads: (-(-T // ops.ATTENTION_TILE), n_heads // heads)),
 }

@@ -16,15 +16,15 @@ from .lang import F16, F32, I32, U32, KernelBuilder
 from .ops import LOWEST, ATTENTION_TILE, _attention_params, cache_slot, tiled_token_tile
 from .softcap import capped, sees, suffix, window_start
 
-FLASH_WARPS = 8         # subgroups of a workgroup at most: 128 query rows
+FLASH_WARPS = 8         # subgroups of a workgroup at most (the default): 128 query rows
 LOG2E = math.log2(math.e)
 MOST = 2 ** 31 - 1
 
 
-def flash_blocks(heads):
+def flash_blocks(heads, warps=FLASH_WARPS):
     """16-token blocks of a workgroup taking `heads` query heads (one subgroup a block and
-    head): as many as keep it within FLASH_WARPS subgroups."""
-    return max(1, FLASH_WARPS // heads)
+    head): as many as keep it within `warps` subgroups (one at least)."""
+    return max(1, warps // heads)
 
 
 def flash_key_block(head_dim):
@@ -34,33 +34,33 @@ def flash_key_block(head_dim):
     return 32 if head_dim < 80 else 64 if head_dim <= 128 else 16
 
 
-def flash_grid(T, n_heads, heads):
+def flash_grid(T, n_heads, heads, warps=FLASH_WARPS):
     """The grid of attention_flash over a step of T tokens."""
-    return (-(-T // (ATTENTION_TILE * flash_blocks(heads))), n_heads // heads)
+    return (-(-T // (ATTENTION_TILE * flash_blocks(heads, warps))), n_heads // heads)
 
 
 @cache
-def attention_flash(head_dim, heads, window=0, softcap=0.0):
+def attention_flash(head_dim, heads, window=0, softcap=0.0, warps=FLASH_WARPS):
     """The tiles of ops.attention_tiles (the same parameters; the tokens tiled_token_tile takes,
-    the others left unwritten), workgroup (i, g) taking flash_blocks(heads) 16-token blocks from
-    the step's end backwards (tile n - 1 - i) and `heads` query heads g * heads.. of one KV head,
-    subgroup w head g * heads + w % heads of block w // heads. Blocks of one sequence that
+    the others left unwritten), workgroup (i, g) taking flash_blocks(heads, warps) 16-token
+    blocks from the step's end backwards (tile n - 1 - i) and `heads` query heads g * heads.. of
+    one KV head, subgroup w head g * heads + w % heads of block w // heads (`warps`: subgroups a
+    workgroup at most, named where not FLASH_WARPS). Blocks of one sequence that
     follow each other form a run, which shares the rounds of its keys: rounds of
     flash_key_block keys from the run's first key (its tokens' first window_start) to its last
     position, K and V copied two stages deep, each subgroup of the run scoring S = (q * scale *
     log2(e), rounded to f16) K^T (a softcap caps the scores in natural units first), masking
     only in rounds that hold a key one of its tokens does not see, and O += P V with
     P = 2^(S - running max) rounded to f16. head_dim a multiple of 16, at most 256.
-    grid flash_grid(T, n_heads, heads)."""
+    grid flash_grid(T, n_heads, heads, warps)."""
     if head_dim % 16 or head_dim > 256:
         raise ValueError(f"attention_flash: head_dim {head_dim} is no multiple of 16 up to 256")
-    blocks, keys = flash_blocks(heads), flash_key_block(head_dim)
-    warps = heads * blocks
-    threads = 32 * warps
+    blocks, keys = flash_blocks(heads, warps), flash_key_block(head_dim)
+    threads = 32 * heads * blocks
     half, row_words = head_dim // 2, head_dim // 2 + 4     # rows padded: ldmatrix's 8 rows
     stage = keys * row_words                                # words of one round of K (or V)
-    k = KernelBuilder(f"attention_flash_d{head_dim}_h{heads}" + suffix(window, softcap),
-                      (threads,))
+    k = KernelBuilder(f"attention_flash_d{head_dim}_h{heads}" + suffix(window, softcap)
+                      + f"_g{warps}" * (warps != FLASH_WARPS), (threads,))
     q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
         block_size, scale = _attention_params(k, "out")
     n_tokens = k.scalar("n_tokens", I32)

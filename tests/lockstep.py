@@ -205,10 +205,12 @@ class _Workgroup:
         start = np.where(warps, start, 0)
         words = []
         for j in range(4):
-            if let.attr("trans"):
-                lo, hi = halves[start[:, 8 * j + 2 * Q] + G], halves[start[:, 8 * j + 2 * Q + 1] + G]
-            else:
-                lo, hi = halves[start[:, 8 * j + G] + 2 * Q], halves[start[:, 8 * j + G] + 2 * Q + 1]
+            if let.attr("trans"):       # rows 2q, 2q + 1 of matrix j, column g
+                lo = halves[start[:, 8 * j + 2 * Q] + G]
+                hi = halves[start[:, 8 * j + 2 * Q + 1] + G]
+            else:                           # row g of matrix j, columns 2q, 2q + 1
+                lo = halves[start[:, 8 * j + G] + 2 * Q]
+                hi = halves[start[:, 8 * j + G] + 2 * Q + 1]
             words.append((lo.astype(np.uint32) | (hi.astype(np.uint32) << np.uint32(16)))
                          .reshape(-1))
         return tuple(words)

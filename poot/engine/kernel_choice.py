@@ -5,8 +5,8 @@ shapes, and the step's length: a matvec (matmul.matvec, or mma_vec on matrix ins
 short steps, the tiled tensor-core matmul (matmul.mma_tiled, split along its columns where its
 tiles would not fill the device) for long ones; attention one workgroup a token and head, split
 along the context for long decodes, on the tensor cores for prompt tiles (PROMPT_KERNEL). The
-measurements behind each constant are in docs/benchmarks.md. Nothing here allocates or launches: the runner
-(device_runner.py) asks and issues.
+measurements behind each constant are in docs/benchmarks.md. Nothing here allocates or
+launches: the runner (device_runner.py) asks and issues.
 """
 import math
 from collections import Counter

@@ -45,14 +45,15 @@ def attention_flash(head_dim, heads, window=0, softcap=0.0, warps=FLASH_WARPS):
     the others left unwritten), workgroup (i, g) taking flash_blocks(heads, warps) 16-token
     blocks from the step's end backwards (tile n - 1 - i) and `heads` query heads g * heads.. of
     one KV head, subgroup w head g * heads + w % heads of block w // heads (`warps`: subgroups a
-    workgroup at most, named where not FLASH_WARPS). Blocks of one sequence that
-    follow each other form a run, which shares the rounds of its keys: rounds of
-    flash_key_block keys from the run's first key (its tokens' first window_start) to its last
-    position, K and V copied two stages deep, each subgroup of the run scoring S = (q * scale *
-    log2(e), rounded to f16) K^T (a softcap caps the scores in natural units first), masking
-    only in rounds that hold a key one of its tokens does not see, and O += P V with
-    P = 2^(S - running max) rounded to f16. head_dim a multiple of 16, at most 256.
-    grid flash_grid(T, n_heads, heads, warps)."""
+    workgroup at most, but one block of `heads` at least; named where not FLASH_WARPS).
+
+    Blocks of one sequence that follow each other form a run, which shares the rounds of its
+    keys: rounds of flash_key_block keys from the run's first key (its tokens' first
+    window_start) to its last position, K and V copied two stages deep, each subgroup of the
+    run scoring S = (q * scale * log2(e), rounded to f16) K^T (a softcap caps the scores in
+    natural units first), masking only in rounds that hold a key one of its tokens does not
+    see, and O += P V with P = 2^(S - running max) rounded to f16. head_dim a multiple of 16,
+    at most 256. grid flash_grid(T, n_heads, heads, warps)."""
     if head_dim % 16 or head_dim > 256:
         raise ValueError(f"attention_flash: head_dim {head_dim} is no multiple of 16 up to 256")
     blocks, keys = flash_blocks(heads, warps), flash_key_block(head_dim)

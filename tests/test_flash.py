@@ -72,9 +72,9 @@ def test_long_prompts_in_lockstep(kind, head_dim, n_heads, n_kv, new, window, ca
 
 def test_flash_workgroups_take_128_rows_longest_first():
     """Eight subgroups of 16 tokens of one head: 2 blocks of 4 heads, 8 of 1; the grid's
-    first workgroup takes the step's last tiles."""
+    first workgroup takes the step's last tile, and the head groups go first along it."""
     assert [flash.flash_blocks(h) for h in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    assert flash.flash_grid(2048, 32, 4) == (64, 8)
+    assert flash.flash_grid(2048, 32, 4) == (8, 64)
     assert flash.attention_flash(128, 4).workgroup == (256, 1, 1)
     assert flash.attention_flash(128, 4, warps=4).workgroup == (128, 1, 1)
     tiled, q, want, cache = attention_step(64, 2, 1, [(0, 40)])

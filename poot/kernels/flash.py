@@ -35,14 +35,15 @@ def flash_key_block(head_dim):
 
 
 def flash_grid(T, n_heads, heads, warps=FLASH_WARPS):
-    """The grid of attention_flash over a step of T tokens."""
-    return (-(-T // (ATTENTION_TILE * flash_blocks(heads, warps))), n_heads // heads)
+    """The grid of attention_flash over a step of T tokens: (query head groups, tiles), so that
+    the workgroups start in order of their tiles, every head group's last tile first."""
+    return (n_heads // heads, -(-T // (ATTENTION_TILE * flash_blocks(heads, warps))))
 
 
 @cache
 def attention_flash(head_dim, heads, window=0, softcap=0.0, warps=FLASH_WARPS):
     """The tiles of ops.attention_tiles (the same parameters; the tokens tiled_token_tile takes,
-    the others left unwritten), workgroup (i, g) taking flash_blocks(heads, warps) 16-token
+    the others left unwritten), workgroup (g, i) taking flash_blocks(heads, warps) 16-token
     blocks from the step's end backwards (tile n - 1 - i) and `heads` query heads g * heads.. of
     one KV head, subgroup w head g * heads + w % heads of block w // heads (`warps`: subgroups a
     workgroup at most, but one block of `heads` at least; named where not FLASH_WARPS).
@@ -70,10 +71,10 @@ def attention_flash(head_dim, heads, window=0, softcap=0.0, warps=FLASH_WARPS):
     info = k.shared("blocks", I32, 4 * blocks)     # per block: taken, row, first key, last
     tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
     g, quad = lane >> 2, lane & 3
-    t0 = (k.num_blocks(0) - 1 - k.block_id(0)) * (ATTENTION_TILE * blocks)
+    t0 = (k.num_blocks(1) - 1 - k.block_id(1)) * (ATTENTION_TILE * blocks)
     mine_block = warp / heads
-    h = k.block_id(1) * heads + warp % heads
-    kvh = k.block_id(1) * heads / (n_heads / n_kv)
+    h = k.block_id(0) * heads + warp % heads
+    kvh = k.block_id(0) * heads / (n_heads / n_kv)
 
     # this subgroup's block: whether the tiles take it, its tokens' positions and the lane's rows
     tb = t0 + mine_block * ATTENTION_TILE

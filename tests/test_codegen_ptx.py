@@ -7,8 +7,9 @@ memory, nested if/else/for, vars, subgroup operations, barriers and early return
 - `ptxas -arch=sm_XX` assembles every kernel for sm_80/86/89/90 (skipped, saying why, without
   ptxas); an error fails with ptxas's message and the PTX lines it names. The matrix operations,
   asynchronous copies and f16x2 arithmetic have cases of their own (PTX_ONLY_CASES: the other
-  renderers refuse them), the tensor-core matmul (matmul.mma_tiled, every variant) must assemble
-  without spilling registers, and the decode one (mma_vec) spill at most a few words.
+  renderers refuse them), the tensor-core matmul (matmul.mma_tiled, every variant) and prompt
+  attention (flash.attention_flash) must assemble without spilling registers, and the decode
+  matmul (mma_vec) spill at most a few words.
 - With libcuda and a device, every kernel runs on fresh random inputs, its outputs poisoned with
   0xFF bytes first, and is compared with numpy: exact for integers and correctly rounded float
   operations, per-op bounds for the approximate math functions (see TOLERANCES).
@@ -815,6 +816,18 @@ def test_mma_tiled_assembles_without_spills(tmp_path, dtype, sm):
     tiled = [k for k in mma_kernels([dtype])
              if k.name.startswith("mma_tiled") and k.caps <= ptx_caps(sm)]
     kernels = tiled + variants
+    reports = _ptxas_each(tmp_path, [render_ptx(k, sm) for k in kernels], sm, "-v")
+    for kernel, report in zip(kernels, reports):
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, \
+            f"{kernel.name}: {report}"
+
+
+@pytest.mark.parametrize("sm", (80, 90))
+def test_attention_flash_assembles_without_spills(tmp_path, sm):
+    """Prompt attention in workgroups of 128 query rows keeps its sums, q and scores in
+    registers at every head size and head share the runner launches
+    (test_kernel_sources.mma_kernels), Gemma's window and cap included."""
+    kernels = [k for k in mma_kernels([]) if k.name.startswith("attention_flash")]
     reports = _ptxas_each(tmp_path, [render_ptx(k, sm) for k in kernels], sm, "-v")
     for kernel, report in zip(kernels, reports):
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, \

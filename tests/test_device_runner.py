@@ -761,10 +761,11 @@ def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_pat
 
 @pytest.mark.parametrize("matrix", [True, False])
 def test_prompt_steps_take_attention_tiles_where_a_tile_is_one_sequence(tmp_path, matrix):
-    """On the host: a step with prompt tokens launches attention_tiles where some 16-token tile
-    is two or more tokens of one sequence (ops.tiled_tokens of the uploaded rows), and the
-    untiled attention where others are left; a decode step (every token sampled), a step with
-    no such tile, or a device without the matrix instructions, the plain attention alone."""
+    """On the host: a step with prompt tokens launches the tensor-core tiles (PROMPT_KERNEL's
+    kernel, on its grid) where some 16-token tile is two or more tokens of one sequence
+    (ops.tiled_tokens of the uploaded rows), and the untiled attention where others are left; a
+    decode step (every token sampled), a step with no such tile, or a device without the
+    matrix instructions, the plain attention alone."""
     model = poot.load(tiny_model(tmp_path, dtype="F16"))
     log = LaunchLog(matrix=matrix)
     runner = DeviceRunner(model, log, num_blocks=16, max_tokens=64, max_seqs=16)
@@ -778,9 +779,16 @@ def test_prompt_steps_take_attention_tiles_where_a_tile_is_one_sequence(tmp_path
         log.launched.clear()
         for _ in runner.launches(len(rows), R):
             pass
-        names = {k.name for k, _, _ in log.launched if k.name.startswith("attention")}
-        launched = {"attention_tiles" if n.startswith("attention_tiles") else
-                    "untiled" if n.endswith("_untiled") else "attention" for n in names}
+        tiles = kernel_choice.PROMPT_TILES[kernel_choice.PROMPT_KERNEL]
+        heads, kv_heads = model.config.n_heads, model.config.n_kv_heads
+        tile_heads = ops.attention_tile_heads(heads, kv_heads)
+        launched = set()
+        for kernel, grid, _ in log.launched:
+            if kernel.name == tiles[0](model.config.head_dim, tile_heads).name:
+                assert tuple(grid) == tiles[1](len(rows), heads, tile_heads)
+                launched.add("attention_tiles")
+            elif kernel.name.startswith("attention"):
+                launched.add("untiled" if kernel.name.endswith("_untiled") else "attention")
         layers = sum(k.name.startswith("attention") for k, _, _ in log.launched)
         assert launched == (kinds if matrix else {"attention"}), rows
         assert layers == model.config.n_layers * len(launched)

@@ -10,7 +10,7 @@ import pytest
 
 from poot.codegen.ptx import PTX_CAPS, ptx_caps, render_ptx
 from poot.codegen.spirv import render_spirv
-from poot.engine.kernel_choice import TOKEN_GROUPS, matvec_rows, mma_choice
+from poot.engine.kernel_choice import PROMPT_TILES, TOKEN_GROUPS, matvec_rows, mma_choice
 from poot.ir.graph import ACTIVATIONS
 from poot.kernels import choice, matmul, matvec, mma_vec, ops, softcap
 from poot.kernels.lang import WGMMA
@@ -61,6 +61,10 @@ def runner_kernels(subgroup_size):
     return out + expert_kernels(subgroup_size)
 
 
+# prompt attention's tensor-core kernels (attention_tiles, attention_flash)
+PROMPT_KERNELS = [make for make, _ in PROMPT_TILES.values()]
+
+
 # Gemma's attention (a sliding window, soft-capped scores: Gemma 2 and 3 at head_dim 256),
 # scaled embeddings and soft-capped logits (kernels/softcap.py)
 GEMMA_MODS = ({"window": 4096, "softcap": 50.0}, {"window": 512}, {"softcap": 50.0})
@@ -92,7 +96,8 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     runner chooses for each format on sm_80 and on sm_90a (mma_choice: wgmma); mma_vec in
     every fused variant (a norm one as the runner launches it: on x from norm_x16), in the
     shapes the runner picks for few and many rows, norm_x16 and reduce_norm_x16; attention's
-    tiles (attention_tiles); block quants decoded to f16 for long steps (dequant_f16)."""
+    tiles (attention_tiles and attention_flash); block quants decoded to f16 for long steps
+    (dequant_f16)."""
     tiled = [matmul.mma_tiled(d, residual, tokens, split, x16=x16) for d in dtypes
              for tokens in matmul.MMA_TOKEN_TILES for x16 in (False, True)
              for split, residual in ((False, False), (False, True), (True, False))]
@@ -127,8 +132,10 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
                            mma_vec.reduce_norm_x16(d, 5), mma_vec.reduce_norm_x16(d, 8),
                            matmul.split_sum(glu="silu", x16=d),
                            matmul.split_sum(glu="gelu_tanh", x16=d))}.values())
-    attention = [ops.attention_tiles(d, h) for d, h in ((64, 3), (64, 4), (128, 4), (128, 1))]
-    attention += [ops.attention_tiles(256, h, **mods) for h in (1, 2, 8) for mods in GEMMA_MODS]
+    attention = [make(d, h) for make in PROMPT_KERNELS
+                 for d, h in ((64, 3), (64, 4), (128, 4), (128, 1), (128, 2), (128, 8))]
+    attention += [make(256, h, **mods) for make in PROMPT_KERNELS for h in (1, 2, 8)
+                  for mods in GEMMA_MODS]
     decode = [matmul.dequant_f16(d) for d in dtypes if d not in ("F16", "BF16")]
     return tiled + vec + prep + attention + decode
 

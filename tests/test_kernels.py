@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from poot.engine.batch import LogitEdits, SamplingRows
+from poot.engine.kernel_choice import PROMPT_TILES
 from poot.engine.sampling import BANNED, edit_logits
 from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
@@ -850,16 +851,23 @@ def prompt_attention_case(head_dim, n_heads, n_kv, window=0, cap=0.0):
 ATTENTION_HEADS = [(128, 8, 2), (64, 9, 3), (64, 4, 4)]
 
 
-@pytest.mark.parametrize("head_dim,n_heads,n_kv", ATTENTION_HEADS)
-def test_attention_tiles(cuda_device, head_dim, n_heads, n_kv):
-    """attention_tiles writes its tiles' tokens, within the f16 rounding of q * scale and of
-    the probabilities (2^-11 each) of numpy's attention, and leaves the others unwritten
-    (poisoned)."""
-    tiled, q, want, cache = prompt_attention_case(head_dim, n_heads, n_kv)
+def prompt_tiles(kind, head_dim, n_heads, n_kv, T, **mods):
+    """(kernel, grid) of prompt attention's tensor-core kernel `kind` (PROMPT_TILES) over a
+    step of T tokens, as the runner launches it."""
+    make, grid = PROMPT_TILES[kind]
     heads = ops.attention_tile_heads(n_heads, n_kv)
-    got = run(cuda_device, ops.attention_tiles(head_dim, heads),
-              (-(-len(q) // ops.ATTENTION_TILE), n_heads // heads), q, np.zeros_like(q),
-              *cache)["out"]
+    return make(head_dim, heads, **mods), grid(T, n_heads, heads)
+
+
+@pytest.mark.parametrize("kind", PROMPT_TILES)
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", ATTENTION_HEADS)
+def test_attention_tiles(cuda_device, kind, head_dim, n_heads, n_kv):
+    """attention_tiles (and attention_flash, its drop-in) writes its tiles' tokens, within the
+    f16 rounding of q * scale and of the probabilities (2^-11 each) of numpy's attention, and
+    leaves the others unwritten (poisoned)."""
+    tiled, q, want, cache = prompt_attention_case(head_dim, n_heads, n_kv)
+    kernel, grid = prompt_tiles(kind, head_dim, n_heads, n_kv, len(q))
+    got = run(cuda_device, kernel, grid, q, np.zeros_like(q), *cache)["out"]
     assert np.all(np.isnan(got[~tiled]))
     assert rel_err(got[tiled], want[tiled]) < 2e-3
 

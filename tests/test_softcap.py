@@ -10,8 +10,9 @@ import pytest
 from poot.ir import reference as ref
 from poot.kernels import ops, softcap
 from poot.kernels.quant import DEVICE_DTYPES
-from tests.test_kernels import (cuda_device, prompt_attention_case, rel_err,  # noqa: F401
-                                run, weight)
+from poot.engine.kernel_choice import PROMPT_TILES
+from tests.test_kernels import (cuda_device, prompt_attention_case, prompt_tiles,  # noqa: F401
+                                rel_err, run, weight)
 
 rng = np.random.default_rng()
 
@@ -87,16 +88,17 @@ def test_split_attention_with_window_and_cap(device, window, cap, split_tokens, 
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("kind", PROMPT_TILES)
 @pytest.mark.parametrize("window,cap", MODS)
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(64, 4, 2), (256, 8, 4)])
-def test_attention_tiles_with_window_and_cap(cuda_device, window, cap, head_dim, n_heads, n_kv):
-    """On the tensor cores: within the f16 rounding of q * scale and of the probabilities of
-    numpy's attention; the tokens left to attention(untiled=True) unwritten."""
+def test_attention_tiles_with_window_and_cap(cuda_device, kind, window, cap, head_dim, n_heads,
+                                             n_kv):
+    """On the tensor cores (attention_tiles and attention_flash): within the f16 rounding of
+    q * scale and of the probabilities of numpy's attention; the tokens left to
+    attention(untiled=True) unwritten."""
     tiled, q, want, cache = step_case(head_dim, n_heads, n_kv, window, cap)
-    heads = ops.attention_tile_heads(n_heads, n_kv)
-    got = run(cuda_device, ops.attention_tiles(head_dim, heads, **kwargs(window, cap)),
-              (-(-len(q) // ops.ATTENTION_TILE), n_heads // heads), q, np.zeros_like(q),
-              *cache, len(q))["out"]
+    kernel, grid = prompt_tiles(kind, head_dim, n_heads, n_kv, len(q), **kwargs(window, cap))
+    got = run(cuda_device, kernel, grid, q, np.zeros_like(q), *cache, len(q))["out"]
     assert np.all(np.isnan(got[~tiled]))
     assert rel_err(got[tiled], want[tiled]) < 2e-3
 

@@ -496,8 +496,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
                          B(q), partials, *cache, self.split_tokens)
             self._launch(ops.attention_combine(head_dim), (T * heads,), partials, B(out), splits)
         elif T > R and tiles and any(taken := self._tiled_tokens(T)):
-            self._launch(tiles, (-(-T // ops.ATTENTION_TILE),
-                                 heads // ops.attention_tile_heads(heads, kv_heads)),
+            self._launch(tiles, self.choice.attention_tiles_grid(T, heads, kv_heads),
                          B(q), B(out), *cache, T)
             if not all(taken):
                 self._launch(ops.attention(sg, head_dim, shared, untiled=True, **mods),

@@ -4,15 +4,15 @@ The choices depend on the device's capabilities and multiprocessors, the weights
 shapes, and the step's length: a matvec (matmul.matvec, or mma_vec on matrix instructions) for
 short steps, the tiled tensor-core matmul (matmul.mma_tiled, split along its columns where its
 tiles would not fill the device) for long ones; attention one workgroup a token and head, split
-along the context for long decodes, on the tensor cores for prompt tiles. The measurements
-behind each constant are in docs/benchmarks.md. Nothing here allocates or launches: the runner
-(device_runner.py) asks and issues.
+along the context for long decodes, on the tensor cores for prompt tiles (PROMPT_KERNEL). The
+measurements behind each constant are in docs/benchmarks.md. Nothing here allocates or
+launches: the runner (device_runner.py) asks and issues.
 """
 import math
 from collections import Counter
 
 from ..formats.quants import QUANTS
-from ..kernels import matmul, mma_vec, ops
+from ..kernels import flash, matmul, mma_vec, ops
 from ..kernels.lang import WGMMA
 from .lowering import part_rows
 
@@ -32,6 +32,19 @@ SPLIT_TOKENS = 512              # keys per workgroup when attention is split alo
 MAX_SPLITS = 32                 # ... and more when the context would need more splits than this
 SPLIT_MIN_CONTEXT = 4096        # shorter contexts keep one workgroup per (token, head): two
                                 # launches cost more than the split saves there
+# Prompt attention's tensor-core kernel, by name in PROMPT_TILES: (kernel of head_dim, heads and
+# the attention_mods, grid of T tokens over n_heads query heads, `heads` a workgroup). All take
+# the same tokens (ops.tiled_tokens) with the same arguments; "flash" serves 128 query rows a
+# K/V round (eight subgroups), "flash4" 64 (four: more workgroups a multiprocessor), "tiles"
+# 16 tokens of a KV head's query heads.
+PROMPT_TILES = {
+    "flash": (flash.attention_flash, flash.flash_grid),
+    "flash4": (lambda *a, **mods: flash.attention_flash(*a, **mods, warps=4),
+               lambda *a: flash.flash_grid(*a, warps=4)),
+    "tiles": (ops.attention_tiles,
+              lambda T, n_heads, heads: (-(-T // ops.ATTENTION_TILE), n_heads // heads)),
+}
+PROMPT_KERNEL = "flash"
 # A tensor group reduces messages this long in two phases (reduce-scatter, then all-gather):
 # each peer's partial is read once rather than by every rank, which pays from three devices on.
 TWO_PHASE_FLOATS = 1 << 18
@@ -313,14 +326,20 @@ class KernelChoice:
 
     # ---- attention ----------------------------------------------------------------------------
     def attention_tiles(self, heads, kv_heads, **mods):
-        """The tensor-core attention of steps with prompt tokens (ops.attention_tiles), or None
-        where the device lacks its instructions or the head size does not suit it. `mods`:
-        the step's attention_mods."""
+        """The tensor-core attention of steps with prompt tokens (PROMPT_TILES[PROMPT_KERNEL]),
+        or None where the device lacks its instructions or the head size does not suit it.
+        `mods`: the step's attention_mods."""
         head_dim = self.model.config.head_dim
         if head_dim % 16 or head_dim > 256:
             return None
-        kernel = ops.attention_tiles(head_dim, ops.attention_tile_heads(heads, kv_heads), **mods)
+        make = PROMPT_TILES[PROMPT_KERNEL][0]
+        kernel = make(head_dim, ops.attention_tile_heads(heads, kv_heads), **mods)
         return kernel if kernel.caps <= self.device.caps else None
+
+    def attention_tiles_grid(self, T, heads, kv_heads):
+        """The grid of attention_tiles' kernel over a step of T tokens."""
+        grid = PROMPT_TILES[PROMPT_KERNEL][1]
+        return grid(T, heads, ops.attention_tile_heads(heads, kv_heads))
 
     def attention_heads(self, T, heads, kv_heads):
         """Query heads of one KV head an attention workgroup of a T-token step takes: as many as

@@ -6,16 +6,24 @@ A route step also groups the routes by expert (expert_groups) into buffers of th
 every layer rewrites them, in order, so one set serves them all. Nothing is read back to the
 host: an expert matvec's grid covers as many experts as the step's routes can choose, and a
 workgroup column past the chosen ones returns at once.
+
+On a device that runs mma_vec on the experts' format (ptx), their matvecs are mma_vec's expert
+variant for every step length: each expert's routes gathered into 8-token tiles on the tensor
+cores, its rows read once a pass of up to 8 * token_tiles routes; a folded norm is a norm_x16
+launch first, into `expert_x16`. Elsewhere expert_matvec streams each expert's rows for its
+routes, a token group at a time.
 """
 import math
+from functools import cache
 
-from ..kernels import experts
+from ..kernels import experts, mma_vec
 from .kernel_choice import matvec_rows
 
 
-def buffers(graph, max_tokens):
-    """[(name, u32 words)] of the route groups, for a graph with experts (else none)."""
-    routers = [op for op in graph.ops if op.kind == "top_k"]
+def buffers(runner):
+    """[(name, u32 words)] of the route groups and the normed x of the experts' mma_vec, for
+    a runner of a graph with experts (else none)."""
+    routers = [op for op in runner.graph.ops if op.kind == "top_k"]
     if not routers:
         return []
     n_experts = max(op.inputs[0].shape[1] for op in routers)
@@ -23,8 +31,38 @@ def buffers(graph, max_tokens):
         raise ValueError(f"{n_experts} experts: expert_groups counts at most "
                          f"{experts.MAX_EXPERTS}")
     used = max(op.attrs["k"] for op in routers)
-    return [("expert_offsets", n_experts + 1), ("expert_routes", max_tokens * used),
-            ("expert_active", n_experts)]
+    out = [("expert_offsets", n_experts + 1), ("expert_routes", runner.max_tokens * used),
+           ("expert_active", n_experts)]
+    x16 = max((op.weight.shape[2] // 2 for op in runner.steps
+               if op.kind == "expert_matmul" and op.norm is not None and
+               on_tensor_cores(runner, op)), default=0)
+    return out + ([("expert_x16", runner.max_tokens * x16)] if x16 else [])
+
+
+def on_tensor_cores(runner, op):
+    """Whether an ExpertMatvec runs mma_vec's expert variant: where the device runs mma_vec
+    on its weights' format, of columns a multiple of 8."""
+    return runner.choice.mma_vec_runs(op.weight.dtype) and op.weight.shape[2] % 8 == 0
+
+
+@cache
+def mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T):
+    """(slots, mma_vec keywords) of the expert mma_vec of a T-token step: as many workgroup
+    columns as experts its routes can choose; token tiles for the routes an expert has on
+    average (mma_vec.token_tiles), the rows' shape (mma_vec.shape) for all those experts'
+    rows together."""
+    slots = min(n_experts, T * used)
+    tiles = mma_vec.token_tiles(dtype, -(-T * used // slots))
+    return slots, mma_vec.shape(dtype, rows * slots, cols, multiprocessors, tiles)
+
+
+def mma_kernel(runner, op, T):
+    """(slots, kernel, its shape) of an ExpertMatvec's mma_vec in a T-token step."""
+    n_experts, rows, cols = op.weight.shape
+    slots, shape = mma_shape(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
+                             runner.choice.multiprocessors, T)
+    return slots, mma_vec.mma_vec(op.weight.dtype, glu=op.glu, x16=op.norm is not None,
+                                  experts=True, **shape), shape
 
 
 def token_group(dtype, T):
@@ -70,6 +108,11 @@ def matvec_kernel(runner, op, group):
 
 def matvec_kernels(runner, steps, i, long):
     op = steps[i]
+    if on_tensor_cores(runner, op):
+        kernels = {kernel.name: kernel for kernel in (
+            mma_kernel(runner, op, T)[1] for T in range(1, runner.max_tokens + 1))}
+        prep = [mma_vec.norm_x16(op.weight.dtype)] if op.norm is not None else []
+        return prep + list(kernels.values())
     return [matvec_kernel(runner, op, group)[0]
             for group in experts.expert_tokens(op.weight.dtype)]
 
@@ -79,6 +122,18 @@ def matvec(runner, op, T, R, i, long):
     sg, (n_experts, rows, cols) = runner.device.subgroup_size, op.weight.shape
     x_per = op.ids.shape[1] if len(op.x.shape) == 2 else 1     # x a token's, or a route's
     planes = runner._weight_planes(op.weight) + (runner._weight_planes(op.up) if op.up else [])
+    B = runner._buffer
+    if on_tensor_cores(runner, op):
+        slots, kernel, shape = mma_kernel(runner, op, T)
+        x = B(op.x)
+        if op.norm is not None:
+            x = runner.buffers["expert_x16"]
+            runner._launch(mma_vec.norm_x16(op.weight.dtype), (T,), B(op.x), B(op.norm), x,
+                           cols, op.eps)
+        grid = (mma_vec.grid(rows, 1, shape["tiles"], shape["split"])[0], slots)
+        runner._launch(kernel, grid, *planes, x, *expert_buffers(runner), B(op.outputs[0]),
+                       rows, cols, x_per)
+        return
     kernel, rows_per = matvec_kernel(runner, op, token_group(op.weight.dtype, T))
     grid = experts.expert_grid(rows, min(n_experts, T * op.ids.shape[1]), sg, rows_per)
     norm = [] if op.norm is None else [runner._buffer(op.norm)]

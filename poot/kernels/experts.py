@@ -23,7 +23,7 @@ from .quant import reader
 WG = 256
 MAX_EXPERTS = 1024
 TOKEN_GROUPS = (1, 2, 4, 8)     # routes an expert_matvec subgroup takes a pass
-GROUPED_ROUTES = 512            # route_grouped keeps this many routes' choices (64 tokens of 8)      # expert_groups counts each expert's routes in shared memory
+GROUPED_ROUTES = 512            # route_grouped keeps this many routes' choices (64 tokens of 8)
 
 
 def _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept=None):
@@ -64,40 +64,85 @@ def _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept=None):
                 kept[t * used + j] = at
 
 
-def _group(k, expert_of, n_routes, n_experts, offsets, routes, active):
-    """The routes grouped by expert, by the workgroup, a thread an expert: offsets[e] ..
-    offsets[e + 1] are expert e's entries of routes, in route order; active lists the experts
-    some route chose, in order, then -1s. expert_of(r): route r's expert."""
-    # MAX_EXPERTS + 1 counts, rounded to whole 16 bytes: a compiler may place another shared
-    # array after it at a 16-byte boundary, which the kernel's shared bytes then include
-    counts = k.shared("counts", I32, MAX_EXPERTS + 4)
+def _group(k, expert_of, n_routes, n_experts, offsets, routes, active, load4=None):
+    """The routes grouped by expert, by the workgroup: offsets[e] .. offsets[e + 1] are expert
+    e's entries of routes, in route order; active lists the experts some route chose, in
+    order, then -1s. expert_of(r): route r's expert; load4(r), where given, the experts of
+    routes r .. r + 3 (r a multiple of 4; -1 past the last route), a load for four.
+
+    A thread an expert counts its routes; each thread's run of consecutive experts is summed,
+    and a scan over the threads in shared memory gives each run's first place among the routes
+    and among the chosen experts (log2(WG) steps, no thread walking all the experts); then a
+    thread an expert places its routes."""
+    counts = k.shared("counts", I32, MAX_EXPERTS + 4)    # an expert's routes, then its first place
+    sums = k.shared("sums", I32, 2 * WG)                 # the scan's: routes, then chosen experts
     tid = k.thread_id()
+
+    def each_route(e, found):
+        """found(r) for each route r of expert e, in order."""
+        if load4 is None:
+            with k.for_(0, n_routes) as r:
+                with k.if_(expert_of(r).eq(e)):
+                    found(r)
+            return
+        with k.for_(0, n_routes, 4) as r:
+            for j, v in enumerate(load4(r)):
+                with k.if_(v.eq(e)):
+                    found(r + j)
+
     with k.for_(tid, n_experts, WG) as e:
         count = k.var(I32, 0)
-        with k.for_(0, n_routes) as r:
-            with k.if_(expert_of(r).eq(e)):
-                count.set(count.get() + 1)
-        counts[e + 1] = count.get()
+        each_route(e, lambda r: count.set(count.get() + 1))
+        counts[e] = count.get()
     k.barrier()
-    with k.if_(tid.eq(0)):             # a running sum over the experts: a few hundred adds
-        counts[0] = 0
-        offsets[0] = 0
-        n_active = k.var(I32, 0)
-        with k.for_(1, n_experts + 1) as e:
-            with k.if_(counts[e] > 0):
-                active[n_active.get()] = e - 1
-                n_active.set(n_active.get() + 1)
-            counts[e] = counts[e] + counts[e - 1]
-            offsets[e] = counts[e]
-        with k.for_(n_active.get(), n_experts) as e:
+    per = (n_experts + WG - 1) / WG                      # this thread's run of experts
+    first = tid * per
+    last = k.min(first + per, n_experts)
+    mine, chosen = k.var(I32, 0), k.var(I32, 0)
+    with k.for_(first, last) as e:
+        c = counts[e]
+        mine.set(mine.get() + c)
+        chosen.set(k.select(c > 0, chosen.get() + 1, chosen.get()))
+    total, picked = k.var(I32, mine.get()), k.var(I32, chosen.get())
+    sums[tid] = mine.get()
+    sums[WG + tid] = chosen.get()
+    k.barrier()
+    step = 1
+    while step < WG:                                      # inclusive sums over threads 0..tid
+        with k.if_(tid >= step):
+            total.set(total.get() + sums[tid - step])
+            picked.set(picked.get() + sums[WG + tid - step])
+        k.barrier()
+        sums[tid] = total.get()
+        sums[WG + tid] = picked.get()
+        k.barrier()
+        step *= 2
+    at, slot = k.var(I32, total.get() - mine.get()), k.var(I32, picked.get() - chosen.get())
+    with k.for_(first, last) as e:
+        c = counts[e]
+        offsets[e] = at.get()
+        counts[e] = at.get()
+        with k.if_(c > 0):
+            active[slot.get()] = e
+            slot.set(slot.get() + 1)
+        at.set(at.get() + c)
+    with k.if_(tid.eq(0)):
+        offsets[n_experts] = sums[WG - 1]
+    n_active = sums[2 * WG - 1]
+    with k.for_(tid, n_experts, WG) as e:
+        with k.if_(e >= n_active):
             active[e] = -1
     k.barrier()
-    with k.for_(tid, n_experts, WG) as e:
+
+    def place(e):
         at = k.var(I32, counts[e])
-        with k.for_(0, n_routes) as r:
-            with k.if_(expert_of(r).eq(e)):
-                routes[at.get()] = r
-                at.set(at.get() + 1)
+
+        def found(r):
+            routes[at.get()] = r
+            at.set(at.get() + 1)
+        each_route(e, found)
+    with k.for_(tid, n_experts, WG) as e:
+        place(e)
 
 
 def _route_params(k):
@@ -126,11 +171,16 @@ def route_grouped(subgroup_size, used, normalize):
     offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
     active = k.buffer("active", I32, "w")
     n, n_tokens = k.scalar("n", I32), k.scalar("n_tokens", I32)
-    kept = k.shared("kept", I32, GROUPED_ROUTES)
+    kept = k.shared("kept", I32, GROUPED_ROUTES + 4)
+    n_routes = n_tokens * used
     with k.for_(k.subgroup_id(), n_tokens, WG // subgroup_size) as t:
         _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept)
+    tid = k.thread_id()
+    with k.if_(tid < 4):                # past the last route, for the loads of four
+        kept[n_routes + tid] = -1
     k.barrier()
-    _group(k, lambda r: kept[r], n_tokens * used, n, offsets, routes, active)
+    _group(k, lambda r: kept[r], n_routes, n, offsets, routes, active,
+           lambda r: kept.load(r, 4))
     return k.build()
 
 

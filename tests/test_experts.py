@@ -37,19 +37,33 @@ def test_route(device, n_experts, used, normalize):
 
 
 @pytest.mark.parametrize("n_tokens,n_experts,used", [(1, 128, 8), (64, 128, 8), (13, 6, 2)])
-def test_route_grouped(device, n_tokens, n_experts, used):
-    """route and expert_groups in one workgroup (a decode step's): their outputs, the same."""
+@pytest.mark.parametrize("norm_x16", [None, "Q4_0", "F16"])
+def test_route_grouped(device, n_tokens, n_experts, used, norm_x16):
+    """route and expert_groups in one workgroup (a decode step's): their outputs, the same;
+    with norm_x16 also each token's x normed, times the gain, rounded to f16 pairs in the
+    order the format's mma_vec takes them (quant formats pair values 0-2 and 1-3 of each 4)."""
     logits = (3 * rng.standard_normal((n_tokens, n_experts))).astype(np.float32)
-    out = run(device, experts.route_grouped(device.subgroup_size, used, True), (1,), logits,
-              np.zeros((n_tokens, used), np.int32), np.zeros((n_tokens, used), np.float32),
-              np.zeros(n_experts + 1, np.int32), np.zeros(n_tokens * used, np.int32),
-              np.zeros(n_experts, np.int32), n_experts, n_tokens)
+    cols, eps = 264, 1e-5
+    x = (3 * rng.standard_normal((n_tokens, cols))).astype(np.float32)
+    gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
+    normed = [] if norm_x16 is None else [x, gain, np.zeros((n_tokens, cols // 2), np.uint32)]
+    out = run(device, experts.route_grouped(device.subgroup_size, used, True, norm_x16), (1,),
+              logits, np.zeros((n_tokens, used), np.int32),
+              np.zeros((n_tokens, used), np.float32), np.zeros(n_experts + 1, np.int32),
+              np.zeros(n_tokens * used, np.int32), np.zeros(n_experts, np.int32), *normed,
+              n_experts, n_tokens, *([cols, eps] if normed else []))
     ids = ref.top_k(logits, used)
     assert np.array_equal(out["ids"], ids)
     assert rel_err(out["w"], ref.route_weights(logits, ids, True)) < 1e-5
     want = groups(device, ids, n_experts)
     for name, array in zip(("offsets", "routes", "active"), want):
         assert np.array_equal(out[name], array), name
+    if norm_x16 is not None:
+        h = ref.rms_norm(x, gain, eps).reshape(n_tokens, -1, 4)
+        if mma_vec.quant_pairs(norm_x16):
+            h = h[:, :, [0, 2, 1, 3]]
+        got = out["x16"].view(np.float16).reshape(h.shape).astype(np.float32)
+        assert np.allclose(got, h, rtol=2e-3, atol=1e-3)
 
 
 def groups(device, ids, n_experts):
@@ -174,6 +188,8 @@ def expert_kernels(subgroup_size):
     out = [experts.route(subgroup_size, 8, True), experts.route(subgroup_size, 2, False),
            experts.route_grouped(subgroup_size, 8, True),
            experts.route_grouped(subgroup_size, 2, False), experts.expert_groups(),
+           experts.route_grouped(subgroup_size, 8, True, "Q4_0"),
+           experts.route_grouped(subgroup_size, 8, True, "F16"),
            experts.expert_sum(8), experts.expert_sum(8, residual=True)]
     return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per, glu is not None)
                   for d in DEVICE_DTYPES for tokens in experts.expert_tokens(d)

@@ -20,6 +20,9 @@ from ..kernels import experts, mma_vec
 from .kernel_choice import matvec_rows
 
 
+ROUTE_NORM_TOKENS = 8       # steps this short make the experts' x16 in the route's workgroup
+
+
 def buffers(runner):
     """[(name, u32 words)] of the route groups and the normed x of the experts' mma_vec, for
     a runner of a graph with experts (else none)."""
@@ -73,20 +76,45 @@ def token_group(dtype, T):
     return next((g for g in groups if g >= T), groups[-1])
 
 
+def normed_in_route(runner, steps, i, T):
+    """The ExpertMatvec after Route step steps[i] whose norm_x16 that step's launch makes
+    (route_grouped's norm variant), or None: in steps of at most ROUTE_NORM_TOKENS tokens,
+    an mma_vec reading the route's ids through a norm right after it."""
+    op, after = steps[i], steps[i + 1] if i + 1 < len(steps) else None
+    if T > ROUTE_NORM_TOKENS or T * op.used > experts.GROUPED_ROUTES or after is None or \
+            after.kind != "expert_matmul" or after.norm is None or \
+            after.ids.name != op.outputs[0].name or not on_tensor_cores(runner, after):
+        return None
+    return after
+
+
 def route_kernels(runner, steps, i, long):
     op, sg = steps[i], runner.device.subgroup_size
+    normed = normed_in_route(runner, steps, i, 1)
     return [experts.route(sg, op.used, op.normalize), experts.expert_groups(),
-            experts.route_grouped(sg, op.used, op.normalize)]
+            experts.route_grouped(sg, op.used, op.normalize)] + (
+        [] if normed is None else
+        [experts.route_grouped(sg, op.used, op.normalize, normed.weight.dtype)])
 
 
 def route(runner, op, T, R, i, long):
     """A Route (lowering.py): each token's experts and their weights, then the step's routes
     grouped by expert; one launch where the step has at most experts.GROUPED_ROUTES routes
-    (decode steps), else two."""
-    route_, groups, grouped = route_kernels(runner, [op], 0, long)
+    (decode steps), else two. In steps of a few tokens the launch also makes the x16 of the
+    expert mma_vec next (normed_in_route)."""
+    route_, groups, grouped = route_kernels(runner, [op], 0, long)[:3]
     (ids, weights), n_experts = op.outputs, op.logits.shape[1]
     B = runner._buffer
     if T * op.used <= experts.GROUPED_ROUTES:
+        normed = normed_in_route(runner, runner.steps, i, T)
+        if normed is not None:
+            grouped = experts.route_grouped(runner.device.subgroup_size, op.used, op.normalize,
+                                            normed.weight.dtype)
+            x16 = [B(normed.x), B(normed.norm), runner.buffers["expert_x16"]]
+            runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights),
+                           *expert_buffers(runner), *x16, n_experts, T, normed.weight.shape[2],
+                           normed.eps)
+            return
         runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights), *expert_buffers(runner),
                        n_experts, T)
         return
@@ -128,8 +156,11 @@ def matvec(runner, op, T, R, i, long):
         x = B(op.x)
         if op.norm is not None:
             x = runner.buffers["expert_x16"]
-            runner._launch(mma_vec.norm_x16(op.weight.dtype), (T,), B(op.x), B(op.norm), x,
-                           cols, op.eps)
+            made = i > 0 and runner.steps[i - 1].kind == "route" and \
+                normed_in_route(runner, runner.steps, i - 1, T) is op
+            if not made:
+                runner._launch(mma_vec.norm_x16(op.weight.dtype), (T,), B(op.x), B(op.norm),
+                               x, cols, op.eps)
         grid = (mma_vec.grid(rows, 1, shape["tiles"], shape["split"])[0], slots)
         runner._launch(kernel, grid, *planes, x, *expert_buffers(runner), B(op.outputs[0]),
                        rows, cols, x_per)

@@ -11,12 +11,14 @@ many experts as the step's routes could choose, each workgroup column taking the
 one or none. expert_matvec streams each
 chosen expert's rows once for all the routes that chose it (a step of many tokens reads each
 expert once, not once a token), from the stacked weight [experts * rows, cols] in its device
-layout (quant.py).
+layout (quant.py). Devices that run mma_vec on a format take its expert variant instead (the
+same buffers but a norm's, on the tensor cores: engine/expert_steps.py says which).
 """
 from functools import cache
 
-from . import activations
+from . import activations, mma_vec
 from .lang import F32, I32, U32, KernelBuilder
+from .matmul import mma_operand
 from .ops import LOWEST
 from .quant import reader
 
@@ -162,14 +164,24 @@ def route(subgroup_size, used, normalize):
 
 
 @cache
-def route_grouped(subgroup_size, used, normalize):
+def route_grouped(subgroup_size, used, normalize, norm_x16=None):
     """route, then expert_groups, in one workgroup: for steps of at most GROUPED_ROUTES
     routes (decode steps), whose choices the workgroup keeps in shared memory for the
-    grouping. Buffers route's, then expert_groups' outputs; scalars n, n_tokens. grid (1)."""
-    k = KernelBuilder(f"route_grouped{used}_s{subgroup_size}" + "_norm" * normalize, (WG,))
+    grouping. Buffers route's, then expert_groups' outputs; scalars n, n_tokens. grid (1).
+
+    With `norm_x16` (a weight format), then mma_vec.norm_x16's words of the step's x for the
+    experts' mma_vec of that format, token after token (for steps of a few tokens, a launch
+    fewer): buffers x f32 [T, cols], norm (the gain), x16 after active; scalars cols, eps
+    after n_tokens."""
+    name = f"route_grouped{used}_s{subgroup_size}" + "_norm" * normalize
+    if norm_x16 is not None:
+        name += f"_x16_{mma_operand(norm_x16).name}" + "_pairs" * mma_vec.quant_pairs(norm_x16)
+    k = KernelBuilder(name, (WG,))
     logits, ids, w = _route_params(k)
     offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
     active = k.buffer("active", I32, "w")
+    if norm_x16 is not None:
+        x, gain, x16 = k.buffer("x", F32), k.buffer("norm", F32), k.buffer("x16", U32, "w")
     n, n_tokens = k.scalar("n", I32), k.scalar("n_tokens", I32)
     kept = k.shared("kept", I32, GROUPED_ROUTES + 4)
     n_routes = n_tokens * used
@@ -181,6 +193,13 @@ def route_grouped(subgroup_size, used, normalize):
     k.barrier()
     _group(k, lambda r: kept[r], n_routes, n, offsets, routes, active,
            lambda r: kept.load(r, 4))
+    if norm_x16 is not None:
+        cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
+        scratch = k.shared("scratch", F32, WG // subgroup_size)
+        load = lambda base, i: x.load(base + i, 4)  # noqa: E731
+        with k.for_(0, n_tokens) as t:
+            mma_vec.normed_row(k, norm_x16, subgroup_size, gain, x16, load, load, t * cols, cols,
+                               eps, scratch)
     return k.build()
 
 

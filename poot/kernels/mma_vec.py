@@ -177,10 +177,20 @@ def reduce_norm_x16(dtype, world, subgroup_size=SUBGROUP):
 def _normed_pairs(k, dtype, subgroup_size, gain, x16, first_read, second_read):
     """The rest of norm_x16 and reduce_norm_x16 after their buffers: a token's row read 4
     values at a time by `first_read` to sum its squares, by `second_read` to norm it."""
-    operand, pairs = mma_operand(dtype), quant_pairs(dtype)
     cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
     scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
-    base, first = k.block_id() * cols, k.thread_id() * 4
+    normed_row(k, dtype, subgroup_size, gain, x16, first_read, second_read, k.block_id() * cols,
+               cols, eps, scratch)
+    return k.build()
+
+
+def normed_row(k, dtype, subgroup_size, gain, x16, first_read, second_read, base, cols, eps,
+               scratch):
+    """norm_x16's words of the token whose row starts at `base`, by the whole workgroup
+    (every thread calls it: it waits at barriers), summing through `scratch` (f32, a word a
+    subgroup)."""
+    operand, pairs = mma_operand(dtype), quant_pairs(dtype)
+    first = k.thread_id() * 4
     square = k.var(F32, 0.0)
     with k.for_(first, cols, WORKGROUP * 4) as i:
         for v in first_read(base, i):
@@ -191,7 +201,6 @@ def _normed_pairs(k, dtype, subgroup_size, gain, x16, first_read, second_read):
         a, b, c, d = [v * scale * w for v, w in zip(second_read(base, i), gain.load(i, 4))]
         lo, hi = ((a, c), (b, d)) if pairs else ((a, b), (c, d))
         x16.store((base + i) >> 1, _pack(k, operand, *lo), _pack(k, operand, *hi))
-    return k.build()
 
 
 def _chain_sum(chains):
@@ -277,7 +286,6 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     slots = n_sub // split
     slot, part = (sub / split, sub % split) if split > 1 else (sub, 0)
     first = (k.block_id(0) * slots + slot) * (16 * tiles)
-    row_words_x = cols >> 1 if x16 else cols
     # an expert's routes, TOKENS * token_tiles a pass: the rest of the kernel is that loop's
     # body (closed before the build); a dense launch's tokens, from grid y
     passes = ExitStack()
@@ -289,12 +297,12 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
         n_tokens = offsets[expert + 1] - start
         t0 = passes.enter_context(k.for_(0, n_tokens, TOKENS * token_tiles))
         routes_at = lambda t: routes[start + t]  # noqa: E731
-        x_rows = [routes_at(k.min(t0 + TOKENS * j + g, n_tokens - 1)) / x_per * row_words_x
-                  for j in range(token_tiles)]
+        x_rows = [routes_at(k.min(t0 + TOKENS * j + g, n_tokens - 1)) / x_per *
+                  (cols >> 1 if x16 else cols) for j in range(token_tiles)]
     else:
         t0 = k.block_id(1) * (TOKENS * token_tiles)
         # lanes of tokens past the step read the last token's x (same lines, nothing stored)
-        x_rows = [k.min(t0 + TOKENS * j + g, n_tokens - 1) * row_words_x
+        x_rows = [k.min(t0 + TOKENS * j + g, n_tokens - 1) * (cols >> 1 if x16 else cols)
                   for j in range(token_tiles)]
     # rows past the end read the last row again and store nothing
     my_rows = [[k.min(first + 16 * r + 8 * h + g, rows - 1) for h in range(2)]

@@ -66,18 +66,24 @@ def test_route_grouped(device, n_tokens, n_experts, used, norm_x16):
         assert np.allclose(got, h, rtol=2e-3, atol=1e-3)
 
 
-def groups(device, ids, n_experts):
+def groups(device, ids, n_experts, fours=False):
     flat = ids.reshape(-1)
-    out = run(device, experts.expert_groups(), (1,), flat, np.zeros(n_experts + 1, np.int32),
-              np.zeros(len(flat), np.int32), np.zeros(n_experts, np.int32), len(flat),
-              n_experts)
+    out = run(device, experts.expert_groups(fours), (1,), flat,
+              np.zeros(n_experts + 1, np.int32), np.zeros(len(flat), np.int32),
+              np.zeros(n_experts, np.int32), len(flat), n_experts)
     return out["offsets"], out["routes"], out["active"]
 
 
-@pytest.mark.parametrize("n_tokens,n_experts,used", [(1, 128, 8), (9, 6, 2), (40, 300, 4)])
+@pytest.mark.parametrize("n_tokens,n_experts,used", [(1, 128, 8), (9, 6, 2), (40, 300, 4),
+                                                     (700, 128, 8)])
 def test_expert_groups(device, n_tokens, n_experts, used):
+    """Read one id a load, and (whole fours of routes) four a load."""
     ids = np.stack([rng.permutation(n_experts)[:used] for _ in range(n_tokens)]).astype(np.int32)
-    offsets, routes, active = groups(device, ids, n_experts)
+    fours = used % 4 == 0
+    offsets, routes, active = groups(device, ids, n_experts, fours)
+    if fours:
+        assert all(np.array_equal(a, b) for a, b in zip(groups(device, ids, n_experts),
+                                                         (offsets, routes, active)))
     flat = ids.reshape(-1)
     for e in range(n_experts):
         assert routes[offsets[e]:offsets[e + 1]].tolist() == np.nonzero(flat == e)[0].tolist()
@@ -188,6 +194,7 @@ def expert_kernels(subgroup_size):
     out = [experts.route(subgroup_size, 8, True), experts.route(subgroup_size, 2, False),
            experts.route_grouped(subgroup_size, 8, True),
            experts.route_grouped(subgroup_size, 2, False), experts.expert_groups(),
+           experts.expert_groups(fours=True),
            experts.route_grouped(subgroup_size, 8, True, "Q4_0"),
            experts.route_grouped(subgroup_size, 8, True, "F16"),
            experts.expert_sum(8), experts.expert_sum(8, residual=True)]

@@ -91,7 +91,7 @@ def normed_in_route(runner, steps, i, T):
 def route_kernels(runner, steps, i, long):
     op, sg = steps[i], runner.device.subgroup_size
     normed = normed_in_route(runner, steps, i, 1)
-    return [experts.route(sg, op.used, op.normalize), experts.expert_groups(),
+    return [experts.route(sg, op.used, op.normalize), experts.expert_groups(op.used % 4 == 0),
             experts.route_grouped(sg, op.used, op.normalize)] + (
         [] if normed is None else
         [experts.route_grouped(sg, op.used, op.normalize, normed.weight.dtype)])

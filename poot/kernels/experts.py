@@ -204,15 +204,17 @@ def route_grouped(subgroup_size, used, normalize, norm_x16=None):
 
 
 @cache
-def expert_groups():
+def expert_groups(fours=False):
     """The routes grouped by expert (_group) from their ids [routes]; one workgroup
-    (n_experts <= MAX_EXPERTS). grid (1)."""
-    k = KernelBuilder("expert_groups", (WG,))
+    (n_experts <= MAX_EXPERTS). grid (1). `fours`: n_routes is a multiple of 4 (tokens that
+    each use a multiple of 4 experts), so the ids are read four a load."""
+    k = KernelBuilder("expert_groups" + "_x4" * fours, (WG,))
     ids = k.buffer("ids", I32)
     offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
     active = k.buffer("active", I32, "w")
     n_routes, n_experts = k.scalar("n_routes", I32), k.scalar("n_experts", I32)
-    _group(k, lambda r: ids[r], n_routes, n_experts, offsets, routes, active)
+    _group(k, lambda r: ids[r], n_routes, n_experts, offsets, routes, active,
+           (lambda r: ids.load(r, 4)) if fours else None)
     return k.build()
 
 

@@ -228,14 +228,15 @@ def expert_mma_kernels(dtype, multiprocessors=132):
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("sm", [80, 90])
 @pytest.mark.parametrize("dtype", mma_vec.DTYPES)
-def test_expert_mma_vec_assembles_with_few_spills(tmp_path, dtype):
-    """Each expert mma_vec the runner launches, assembled for sm_90 as the dense mma_vec's are
-    checked (test_codegen_ptx): at most a few words spilled."""
+def test_expert_mma_vec_assembles_with_few_spills(tmp_path, dtype, sm):
+    """Each expert mma_vec the runner launches, assembled as the dense mma_vec's are checked
+    (test_codegen_ptx): at most a few words spilled."""
     for kernel in expert_mma_kernels(dtype):
         source = tmp_path / f"{kernel.name}.ptx"
-        source.write_text(render_ptx(kernel, 90))
-        result = subprocess.run(["ptxas", "-arch=sm_90", "-v", str(source), "-o", "/dev/null"],
+        source.write_text(render_ptx(kernel, sm))
+        result = subprocess.run(["ptxas", f"-arch=sm_{sm}", "-v", str(source), "-o", "/dev/null"],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{kernel.name}: {result.stderr}"
         spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", result.stderr)]

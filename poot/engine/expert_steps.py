@@ -10,7 +10,8 @@ workgroup column past the chosen ones returns at once.
 On a device that runs mma_vec on the experts' format (ptx), their matvecs are mma_vec's expert
 variant for every step length: each expert's routes gathered into 8-token tiles on the tensor
 cores, its rows read once a pass of up to 8 * token_tiles routes; a folded norm is a norm_x16
-launch first, into `expert_x16`. Elsewhere expert_matvec streams each expert's rows for its
+launch first, into `expert_x16`, or in steps of a few tokens the route's own launch makes it
+(normed_in_route). Elsewhere expert_matvec streams each expert's rows for its
 routes, a token group at a time.
 """
 import math
@@ -59,11 +60,26 @@ def mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T):
     return slots, mma_vec.shape(dtype, rows * slots, cols, multiprocessors, tiles)
 
 
-def mma_kernel(runner, op, T):
-    """(slots, kernel, its shape) of an ExpertMatvec's mma_vec in a T-token step."""
+@cache
+def mma_shapes(dtype, n_experts, rows, cols, used, multiprocessors, most):
+    """The distinct mma_vec keywords of mma_shape over steps of 1 to `most` tokens (they stop
+    changing once every expert can be chosen and the token tiles are at their most)."""
+    shapes, last = {}, mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, most)[1]
+    for T in range(1, most + 1):
+        shape = mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T)[1]
+        shapes[tuple(sorted(shape.items()))] = shape
+        if T * used >= n_experts and shape == last:
+            break
+    return list(shapes.values())
+
+
+def mma_kernel(runner, op, T, shape=None):
+    """(slots, kernel, its shape) of an ExpertMatvec's mma_vec in a T-token step (of `shape`
+    where given)."""
     n_experts, rows, cols = op.weight.shape
-    slots, shape = mma_shape(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
-                             runner.choice.multiprocessors, T)
+    slots, chosen = mma_shape(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
+                              runner.choice.multiprocessors, T)
+    shape = shape or chosen
     return slots, mma_vec.mma_vec(op.weight.dtype, glu=op.glu, x16=op.norm is not None,
                                   experts=True, **shape), shape
 
@@ -137,10 +153,11 @@ def matvec_kernel(runner, op, group):
 def matvec_kernels(runner, steps, i, long):
     op = steps[i]
     if on_tensor_cores(runner, op):
-        kernels = {kernel.name: kernel for kernel in (
-            mma_kernel(runner, op, T)[1] for T in range(1, runner.max_tokens + 1))}
+        n_experts, rows, cols = op.weight.shape
+        shapes = mma_shapes(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
+                            runner.choice.multiprocessors, runner.max_tokens)
         prep = [mma_vec.norm_x16(op.weight.dtype)] if op.norm is not None else []
-        return prep + list(kernels.values())
+        return prep + [mma_kernel(runner, op, 1, shape)[1] for shape in shapes]
     return [matvec_kernel(runner, op, group)[0]
             for group in experts.expert_tokens(op.weight.dtype)]
 

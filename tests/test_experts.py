@@ -4,6 +4,7 @@ Fresh random inputs each run, outputs poisoned first (tests/test_kernels.py's `r
 kernels exactly (ids) or to float32 rounding, the expert matvec by the weights' format as the
 dense matvec is.
 """
+import re
 import shutil
 import subprocess
 
@@ -11,12 +12,13 @@ import numpy as np
 import pytest
 
 from poot.codegen.ptx import render_ptx
+from poot.engine import expert_steps
 from poot.engine.kernel_choice import matvec_rows
-from poot.formats.quants import dequantize, quantize
+from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
-from poot.kernels import experts
+from poot.kernels import experts, mma_vec
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
-from tests.test_kernels import rel_err, run
+from tests.test_kernels import cuda_device, rel_err, run  # noqa: F401 (a fixture)
 
 rng = np.random.default_rng()
 
@@ -35,33 +37,53 @@ def test_route(device, n_experts, used, normalize):
 
 
 @pytest.mark.parametrize("n_tokens,n_experts,used", [(1, 128, 8), (64, 128, 8), (13, 6, 2)])
-def test_route_grouped(device, n_tokens, n_experts, used):
-    """route and expert_groups in one workgroup (a decode step's): their outputs, the same."""
+@pytest.mark.parametrize("norm_x16", [None, "Q4_0", "F16"])
+def test_route_grouped(device, n_tokens, n_experts, used, norm_x16):
+    """route and expert_groups in one workgroup (a decode step's): their outputs, the same;
+    with norm_x16 also each token's x normed, times the gain, rounded to f16 pairs in the
+    order the format's mma_vec takes them (quant formats pair values 0-2 and 1-3 of each 4)."""
     logits = (3 * rng.standard_normal((n_tokens, n_experts))).astype(np.float32)
-    out = run(device, experts.route_grouped(device.subgroup_size, used, True), (1,), logits,
-              np.zeros((n_tokens, used), np.int32), np.zeros((n_tokens, used), np.float32),
-              np.zeros(n_experts + 1, np.int32), np.zeros(n_tokens * used, np.int32),
-              np.zeros(n_experts, np.int32), n_experts, n_tokens)
+    cols, eps = 264, 1e-5
+    x = (3 * rng.standard_normal((n_tokens, cols))).astype(np.float32)
+    gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
+    normed = [] if norm_x16 is None else [x, gain, np.zeros((n_tokens, cols // 2), np.uint32)]
+    out = run(device, experts.route_grouped(device.subgroup_size, used, True, norm_x16), (1,),
+              logits, np.zeros((n_tokens, used), np.int32),
+              np.zeros((n_tokens, used), np.float32), np.zeros(n_experts + 1, np.int32),
+              np.zeros(n_tokens * used, np.int32), np.zeros(n_experts, np.int32), *normed,
+              n_experts, n_tokens, *([cols, eps] if normed else []))
     ids = ref.top_k(logits, used)
     assert np.array_equal(out["ids"], ids)
     assert rel_err(out["w"], ref.route_weights(logits, ids, True)) < 1e-5
     want = groups(device, ids, n_experts)
     for name, array in zip(("offsets", "routes", "active"), want):
         assert np.array_equal(out[name], array), name
+    if norm_x16 is not None:
+        h = ref.rms_norm(x, gain, eps).reshape(n_tokens, -1, 4)
+        if mma_vec.quant_pairs(norm_x16):
+            h = h[:, :, [0, 2, 1, 3]]
+        got = out["x16"].view(np.float16).reshape(h.shape).astype(np.float32)
+        assert np.allclose(got, h, rtol=2e-3, atol=1e-3)
 
 
-def groups(device, ids, n_experts):
+def groups(device, ids, n_experts, fours=False):
     flat = ids.reshape(-1)
-    out = run(device, experts.expert_groups(), (1,), flat, np.zeros(n_experts + 1, np.int32),
-              np.zeros(len(flat), np.int32), np.zeros(n_experts, np.int32), len(flat),
-              n_experts)
+    out = run(device, experts.expert_groups(fours), (1,), flat,
+              np.zeros(n_experts + 1, np.int32), np.zeros(len(flat), np.int32),
+              np.zeros(n_experts, np.int32), len(flat), n_experts)
     return out["offsets"], out["routes"], out["active"]
 
 
-@pytest.mark.parametrize("n_tokens,n_experts,used", [(1, 128, 8), (9, 6, 2), (40, 300, 4)])
+@pytest.mark.parametrize("n_tokens,n_experts,used", [(1, 128, 8), (9, 6, 2), (40, 300, 4),
+                                                     (700, 128, 8)])
 def test_expert_groups(device, n_tokens, n_experts, used):
+    """Read one id a load, and (whole fours of routes) four a load."""
     ids = np.stack([rng.permutation(n_experts)[:used] for _ in range(n_tokens)]).astype(np.int32)
-    offsets, routes, active = groups(device, ids, n_experts)
+    fours = used % 4 == 0
+    offsets, routes, active = groups(device, ids, n_experts, fours)
+    if fours:
+        assert all(np.array_equal(a, b) for a, b in zip(groups(device, ids, n_experts),
+                                                         (offsets, routes, active)))
     flat = ids.reshape(-1)
     for e in range(n_experts):
         assert routes[offsets[e]:offsets[e + 1]].tolist() == np.nonzero(flat == e)[0].tolist()
@@ -109,6 +131,50 @@ def test_expert_matvec(device, dtype, n_tokens, tokens, glu, per_route, rows_per
     assert rel_err(got, want) < 1e-5
 
 
+# (mma_vec keywords, tokens, experts, used, rows, cols): one token's routes, a step's of more
+# routes an expert than a pass takes (passes in a loop, split ones' shared sums reused), rows
+# that are not whole tiles, columns not whole 128-column groups, pipelined rounds
+EXPERT_MMA_CASES = [({"glu": "silu", "x16": True, "tiles": 2, "split": 2}, 1, 8, 2, 96, 512),
+                    ({"tiles": 2, "split": 4}, 1, 8, 2, 200, 576),
+                    ({"glu": "silu", "x16": True, "split": 2}, 40, 6, 2, 40, 576),
+                    ({"tiles": 2, "split": 8}, 40, 6, 2, 96, 256),
+                    ({"glu": "silu", "x16": True, "token_tiles": 4, "unroll": 2}, 64, 4, 3, 48,
+                     1024),
+                    ({"chains": 2, "pipeline": True, "unroll": 2}, 9, 6, 2, 40, 4096)]
+
+
+@pytest.mark.parametrize("dtype", mma_vec.DTYPES)
+@pytest.mark.parametrize("variant,n_tokens,n_experts,used,rows,cols", EXPERT_MMA_CASES)
+def test_expert_mma_vec(cuda_device, dtype, variant, n_tokens, n_experts, used, rows, cols):
+    """mma_vec's expert variant (the experts' matvec on ptx): gate/up from norm_x16's words of
+    each token (every route of a token reads its row), down from each route's own f32 x; the
+    bounds of test_kernels.test_mma_vec in relative norm (operands rounded to 16 bits)."""
+    if cols % QUANTS[dtype].block_elems:
+        pytest.skip(f"{dtype} rows are whole blocks of {QUANTS[dtype].block_elems}")
+    glu, x16 = variant.get("glu"), variant.get("x16", False)
+    ids = np.stack([rng.permutation(n_experts)[:used] for _ in range(n_tokens)]).astype(np.int32)
+    offsets, routes, active = groups(cuda_device, ids, n_experts)
+    x = rng.standard_normal((n_tokens, cols) if x16 else (n_tokens, used, cols))
+    x = x.astype(np.float32)
+    gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
+    x_in = x
+    if x16:
+        x_in = run(cuda_device, mma_vec.norm_x16(dtype), (n_tokens,), x, gain,
+                   np.zeros((n_tokens, cols // 2), np.uint32), cols, 1e-5)["x16"]
+        x = ref.rms_norm(x, gain, 1e-5)
+    weights = [stacked_weight(dtype, n_experts, rows, cols) for _ in range(2 if glu else 1)]
+    kernel = mma_vec.mma_vec(dtype, experts=True, **variant)
+    grid = (mma_vec.grid(rows, 1, variant.get("tiles", 1), variant.get("split", 1))[0],
+            min(n_experts, n_tokens * used))
+    got = run(cuda_device, kernel, grid, *[p for w, _ in weights for p in w], x_in, offsets,
+              routes, active, np.zeros((n_tokens, used, rows), np.float32), rows, cols,
+              used if x16 else 1)["y"]
+    want = ref.expert_matmul(x, weights[0][1], ids)
+    if glu:
+        want = ref.glu(want, ref.expert_matmul(x, weights[1][1], ids), glu)
+    assert rel_err(got, want) < (2e-2 if dtype == "BF16" else 3e-3), kernel.name
+
+
 @pytest.mark.parametrize("residual", [False, True])
 def test_expert_sum(device, residual):
     T, used, cols = 7, 3, 96
@@ -128,6 +194,9 @@ def expert_kernels(subgroup_size):
     out = [experts.route(subgroup_size, 8, True), experts.route(subgroup_size, 2, False),
            experts.route_grouped(subgroup_size, 8, True),
            experts.route_grouped(subgroup_size, 2, False), experts.expert_groups(),
+           experts.expert_groups(fours=True),
+           experts.route_grouped(subgroup_size, 8, True, "Q4_0"),
+           experts.route_grouped(subgroup_size, 8, True, "F16"),
            experts.expert_sum(8), experts.expert_sum(8, residual=True)]
     return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per, glu is not None)
                   for d in DEVICE_DTYPES for tokens in experts.expert_tokens(d)
@@ -144,6 +213,34 @@ def test_expert_kernels_assemble_with_ptxas(tmp_path, sm):
         result = subprocess.run(["ptxas", f"-arch=sm_{sm}", str(source), "-o", "/dev/null"],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{kernel.name}: {result.stderr}"
+
+
+def expert_mma_kernels(dtype, multiprocessors=132):
+    """The expert mma_vec kernels a ptx runner of a Qwen3-30B-A3B-shaped model launches (128
+    experts, 8 used, d_model 2048, expert width 768) in steps of 1 to 512 tokens."""
+    out = {}
+    for glu, rows, cols in (("silu", 768, 2048), (None, 2048, 768)):
+        for T in range(1, 513):
+            _, shape = expert_steps.mma_shape(dtype, 128, rows, cols, 8, multiprocessors, T)
+            kernel = mma_vec.mma_vec(dtype, glu=glu, x16=glu is not None, experts=True, **shape)
+            out[kernel.name] = kernel
+    return list(out.values())
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not installed")
+@pytest.mark.parametrize("sm", [80, 90])
+@pytest.mark.parametrize("dtype", mma_vec.DTYPES)
+def test_expert_mma_vec_assembles_with_few_spills(tmp_path, dtype, sm):
+    """Each expert mma_vec the runner launches, assembled as the dense mma_vec's are checked
+    (test_codegen_ptx): at most a few words spilled."""
+    for kernel in expert_mma_kernels(dtype):
+        source = tmp_path / f"{kernel.name}.ptx"
+        source.write_text(render_ptx(kernel, sm))
+        result = subprocess.run(["ptxas", f"-arch=sm_{sm}", "-v", str(source), "-o", "/dev/null"],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, f"{kernel.name}: {result.stderr}"
+        spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", result.stderr)]
+        assert spilled and max(spilled) <= 64, f"{kernel.name}: {result.stderr}"
 
 
 @pytest.mark.parametrize("isa,wavefront", [("gfx90a", 64), ("gfx1030", 32)])

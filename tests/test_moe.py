@@ -239,16 +239,19 @@ def test_a_moe_layer_lowers_to_its_expert_steps(tmp_path):
     assert next(s for s in steps if s.kind == "expert_sum").attrs == {"residual": True}
 
 
-def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path):
+@pytest.mark.parametrize("matrix", [True, False])
+def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path, matrix):
     """On the host, as the ptx runner plans and launches (test_device_runner.LaunchLog): every
     step length, each layer's expert launches in order, each a kernel the runner builds with
-    its arguments, the expert matvec over every expert; and the plan holds every expert's
-    weights in their format's planes."""
+    its arguments, the expert matvec over every expert the step can choose; and the plan holds
+    every expert's weights in their format's planes. With the matrix instructions the experts
+    run mma_vec's expert variant (its norm a norm_x16 launch first, its token tiles by the
+    routes an expert has on average), without them expert_matvec by token groups."""
     from poot.engine.device_runner import DeviceRunner
     from poot.kernels.quant import reader
     from tests.test_device_runner import LaunchLog
     model = poot.load(tiny_model(tmp_path, dtype="Q4_0", arch="qwen3moe", shape="tiny-moe"))
-    log = LaunchLog()
+    log = LaunchLog(matrix)
     runner = DeviceRunner(model, log, num_blocks=32, max_tokens=300, max_seqs=16)
     runner.programs = {k.name: k for k in runner._kernels()}
     runner.buffers = {a.name: a for a in runner.allocations()}
@@ -259,23 +262,39 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path):
     assert planes == {f"blk.0.ffn_down_exps.weight:{p}":
                       cfg.n_experts * cfg.d_model * r.row_words(p, cfg.d_ff) * 4
                       for p in r.plane_names}
+    assert ("expert_x16" in runner.buffers) == matrix
     for T in (1, 2, 7, 33, 300):
         log.launched.clear()
         for _ in runner.launches(T, min(T, 16)):
             pass
         names = [kernel.name for kernel, _, _ in log.launched]
+        assert all(runner.programs[kernel.name] is kernel for kernel, _, _ in log.launched)
         # up to GROUPED_ROUTES routes (decode steps), the choice and grouping are one launch
         routing = ["route_grouped2_s32_norm"] if T * 2 <= 512 else ["route2_s32_norm",
                                                                       "expert_groups"]
-        at = names.index(routing[0])
-        group = next(g for g in (1, 2, 4, 8) if g >= T) if T <= 8 else 8
-        rows = "_r2" * (group == 1), "_r4" * (group == 1)   # a subgroup's rows (matvec_rows)
-        assert names[at:at + len(routing) + 3] == routing + [
-            f"expert_matvec_q4_0_t{group}_s32{rows[0]}_norm_swiglu",
-            f"expert_matvec_q4_0_t{group}_s32{rows[1]}", "expert_sum2_residual"]
+        if matrix and T <= 8:           # the route's workgroup makes the experts' x16 too
+            routing = ["route_grouped2_s32_norm_x16_f16_pairs"]
+        at = names.index(routing[0]) + len(routing)
+        if matrix:
+            tiles = "_n4" * (T * 2 > 3 * 8 * cfg.n_experts)     # mma_vec.token_tiles
+            if T > 8:
+                assert names[at] == "norm_x16_f16_pairs"
+                at += 1
+            assert names[at].startswith("expert_mma_vec_q4_0_") and \
+                names[at].endswith(f"_x16{tiles}_swiglu")
+            assert names[at + 1].startswith("expert_mma_vec_q4_0_") and \
+                names[at + 1].endswith(tiles) and "x16" not in names[at + 1]
+            assert names[at + 2] == "expert_sum2_residual"
+            matvecs = log.launched[at:at + 2]
+        else:
+            group = next(g for g in (1, 2, 4, 8) if g >= T) if T <= 8 else 8
+            rows = "_r2" * (group == 1), "_r4" * (group == 1)   # matvec_rows
+            assert names[at:at + 3] == [
+                f"expert_matvec_q4_0_t{group}_s32{rows[0]}_norm_swiglu",
+                f"expert_matvec_q4_0_t{group}_s32{rows[1]}", "expert_sum2_residual"]
+            matvecs = log.launched[at:at + 2]
         assert names.count(routing[-1]) == cfg.n_layers
-        at += len(routing)
-        for kernel, grid, args in log.launched[at:at + 2]:     # the experts T can choose
+        for kernel, grid, args in matvecs:                  # the experts T can choose
             assert grid[1] == min(cfg.n_experts, T * cfg.experts_used)
             assert runner.buffers["expert_active"] in args
 

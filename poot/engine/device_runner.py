@@ -192,7 +192,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
         shared = {}
         for name, x in self._shared.values():
             shared[name] = max(shared.get(name, 0), self.choice.elements(x.shape))
-        step += list(shared.items()) + expert_steps.buffers(self.graph, self.max_tokens)
+        step += list(shared.items()) + expert_steps.buffers(self)
         out += [Allocation(name, words * 4, "arenas") for name, words in step]
         out += [Allocation(f"arena.{i}", size, "arenas") for i, size in enumerate(self._slot_sizes)]
         if self.attention_splits > 1:       # (o [head_dim], m, l) of each token, head and split

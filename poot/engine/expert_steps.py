@@ -6,16 +6,28 @@ A route step also groups the routes by expert (expert_groups) into buffers of th
 every layer rewrites them, in order, so one set serves them all. Nothing is read back to the
 host: an expert matvec's grid covers as many experts as the step's routes can choose, and a
 workgroup column past the chosen ones returns at once.
+
+On a device that runs mma_vec on the experts' format (ptx), their matvecs are mma_vec's expert
+variant for every step length: each expert's routes gathered into 8-token tiles on the tensor
+cores, its rows read once a pass of up to 8 * token_tiles routes; a folded norm is a norm_x16
+launch first, into `expert_x16`, or in steps of a few tokens the route's own launch makes it
+(normed_in_route). Elsewhere expert_matvec streams each expert's rows for its
+routes, a token group at a time.
 """
 import math
+from functools import cache
 
-from ..kernels import experts
+from ..kernels import experts, mma_vec
 from .kernel_choice import matvec_rows
 
 
-def buffers(graph, max_tokens):
-    """[(name, u32 words)] of the route groups, for a graph with experts (else none)."""
-    routers = [op for op in graph.ops if op.kind == "top_k"]
+ROUTE_NORM_TOKENS = 8       # steps this short make the experts' x16 in the route's workgroup
+
+
+def buffers(runner):
+    """[(name, u32 words)] of the route groups and the normed x of the experts' mma_vec, for
+    a runner of a graph with experts (else none)."""
+    routers = [op for op in runner.graph.ops if op.kind == "top_k"]
     if not routers:
         return []
     n_experts = max(op.inputs[0].shape[1] for op in routers)
@@ -23,8 +35,53 @@ def buffers(graph, max_tokens):
         raise ValueError(f"{n_experts} experts: expert_groups counts at most "
                          f"{experts.MAX_EXPERTS}")
     used = max(op.attrs["k"] for op in routers)
-    return [("expert_offsets", n_experts + 1), ("expert_routes", max_tokens * used),
-            ("expert_active", n_experts)]
+    out = [("expert_offsets", n_experts + 1), ("expert_routes", runner.max_tokens * used),
+           ("expert_active", n_experts)]
+    x16 = max((op.weight.shape[2] // 2 for op in runner.steps
+               if op.kind == "expert_matmul" and op.norm is not None and
+               on_tensor_cores(runner, op)), default=0)
+    return out + ([("expert_x16", runner.max_tokens * x16)] if x16 else [])
+
+
+def on_tensor_cores(runner, op):
+    """Whether an ExpertMatvec runs mma_vec's expert variant: where the device runs mma_vec
+    on its weights' format, of columns a multiple of 8."""
+    return runner.choice.mma_vec_runs(op.weight.dtype) and op.weight.shape[2] % 8 == 0
+
+
+@cache
+def mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T):
+    """(slots, mma_vec keywords) of the expert mma_vec of a T-token step: as many workgroup
+    columns as experts its routes can choose; token tiles for the routes an expert has on
+    average (mma_vec.token_tiles), the rows' shape (mma_vec.shape) for all those experts'
+    rows together."""
+    slots = min(n_experts, T * used)
+    tiles = mma_vec.token_tiles(dtype, -(-T * used // slots))
+    return slots, mma_vec.shape(dtype, rows * slots, cols, multiprocessors, tiles)
+
+
+@cache
+def mma_shapes(dtype, n_experts, rows, cols, used, multiprocessors, most):
+    """The distinct mma_vec keywords of mma_shape over steps of 1 to `most` tokens (they stop
+    changing once every expert can be chosen and the token tiles are at their most)."""
+    shapes, last = {}, mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, most)[1]
+    for T in range(1, most + 1):
+        shape = mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T)[1]
+        shapes[tuple(sorted(shape.items()))] = shape
+        if T * used >= n_experts and shape == last:
+            break
+    return list(shapes.values())
+
+
+def mma_kernel(runner, op, T, shape=None):
+    """(slots, kernel, its shape) of an ExpertMatvec's mma_vec in a T-token step (of `shape`
+    where given)."""
+    n_experts, rows, cols = op.weight.shape
+    slots, chosen = mma_shape(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
+                              runner.choice.multiprocessors, T)
+    shape = shape or chosen
+    return slots, mma_vec.mma_vec(op.weight.dtype, glu=op.glu, x16=op.norm is not None,
+                                  experts=True, **shape), shape
 
 
 def token_group(dtype, T):
@@ -35,20 +92,45 @@ def token_group(dtype, T):
     return next((g for g in groups if g >= T), groups[-1])
 
 
+def normed_in_route(runner, steps, i, T):
+    """The ExpertMatvec after Route step steps[i] whose norm_x16 that step's launch makes
+    (route_grouped's norm variant), or None: in steps of at most ROUTE_NORM_TOKENS tokens,
+    an mma_vec reading the route's ids through a norm right after it."""
+    op, after = steps[i], steps[i + 1] if i + 1 < len(steps) else None
+    if T > ROUTE_NORM_TOKENS or T * op.used > experts.GROUPED_ROUTES or after is None or \
+            after.kind != "expert_matmul" or after.norm is None or \
+            after.ids.name != op.outputs[0].name or not on_tensor_cores(runner, after):
+        return None
+    return after
+
+
 def route_kernels(runner, steps, i, long):
     op, sg = steps[i], runner.device.subgroup_size
-    return [experts.route(sg, op.used, op.normalize), experts.expert_groups(),
-            experts.route_grouped(sg, op.used, op.normalize)]
+    normed = normed_in_route(runner, steps, i, 1)
+    return [experts.route(sg, op.used, op.normalize), experts.expert_groups(op.used % 4 == 0),
+            experts.route_grouped(sg, op.used, op.normalize)] + (
+        [] if normed is None else
+        [experts.route_grouped(sg, op.used, op.normalize, normed.weight.dtype)])
 
 
 def route(runner, op, T, R, i, long):
     """A Route (lowering.py): each token's experts and their weights, then the step's routes
     grouped by expert; one launch where the step has at most experts.GROUPED_ROUTES routes
-    (decode steps), else two."""
-    route_, groups, grouped = route_kernels(runner, [op], 0, long)
+    (decode steps), else two. In steps of a few tokens the launch also makes the x16 of the
+    expert mma_vec next (normed_in_route)."""
+    route_, groups, grouped = route_kernels(runner, [op], 0, long)[:3]
     (ids, weights), n_experts = op.outputs, op.logits.shape[1]
     B = runner._buffer
     if T * op.used <= experts.GROUPED_ROUTES:
+        normed = normed_in_route(runner, runner.steps, i, T)
+        if normed is not None:
+            grouped = experts.route_grouped(runner.device.subgroup_size, op.used, op.normalize,
+                                            normed.weight.dtype)
+            x16 = [B(normed.x), B(normed.norm), runner.buffers["expert_x16"]]
+            runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights),
+                           *expert_buffers(runner), *x16, n_experts, T, normed.weight.shape[2],
+                           normed.eps)
+            return
         runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights), *expert_buffers(runner),
                        n_experts, T)
         return
@@ -70,6 +152,12 @@ def matvec_kernel(runner, op, group):
 
 def matvec_kernels(runner, steps, i, long):
     op = steps[i]
+    if on_tensor_cores(runner, op):
+        n_experts, rows, cols = op.weight.shape
+        shapes = mma_shapes(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
+                            runner.choice.multiprocessors, runner.max_tokens)
+        prep = [mma_vec.norm_x16(op.weight.dtype)] if op.norm is not None else []
+        return prep + [mma_kernel(runner, op, 1, shape)[1] for shape in shapes]
     return [matvec_kernel(runner, op, group)[0]
             for group in experts.expert_tokens(op.weight.dtype)]
 
@@ -79,6 +167,21 @@ def matvec(runner, op, T, R, i, long):
     sg, (n_experts, rows, cols) = runner.device.subgroup_size, op.weight.shape
     x_per = op.ids.shape[1] if len(op.x.shape) == 2 else 1     # x a token's, or a route's
     planes = runner._weight_planes(op.weight) + (runner._weight_planes(op.up) if op.up else [])
+    B = runner._buffer
+    if on_tensor_cores(runner, op):
+        slots, kernel, shape = mma_kernel(runner, op, T)
+        x = B(op.x)
+        if op.norm is not None:
+            x = runner.buffers["expert_x16"]
+            made = i > 0 and runner.steps[i - 1].kind == "route" and \
+                normed_in_route(runner, runner.steps, i - 1, T) is op
+            if not made:
+                runner._launch(mma_vec.norm_x16(op.weight.dtype), (T,), B(op.x), B(op.norm),
+                               x, cols, op.eps)
+        grid = (mma_vec.grid(rows, 1, shape["tiles"], shape["split"])[0], slots)
+        runner._launch(kernel, grid, *planes, x, *expert_buffers(runner), B(op.outputs[0]),
+                       rows, cols, x_per)
+        return
     kernel, rows_per = matvec_kernel(runner, op, token_group(op.weight.dtype, T))
     grid = experts.expert_grid(rows, min(n_experts, T * op.ids.shape[1]), sg, rows_per)
     norm = [] if op.norm is None else [runner._buffer(op.norm)]

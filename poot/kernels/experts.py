@@ -11,19 +11,21 @@ many experts as the step's routes could choose, each workgroup column taking the
 one or none. expert_matvec streams each
 chosen expert's rows once for all the routes that chose it (a step of many tokens reads each
 expert once, not once a token), from the stacked weight [experts * rows, cols] in its device
-layout (quant.py).
+layout (quant.py). Devices that run mma_vec on a format take its expert variant instead (the
+same buffers but a norm's, on the tensor cores: engine/expert_steps.py says which).
 """
 from functools import cache
 
-from . import activations
+from . import activations, mma_vec
 from .lang import F32, I32, U32, KernelBuilder
+from .matmul import mma_operand
 from .ops import LOWEST
 from .quant import reader
 
 WG = 256
 MAX_EXPERTS = 1024
 TOKEN_GROUPS = (1, 2, 4, 8)     # routes an expert_matvec subgroup takes a pass
-GROUPED_ROUTES = 512            # route_grouped keeps this many routes' choices (64 tokens of 8)      # expert_groups counts each expert's routes in shared memory
+GROUPED_ROUTES = 512            # route_grouped keeps this many routes' choices (64 tokens of 8)
 
 
 def _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept=None):
@@ -64,40 +66,85 @@ def _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept=None):
                 kept[t * used + j] = at
 
 
-def _group(k, expert_of, n_routes, n_experts, offsets, routes, active):
-    """The routes grouped by expert, by the workgroup, a thread an expert: offsets[e] ..
-    offsets[e + 1] are expert e's entries of routes, in route order; active lists the experts
-    some route chose, in order, then -1s. expert_of(r): route r's expert."""
-    # MAX_EXPERTS + 1 counts, rounded to whole 16 bytes: a compiler may place another shared
-    # array after it at a 16-byte boundary, which the kernel's shared bytes then include
-    counts = k.shared("counts", I32, MAX_EXPERTS + 4)
+def _group(k, expert_of, n_routes, n_experts, offsets, routes, active, load4=None):
+    """The routes grouped by expert, by the workgroup: offsets[e] .. offsets[e + 1] are expert
+    e's entries of routes, in route order; active lists the experts some route chose, in
+    order, then -1s. expert_of(r): route r's expert; load4(r), where given, the experts of
+    routes r .. r + 3 (r a multiple of 4; -1 past the last route), a load for four.
+
+    A thread an expert counts its routes; each thread's run of consecutive experts is summed,
+    and a scan over the threads in shared memory gives each run's first place among the routes
+    and among the chosen experts (log2(WG) steps, no thread walking all the experts); then a
+    thread an expert places its routes."""
+    counts = k.shared("counts", I32, MAX_EXPERTS + 4)    # an expert's routes, then its first place
+    sums = k.shared("sums", I32, 2 * WG)                 # the scan's: routes, then chosen experts
     tid = k.thread_id()
+
+    def each_route(e, found):
+        """found(r) for each route r of expert e, in order."""
+        if load4 is None:
+            with k.for_(0, n_routes) as r:
+                with k.if_(expert_of(r).eq(e)):
+                    found(r)
+            return
+        with k.for_(0, n_routes, 4) as r:
+            for j, v in enumerate(load4(r)):
+                with k.if_(v.eq(e)):
+                    found(r + j)
+
     with k.for_(tid, n_experts, WG) as e:
         count = k.var(I32, 0)
-        with k.for_(0, n_routes) as r:
-            with k.if_(expert_of(r).eq(e)):
-                count.set(count.get() + 1)
-        counts[e + 1] = count.get()
+        each_route(e, lambda r: count.set(count.get() + 1))
+        counts[e] = count.get()
     k.barrier()
-    with k.if_(tid.eq(0)):             # a running sum over the experts: a few hundred adds
-        counts[0] = 0
-        offsets[0] = 0
-        n_active = k.var(I32, 0)
-        with k.for_(1, n_experts + 1) as e:
-            with k.if_(counts[e] > 0):
-                active[n_active.get()] = e - 1
-                n_active.set(n_active.get() + 1)
-            counts[e] = counts[e] + counts[e - 1]
-            offsets[e] = counts[e]
-        with k.for_(n_active.get(), n_experts) as e:
+    per = (n_experts + WG - 1) / WG                      # this thread's run of experts
+    first = tid * per
+    last = k.min(first + per, n_experts)
+    mine, chosen = k.var(I32, 0), k.var(I32, 0)
+    with k.for_(first, last) as e:
+        c = counts[e]
+        mine.set(mine.get() + c)
+        chosen.set(k.select(c > 0, chosen.get() + 1, chosen.get()))
+    total, picked = k.var(I32, mine.get()), k.var(I32, chosen.get())
+    sums[tid] = mine.get()
+    sums[WG + tid] = chosen.get()
+    k.barrier()
+    step = 1
+    while step < WG:                                      # inclusive sums over threads 0..tid
+        with k.if_(tid >= step):
+            total.set(total.get() + sums[tid - step])
+            picked.set(picked.get() + sums[WG + tid - step])
+        k.barrier()
+        sums[tid] = total.get()
+        sums[WG + tid] = picked.get()
+        k.barrier()
+        step *= 2
+    at, slot = k.var(I32, total.get() - mine.get()), k.var(I32, picked.get() - chosen.get())
+    with k.for_(first, last) as e:
+        c = counts[e]
+        offsets[e] = at.get()
+        counts[e] = at.get()
+        with k.if_(c > 0):
+            active[slot.get()] = e
+            slot.set(slot.get() + 1)
+        at.set(at.get() + c)
+    with k.if_(tid.eq(0)):
+        offsets[n_experts] = sums[WG - 1]
+    n_active = sums[2 * WG - 1]
+    with k.for_(tid, n_experts, WG) as e:
+        with k.if_(e >= n_active):
             active[e] = -1
     k.barrier()
-    with k.for_(tid, n_experts, WG) as e:
+
+    def place(e):
         at = k.var(I32, counts[e])
-        with k.for_(0, n_routes) as r:
-            with k.if_(expert_of(r).eq(e)):
-                routes[at.get()] = r
-                at.set(at.get() + 1)
+
+        def found(r):
+            routes[at.get()] = r
+            at.set(at.get() + 1)
+        each_route(e, found)
+    with k.for_(tid, n_experts, WG) as e:
+        place(e)
 
 
 def _route_params(k):
@@ -117,33 +164,57 @@ def route(subgroup_size, used, normalize):
 
 
 @cache
-def route_grouped(subgroup_size, used, normalize):
+def route_grouped(subgroup_size, used, normalize, norm_x16=None):
     """route, then expert_groups, in one workgroup: for steps of at most GROUPED_ROUTES
     routes (decode steps), whose choices the workgroup keeps in shared memory for the
-    grouping. Buffers route's, then expert_groups' outputs; scalars n, n_tokens. grid (1)."""
-    k = KernelBuilder(f"route_grouped{used}_s{subgroup_size}" + "_norm" * normalize, (WG,))
+    grouping. Buffers route's, then expert_groups' outputs; scalars n, n_tokens. grid (1).
+
+    With `norm_x16` (a weight format), then mma_vec.norm_x16's words of the step's x for the
+    experts' mma_vec of that format, token after token (for steps of a few tokens, a launch
+    fewer): buffers x f32 [T, cols], norm (the gain), x16 after active; scalars cols, eps
+    after n_tokens."""
+    name = f"route_grouped{used}_s{subgroup_size}" + "_norm" * normalize
+    if norm_x16 is not None:
+        name += f"_x16_{mma_operand(norm_x16).name}" + "_pairs" * mma_vec.quant_pairs(norm_x16)
+    k = KernelBuilder(name, (WG,))
     logits, ids, w = _route_params(k)
     offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
     active = k.buffer("active", I32, "w")
+    if norm_x16 is not None:
+        x, gain, x16 = k.buffer("x", F32), k.buffer("norm", F32), k.buffer("x16", U32, "w")
     n, n_tokens = k.scalar("n", I32), k.scalar("n_tokens", I32)
-    kept = k.shared("kept", I32, GROUPED_ROUTES)
+    kept = k.shared("kept", I32, GROUPED_ROUTES + 4)
+    n_routes = n_tokens * used
     with k.for_(k.subgroup_id(), n_tokens, WG // subgroup_size) as t:
         _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept)
+    tid = k.thread_id()
+    with k.if_(tid < 4):                # past the last route, for the loads of four
+        kept[n_routes + tid] = -1
     k.barrier()
-    _group(k, lambda r: kept[r], n_tokens * used, n, offsets, routes, active)
+    _group(k, lambda r: kept[r], n_routes, n, offsets, routes, active,
+           lambda r: kept.load(r, 4))
+    if norm_x16 is not None:
+        cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
+        scratch = k.shared("scratch", F32, WG // subgroup_size)
+        load = lambda base, i: x.load(base + i, 4)  # noqa: E731
+        with k.for_(0, n_tokens) as t:
+            mma_vec.normed_row(k, norm_x16, subgroup_size, gain, x16, load, load, t * cols, cols,
+                               eps, scratch)
     return k.build()
 
 
 @cache
-def expert_groups():
+def expert_groups(fours=False):
     """The routes grouped by expert (_group) from their ids [routes]; one workgroup
-    (n_experts <= MAX_EXPERTS). grid (1)."""
-    k = KernelBuilder("expert_groups", (WG,))
+    (n_experts <= MAX_EXPERTS). grid (1). `fours`: n_routes is a multiple of 4 (tokens that
+    each use a multiple of 4 experts), so the ids are read four a load."""
+    k = KernelBuilder("expert_groups" + "_x4" * fours, (WG,))
     ids = k.buffer("ids", I32)
     offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
     active = k.buffer("active", I32, "w")
     n_routes, n_experts = k.scalar("n_routes", I32), k.scalar("n_experts", I32)
-    _group(k, lambda r: ids[r], n_routes, n_experts, offsets, routes, active)
+    _group(k, lambda r: ids[r], n_routes, n_experts, offsets, routes, active,
+           (lambda r: ids.load(r, 4)) if fours else None)
     return k.build()
 
 

@@ -39,6 +39,7 @@ share the rows, each taking every split-th group of columns, and add their tiles
 memory in a fixed order. Columns need not be whole groups (a multiple of the unit: 32 for block
 quants, 8 for floats): the last group's missing units weigh zero.
 """
+from contextlib import ExitStack
 from functools import cache
 
 from .lang import F32, I32, U32, KernelBuilder
@@ -176,10 +177,20 @@ def reduce_norm_x16(dtype, world, subgroup_size=SUBGROUP):
 def _normed_pairs(k, dtype, subgroup_size, gain, x16, first_read, second_read):
     """The rest of norm_x16 and reduce_norm_x16 after their buffers: a token's row read 4
     values at a time by `first_read` to sum its squares, by `second_read` to norm it."""
-    operand, pairs = mma_operand(dtype), quant_pairs(dtype)
     cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
     scratch = k.shared("scratch", F32, WORKGROUP // subgroup_size)
-    base, first = k.block_id() * cols, k.thread_id() * 4
+    normed_row(k, dtype, subgroup_size, gain, x16, first_read, second_read, k.block_id() * cols,
+               cols, eps, scratch)
+    return k.build()
+
+
+def normed_row(k, dtype, subgroup_size, gain, x16, first_read, second_read, base, cols, eps,
+               scratch):
+    """norm_x16's words of the token whose row starts at `base`, by the whole workgroup
+    (every thread calls it: it waits at barriers), summing through `scratch` (f32, a word a
+    subgroup)."""
+    operand, pairs = mma_operand(dtype), quant_pairs(dtype)
+    first = k.thread_id() * 4
     square = k.var(F32, 0.0)
     with k.for_(first, cols, WORKGROUP * 4) as i:
         for v in first_read(base, i):
@@ -190,7 +201,6 @@ def _normed_pairs(k, dtype, subgroup_size, gain, x16, first_read, second_read):
         a, b, c, d = [v * scale * w for v, w in zip(second_read(base, i), gain.load(i, 4))]
         lo, hi = ((a, c), (b, d)) if pairs else ((a, b), (c, d))
         x16.store((base + i) >> 1, _pack(k, operand, *lo), _pack(k, operand, *hi))
-    return k.build()
 
 
 def _chain_sum(chains):
@@ -228,7 +238,7 @@ def _load(buffer, index, n):
 
 @cache
 def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, split=1,
-            unroll=1, pipeline=False, chains=1, x16=False, token_tiles=1):
+            unroll=1, pipeline=False, chains=1, x16=False, token_tiles=1, experts=False):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split, token_tiles). Buffers and
     scalars as matvec.matvec's of the same variant but norm: a norm comes before, from
     norm_x16, and `x16` reads its words (u32 [T, cols / 2]: x normed, rounded and paired as the
@@ -237,7 +247,14 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     weights loaded before this round's arithmetic; `chains`: a tile's mma steps alternate
     between that many accumulators (independent dependency chains), added at the end;
     `token_tiles`: tiles of 8 tokens a launch computes on each weight it loads (one pass over
-    the weights for up to 8 * token_tiles tokens)."""
+    the weights for up to 8 * token_tiles tokens).
+
+    `experts`: the matvec of a mixture of experts (kernels/experts.py's expert_matvec, on the
+    tensor cores), whose tokens are an expert's routes gathered: W is [experts * rows, cols]
+    and workgroup column s takes expert active[s] (none where it is -1), its routes
+    routes[offsets[e]:offsets[e + 1]] 8 * token_tiles at a time, each reading x row
+    route / x_per and writing y[route, :]. Buffers: W's planes, x (x16), offsets, routes,
+    active, y; scalars rows, cols, x_per; grid (grid(rows, 1, tiles, split)[0], slots)."""
     if dtype not in DTYPES:
         raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
     n_sub = WORKGROUP // SUBGROUP
@@ -252,23 +269,46 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     name += f"_k{split}" * (split > 1) + f"_c{chains}" * (chains > 1) + "_x16" * x16
     name += f"_n{token_tiles}" * (token_tiles > 1)
     name += variant_name(residual, False, outputs, glu)
-    k = KernelBuilder(name, (WORKGROUP,))
+    if experts and (residual or outputs > 1):
+        raise ValueError("mma_vec: an expert matvec writes one output, with no residual")
+    k = KernelBuilder("expert_" * experts + name, (WORKGROUP,))
     planes = reader(dtype).plane_names
-    bufs, x, _, ys, res, rows, cols, n_tokens, splits, _ = matvec_params(
-        k, dtype, residual, False, outputs, glu, x16)
+    if experts:
+        bufs, x, offsets, routes, active, ys, rows, cols, x_per = _expert_params(
+            k, dtype, matrices, x16)
+        res, splits = None, []
+    else:
+        bufs, x, _, ys, res, rows, cols, n_tokens, splits, _ = matvec_params(
+            k, dtype, residual, False, outputs, glu, x16)
 
     sub, lane = k.subgroup_id(), k.lane_id()
     g, q = lane >> 2, lane & 3
     slots = n_sub // split
     slot, part = (sub / split, sub % split) if split > 1 else (sub, 0)
     first = (k.block_id(0) * slots + slot) * (16 * tiles)
-    t0 = k.block_id(1) * (TOKENS * token_tiles)
-    # lanes of tokens past the step read the last token's x (same cache lines, nothing stored)
-    x_rows = [k.min(t0 + TOKENS * j + g, n_tokens - 1) * (cols >> 1 if x16 else cols)
-              for j in range(token_tiles)]
+    # an expert's routes, TOKENS * token_tiles a pass: the rest of the kernel is that loop's
+    # body (closed before the build); a dense launch's tokens, from grid y
+    passes = ExitStack()
+    if experts:
+        expert = active[k.block_id(1)]
+        with k.if_(expert < 0):             # the whole workgroup: no barrier waits for it
+            k.return_()
+        start = offsets[expert]
+        n_tokens = offsets[expert + 1] - start
+        t0 = passes.enter_context(k.for_(0, n_tokens, TOKENS * token_tiles))
+        routes_at = lambda t: routes[start + t]  # noqa: E731
+        x_rows = [routes_at(k.min(t0 + TOKENS * j + g, n_tokens - 1)) / x_per *
+                  (cols >> 1 if x16 else cols) for j in range(token_tiles)]
+    else:
+        t0 = k.block_id(1) * (TOKENS * token_tiles)
+        # lanes of tokens past the step read the last token's x (same lines, nothing stored)
+        x_rows = [k.min(t0 + TOKENS * j + g, n_tokens - 1) * (cols >> 1 if x16 else cols)
+                  for j in range(token_tiles)]
     # rows past the end read the last row again and store nothing
     my_rows = [[k.min(first + 16 * r + 8 * h + g, rows - 1) for h in range(2)]
                for r in range(tiles)]
+    if experts:
+        my_rows = [[expert * rows + row for row in pair] for pair in my_rows]
     # [matrix][tile][token tile][chain]: the 4 accumulators of each mma dependency chain
     acc = [[[[[k.var(F32, 0.0) for _ in range(4)] for _ in range(chains)]
              for _ in range(token_tiles)] for _ in range(tiles)] for _ in matrices]
@@ -515,6 +555,8 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
         for p in range(1, split):
             values = [v + shared[((base + p * len(values)) + i) * SUBGROUP + lane]
                       for i, v in enumerate(values)]
+        if experts:
+            k.barrier()                     # read before the next pass writes them
     it = iter(values)
     sums = [[[[next(it) for _ in range(4)] for _ in range(token_tiles)] for _ in range(tiles)]
             for _ in matrices]
@@ -527,5 +569,18 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
                 got = [sums[m][r][tt][j] for m in range(len(matrices))]
                 inside = (row < rows) & (token < n_tokens)
                 with k.if_(inside & ours if split > 1 else inside):
-                    store_row(k, ys, res, splits, rows, token, row, got, glu)
+                    store_row(k, ys, res, splits, rows, routes_at(token) if experts else token,
+                              row, got, glu)
+    passes.close()
     return k.build()
+
+
+def _expert_params(k, dtype, matrices, x16):
+    """An expert mma_vec's parameters, declared on k in their order: (W's planes by matrix,
+    x, offsets, routes, active, [y], rows, cols, x_per)."""
+    bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in reader(dtype).plane_names} for m in matrices]
+    x = k.buffer("x16", U32) if x16 else k.buffer("x", F32)
+    groups = [k.buffer(name, I32) for name in ("offsets", "routes", "active")]
+    y = k.buffer("y", F32, "w")
+    return (bufs, x, *groups, [y], k.scalar("rows", I32), k.scalar("cols", I32),
+            k.scalar("x_per", I32))

@@ -8,7 +8,9 @@ reports before touching device memory), each buffer rounded by the device's allo
 (the paged KV cache). `plan` takes the largest shape that fits the free memory (and whose every
 buffer fits the device's limit for one buffer): the longest context, then the most sequences,
 then the larger chunk; its KV cache takes the memory left, up to a full context for every
-sequence and at least one full context. Sequences take blocks as they grow, so 64 sequences
+sequence and at least one full context. A model's sliding-window layers keep a ring a sequence
+instead (kvcache.Ring: the window and a chunk), so the blocks counted are the global layers'
+and the rings a fixed part of the state: a Gemma's context costs its global layers only. Sequences take blocks as they grow, so 64 sequences
 of a 128k-token context share what memory there is rather than each reserving 128k; when the
 blocks run out the scheduler preempts the latest arrival. The chosen candidate's runner
 allocates exactly the list that was counted, and `verify` then compares the device's own
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 from ..errors import CapacityError, ModelRefused, PlanMismatch
 from .device_runner import DeviceRunner
+from .kvcache import ring_for
 
 BLOCK_SIZE = 16                         # tokens per KV block
 MAX_SEQS = (1, 2, 4, 8, 16, 32, 64)     # sequences at once, unless --max-seqs pins one
@@ -188,11 +191,19 @@ def candidates(model_context, max_seqs=None, context=None, step_tokens=None):
     return sorted(shapes, key=lambda c: c.rank)
 
 
+def ring_of(model, candidate):
+    """The window layers' ring of a candidate (None: the model has none, or it saves nothing):
+    a ring for each of its sequences, holding the window and a prefill chunk."""
+    return ring_for(model.window, BLOCK_SIZE, candidate.max_seqs, candidate.step_tokens,
+                    min(candidate.context, model.context_length))
+
+
 def runner_for(model, device, candidate, check=True):
     """The device runner of a candidate, nothing allocated (it has read the device's caps, and
     with `check` refused a model whose kernels need what the device lacks)."""
     return DeviceRunner(model, device, candidate.kv_blocks, BLOCK_SIZE, candidate.step_tokens,
-                        candidate.max_seqs, check=check, context=candidate.context)
+                        candidate.max_seqs, check=check, context=candidate.context,
+                        ring=ring_of(model, candidate))
 
 
 def footprint(runner):
@@ -213,20 +224,20 @@ class Scaling:
 
     @classmethod
     def of(cls, allocations, blocks, rounded):
+        """(A ring's state buffers, Allocation.per_block false, are fixed.)"""
         fixed = dict.fromkeys(KINDS, 0)
-        for a in allocations:
-            if a.kind != "state":
-                fixed[a.kind] += rounded(a.nbytes)
-        largest = max(((a.nbytes, a.name) for a in allocations if a.kind != "state"),
-                      default=(0, ""))
-        per_block = tuple((a.nbytes // blocks, a.name) for a in allocations if a.kind == "state")
-        if any(n * blocks != a.nbytes for (n, _), a in
-               zip(per_block, [a for a in allocations if a.kind == "state"])):
+        scales = [a for a in allocations if a.kind == "state" and a.per_block]
+        others = [a for a in allocations if not (a.kind == "state" and a.per_block)]
+        for a in others:
+            fixed[a.kind] += rounded(a.nbytes)
+        largest = max(((a.nbytes, a.name) for a in others), default=(0, ""))
+        per_block = tuple((a.nbytes // blocks, a.name) for a in scales)
+        if any(n * blocks != a.nbytes for (n, _), a in zip(per_block, scales)):
             raise ValueError("a KV cache buffer is not a whole number of bytes a block")
         return cls(fixed, largest, per_block, rounded)
 
     def at(self, blocks):
-        state = sum(self.rounded(n * blocks) for n, _ in self.per_block)
+        state = self.fixed["state"] + sum(self.rounded(n * blocks) for n, _ in self.per_block)
         largest = max([self.largest] + [(n * blocks, name) for n, name in self.per_block])
         return Footprint(self.fixed["weights"], self.fixed["arenas"], state,
                          self.fixed["weights"] + self.fixed["arenas"] + state, *largest)
@@ -379,7 +390,8 @@ def plan_group(model, group, kind, frees, source, max_seqs=None, context=None,
             least = shape.sharing(shape.least_blocks)
             runner = GroupRunner(model, group, kind, least.kv_blocks, BLOCK_SIZE,
                                  shape.step_tokens, shape.max_seqs, check=i == 0,
-                                 context=shape.context)          # as plan(): checked once
+                                 context=shape.context,          # as plan(): checked once
+                                 ring=ring_of(model, shape))
             scalings = [Scaling.of(share.allocations(), least.kv_blocks,
                                    share.device.allocation_bytes) for share in runner.shares()]
             blocks = most_blocks(shape, scalings, frees, limits)
@@ -394,7 +406,8 @@ def plan_group(model, group, kind, frees, source, max_seqs=None, context=None,
 def group_runner_for(model, group, kind, candidate):
     from .group import GroupRunner
     return GroupRunner(model, group, kind, candidate.kv_blocks, BLOCK_SIZE,
-                       candidate.step_tokens, candidate.max_seqs, context=candidate.context)
+                       candidate.step_tokens, candidate.max_seqs, context=candidate.context,
+                       ring=ring_of(model, candidate))
 
 
 def verify_group(group, plan, runner, before):

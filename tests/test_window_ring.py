@@ -198,6 +198,27 @@ def test_a_device_with_rings_gives_the_whole_caches_logits(tmp_path, device, arc
             assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-3   # f16 caches
 
 
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_groups_parts_with_rings_give_the_whole_caches_logits(tmp_path, kind, arch):
+    """Two ranks on one Vulkan device (tests/test_group.py): each part's window layers keep
+    their rings, read through the same window tables."""
+    from poot.engine.group import GroupRunner
+    from tests.test_group import OneDeviceGroup
+    model = tiny_gemma(tmp_path, arch)
+    r = ring()
+    parts = GroupRunner(model, OneDeviceGroup(open_or_skip("vulkan")), kind, 64, BLOCK,
+                        max_tokens=CHUNK * 3, max_seqs=CHUNK * 3, ring=r)
+    parts.allocate()
+    parts.upload()
+    assert all(ring_tensors(runner.graph) for runner in parts.runners)
+    whole = model.runner(None, num_blocks=64)
+    for steps in mixed_steps(model.config.vocab_size, seed=2)[:12]:
+        want = whole.logits(batch_of(steps, width=64))
+        got = parts.logits(batch_of(steps, r, width=parts.runners[0].table_width))
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-3
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_device_engine_with_rings_serves_the_reference_tokens(tmp_path, device, arch):
     model = tiny_gemma(tmp_path, arch)
@@ -338,3 +359,24 @@ def test_failed_steps_give_back_their_sequences_rings(gemma3):
         except EngineFailed:
             failed += 1
     assert faults.injected >= 1 and 0 < failed < len(requests) and all_free(engine)
+
+
+def test_poot_serve_on_the_reference_gives_a_gemma_rings_and_says_so(tmp_path):
+    """The reference backend's cache under --memory-limit: the rings first, the global layers'
+    blocks in the rest (a 4096-token context, where whole caches fit none); the startup line
+    names the ring and says there is no prefix cache."""
+    from types import SimpleNamespace
+    from poot.serve import cli
+    model = tiny_gemma(tmp_path, "gemma3", context=8192)
+    args = SimpleNamespace(ctx=None, max_seqs=4, prefill_chunk=64)
+    runner, shape = cli.reference_runner(model, args, 4 << 20)
+    r = runner.ring
+    assert r == Ring(window=8, block_size=16, chunk=64, rings=4) and r.length == 5
+    assert shape["kv_blocks"] >= blocks_for(shape["context"], 16)
+    from poot.errors import CapacityError
+    with pytest.raises(CapacityError):          # whole caches: not even one context fits
+        cli.reference_blocks(model, shape["context"], 4, 4 << 20)
+    engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=64)
+    assert not engine.prefix_caching and engine.scheduler.ring == r
+    assert "ring of 5 blocks a sequence (window 8), so no prefix cache" in cli.ring_note(runner)
+    assert cli.ring_note(poot.load(tiny_model(tmp_path)).runner(None, num_blocks=4)) == ""

@@ -14,14 +14,14 @@ without a key: the choices of one prompt read its full blocks.) A keyed block no
 stays cached until a block is needed and none is free: then the least recently used is taken
 back, so the cache never holds blocks the plan promised to the sequences.
 
-Sliding-window layers (Gemma's) need only a sequence's last `window` positions, so where a
-model has them their keys and values live apart, in a `Ring` of blocks per sequence: logical
-block b of a window layer lives in ring slot b mod the ring's length, each sequence's ring its
-own (block tables of their own, `Ring.table`). A step writes a chunk's keys before it reads
-them, so a ring holds the window and one chunk (less one position): then no write of a step
-reaches a slot that a token of the step still reads. Global layers keep the shared blocks above, at full context.
-Window-layer keys of a prefix are overwritten as its ring wraps, so such a model shares no
-blocks between sequences (no prefix cache, no fork's hold): those blocks would be valid for
+Sliding-window layers (Gemma's) need only a sequence's last `window` positions, so where a model
+has them their keys and values live apart, in a `Ring` of blocks per sequence: logical block b
+of a window layer lives in ring slot b mod the ring's length, each sequence's ring its own
+(block tables of their own, `Ring.table`). A step writes a chunk's keys before it reads them, so
+a ring holds the window and one chunk (less one position): then no write of a step reaches a
+slot that a token of the step still reads. Global layers keep the shared blocks above, at full
+context. Window-layer keys of a prefix are overwritten as its ring wraps, so such a model shares
+no blocks between sequences (no prefix cache, no fork's hold): those blocks would be valid for
 global layers only, and a sequence taking them would still compute its window layers whole.
 """
 import hashlib

@@ -8,13 +8,13 @@ reports before touching device memory), each buffer rounded by the device's allo
 (the paged KV cache). `plan` takes the largest shape that fits the free memory (and whose every
 buffer fits the device's limit for one buffer): the longest context, then the most sequences,
 then the larger chunk; its KV cache takes the memory left, up to a full context for every
-sequence and at least one full context. A model's sliding-window layers keep a ring a sequence
-instead (kvcache.Ring: the window and a chunk), so the blocks counted are the global layers'
-and the rings a fixed part of the state: a Gemma's context costs its global layers only. Sequences take blocks as they grow, so 64 sequences
-of a 128k-token context share what memory there is rather than each reserving 128k; when the
-blocks run out the scheduler preempts the latest arrival. The chosen candidate's runner
-allocates exactly the list that was counted, and `verify` then compares the device's own
-accounting with the plan.
+sequence and at least one full context. Sequences take blocks as they grow, so 64 sequences of a
+128k-token context share what memory there is rather than each reserving 128k; when the blocks
+run out the scheduler preempts the latest arrival. A model's sliding-window layers keep a ring a
+sequence instead (kvcache.Ring: the window and a chunk), so the blocks counted are the global
+layers' and the rings a fixed part of the state: a Gemma's context costs its global layers only.
+The chosen candidate's runner allocates exactly the list that was counted, and `verify` then
+compares the device's own accounting with the plan.
 
 A device group (engine/group.py) is planned the same way per device: a candidate's footprint on
 each device is that device's own runner's list (its weights, arenas and share of the KV cache),

@@ -234,7 +234,9 @@ def test_the_plan_serves_more_with_rings(tmp_path, monkeypatch):
     device = open_or_skip("vulkan")
     model = tiny_gemma(tmp_path, "gemma3", context=8192)
     cfg = model.config
-    shape = plan.Candidate(8, 8192, 128)
+    shape = plan.Candidate(8, 8192, 128, rings=True)
+    assert plan.ring_of(model, plan.Candidate(8, 8192, 128)) is None
+    assert plan.variants(model, plan.Candidate(8, 8192, 128))[1] == shape
     r = plan.ring_of(model, shape)
     assert r is not None and r.rings == 8 and r.length == blocks_for(8 + 128 - 1, 16)
     per_token = 2 * cfg.n_kv_heads * cfg.head_dim * 2     # f16 keys and values, one layer
@@ -250,9 +252,25 @@ def test_the_plan_serves_more_with_rings(tmp_path, monkeypatch):
     whole = [chosen(5 << 20), chosen(20 << 20)]
     # one global layer in six: with rings, 5 MiB serves a longer context, and 20 MiB a full
     # context for every sequence where whole caches share less than a third of that
-    assert ringed[0].context > whole[0].context
+    assert ringed[0].context > whole[0].context and ringed[0].rings
     assert ringed[1].context == whole[1].context == 8192
     assert ringed[1].kv_blocks == ringed[1].full_blocks > 3 * whole[1].kv_blocks
+    assert ringed[1].rings and not whole[1].rings
+
+
+def test_the_plan_keeps_shared_blocks_where_rings_would_leave_fewer(tmp_path):
+    """64 sequences of a 512-token context: 64 rings of 9 blocks in each window layer take more
+    than sequences that share blocks as they grow, in little memory; with room for every
+    sequence's whole context, rings leave the global layer more."""
+    device = open_or_skip("vulkan")
+    model = tiny_gemma(tmp_path, "gemma3")
+
+    def chosen(free):
+        return plan.plan(model, device, free, "a test", max_seqs=64,
+                         step_tokens=128).require().candidate
+    tight, roomy = chosen(6 << 20), chosen(40 << 20)
+    assert not tight.rings and roomy.rings and roomy.kv_blocks == roomy.full_blocks
+    assert plan.ring_of(model, tight) is None and plan.ring_of(model, roomy).length == 9
 
 
 # -- the scheduler: a ring a running sequence, given back whenever it stops running ------------
@@ -380,3 +398,12 @@ def test_poot_serve_on_the_reference_gives_a_gemma_rings_and_says_so(tmp_path):
     assert not engine.prefix_caching and engine.scheduler.ring == r
     assert "ring of 5 blocks a sequence (window 8), so no prefix cache" in cli.ring_note(runner)
     assert cli.ring_note(poot.load(tiny_model(tmp_path)).runner(None, num_blocks=4)) == ""
+
+
+def test_the_reference_keeps_shared_blocks_where_rings_would_leave_fewer(tmp_path):
+    from types import SimpleNamespace
+    from poot.serve import cli
+    model = tiny_gemma(tmp_path, "gemma3")            # 512 tokens: rings of 5 for 64 sequences
+    args = SimpleNamespace(ctx=None, max_seqs=64, prefill_chunk=64)
+    assert cli.reference_runner(model, args, 2 << 20)[0].ring is None
+    assert cli.reference_runner(model, args, None)[0].ring.rings == 64

@@ -45,6 +45,7 @@ class Candidate:
     context: int
     step_tokens: int
     kv_blocks: int = 0          # 0: a full context for every sequence
+    rings: bool = False         # the model's window layers keep a ring a sequence (ring_of)
 
     def __post_init__(self):
         if not self.kv_blocks:
@@ -61,7 +62,7 @@ class Candidate:
         return max(blocks_for(self.context), self.max_seqs)
 
     def sharing(self, kv_blocks):
-        return Candidate(self.max_seqs, self.context, self.step_tokens, kv_blocks)
+        return Candidate(self.max_seqs, self.context, self.step_tokens, kv_blocks, self.rings)
 
     @property
     def rank(self):
@@ -73,8 +74,9 @@ class Candidate:
     def __str__(self):
         shared = "" if self.kv_blocks == self.full_blocks else \
             f", sharing {self.kv_blocks * BLOCK_SIZE} tokens of KV cache"
+        rings = ", window layers in rings" if self.rings else ""
         return (f"{self.max_seqs} sequence{'s' if self.max_seqs > 1 else ''} x {self.context} "
-                f"tokens, prefill chunk {self.step_tokens}{shared}")
+                f"tokens, prefill chunk {self.step_tokens}{shared}{rings}")
 
 
 def blocks_for(tokens):
@@ -131,7 +133,7 @@ class Plan:
         """The chosen plan as /health shows it."""
         c, f = self.candidate, self.footprint
         return {"max_seqs": c.max_seqs, "context": c.context, "step_tokens": c.step_tokens,
-                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE,
+                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE, "window_rings": c.rings,
                 "footprint": {"weights": f.weights, "arenas": f.arenas, "state": f.state,
                               "total": f.total},
                 "memory_free": self.free, "memory_source": self.source}
@@ -192,10 +194,23 @@ def candidates(model_context, max_seqs=None, context=None, step_tokens=None):
 
 
 def ring_of(model, candidate):
-    """The window layers' ring of a candidate (None: the model has none, or it saves nothing):
-    a ring for each of its sequences, holding the window and a prefill chunk."""
+    """The window layers' ring of a candidate that takes them (None: it does not, the model
+    has no window layers, or a ring would save nothing): a ring for each of its sequences,
+    holding the window and a prefill chunk."""
+    if not candidate.rings:
+        return None
     return ring_for(model.window, BLOCK_SIZE, candidate.max_seqs, candidate.step_tokens,
                     min(candidate.context, model.context_length))
+
+
+def variants(model, shape):
+    """A shape's ways of keeping the cache: every layer in the shared blocks, and, where the
+    model has window layers, those in rings. Rings are reserved whole for every sequence while
+    shared blocks are taken as sequences grow, so which leaves more KV blocks depends on the
+    shape and the memory: the plan takes the one that does (the shared blocks where equal: they
+    keep the prefix cache)."""
+    ringed = Candidate(shape.max_seqs, shape.context, shape.step_tokens, shape.kv_blocks, True)
+    return [shape, ringed] if ring_of(model, ringed) is not None else [shape]
 
 
 def runner_for(model, device, candidate, check=True):
@@ -258,6 +273,13 @@ def most_blocks(candidate, scalings, frees, max_buffers):
     return low
 
 
+def best_variant(rows):
+    """(candidate, footprints) of the variant with the most KV blocks that fit, the first where
+    equal; rows: (blocks that fit or 0, candidate, footprints)."""
+    most = max(blocks for blocks, _, _ in rows)
+    return next((c, f) for blocks, c, f in rows if blocks == most)
+
+
 def fits(footprint, free, max_buffer):
     """Within the free memory, and every buffer within the device's limit for one buffer."""
     return (free is not None and footprint.total <= free
@@ -287,12 +309,15 @@ def plan(model, device, free, source, max_seqs=None, context=None, step_tokens=N
     with _collected_after():
         for i, shape in enumerate(candidates(model.context_length, max_seqs, context,
                                              step_tokens)):
-            least = shape.sharing(shape.least_blocks)
-            scaling = Scaling.of(runner_for(model, device, least, check=i == 0).allocations(),
-                                 least.kv_blocks, device.allocation_bytes)
-            blocks = most_blocks(shape, [scaling], [free], [device.max_buffer])
-            chosen = shape.sharing(blocks or least.kv_blocks)
-            table.append((chosen, scaling.at(chosen.kv_blocks)))
+            rows = []
+            for variant in variants(model, shape):
+                least = variant.sharing(variant.least_blocks)
+                scaling = Scaling.of(runner_for(model, device, least, check=i == 0)
+                                     .allocations(), least.kv_blocks, device.allocation_bytes)
+                blocks = most_blocks(variant, [scaling], [free], [device.max_buffer])
+                chosen = variant.sharing(blocks or least.kv_blocks)
+                rows.append((blocks or 0, chosen, scaling.at(chosen.kv_blocks)))
+            table.append(best_variant(rows))
     fitting = [i for i, (_, f) in enumerate(table) if fits(f, free, device.max_buffer)]
     return Plan(f"{device.backend}: {device.name}", free, source, device.max_buffer,
                 tuple(table), fitting[-1] if fitting else None)
@@ -355,7 +380,7 @@ class GroupPlan:
     def describe(self):
         c = self.candidate
         return {"max_seqs": c.max_seqs, "context": c.context, "step_tokens": c.step_tokens,
-                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE,
+                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE, "window_rings": c.rings,
                 "devices": [{"device": name, "memory_free": free,
                              "footprint": {"weights": f.weights, "arenas": f.arenas,
                                            "state": f.state, "total": f.total}}
@@ -387,16 +412,21 @@ def plan_group(model, group, kind, frees, source, max_seqs=None, context=None,
     with _collected_after():
         for i, shape in enumerate(candidates(model.context_length, max_seqs, context,
                                              step_tokens)):
-            least = shape.sharing(shape.least_blocks)
-            runner = GroupRunner(model, group, kind, least.kv_blocks, BLOCK_SIZE,
-                                 shape.step_tokens, shape.max_seqs, check=i == 0,
-                                 context=shape.context,          # as plan(): checked once
-                                 ring=ring_of(model, shape))
-            scalings = [Scaling.of(share.allocations(), least.kv_blocks,
-                                   share.device.allocation_bytes) for share in runner.shares()]
-            blocks = most_blocks(shape, scalings, frees, limits)
-            chosen = shape.sharing(blocks or least.kv_blocks)
-            table.append((chosen, tuple(s.at(chosen.kv_blocks) for s in scalings)))
+            rows = []
+            for variant in variants(model, shape):
+                least = variant.sharing(variant.least_blocks)
+                runner = GroupRunner(model, group, kind, least.kv_blocks, BLOCK_SIZE,
+                                     shape.step_tokens, shape.max_seqs, check=i == 0,
+                                     context=shape.context,      # as plan(): checked once
+                                     ring=ring_of(model, variant))
+                scalings = [Scaling.of(share.allocations(), least.kv_blocks,
+                                       share.device.allocation_bytes)
+                            for share in runner.shares()]
+                blocks = most_blocks(variant, scalings, frees, limits)
+                chosen = variant.sharing(blocks or least.kv_blocks)
+                rows.append((blocks or 0, chosen, tuple(s.at(chosen.kv_blocks)
+                                                        for s in scalings)))
+            table.append(best_variant(rows))
     fitting = [i for i, (_, fs) in enumerate(table)
                if all(fits(f, free, limit) for f, free, limit in zip(fs, frees, limits))]
     return GroupPlan(tuple(f"{d.backend}: {d.name}" for d in group.devices), tuple(frees),

@@ -190,11 +190,23 @@ def inject_faults(runner):
 
 
 def reference_runner(model, args, memory_limit):
+    """The reference runner: a model's window layers keep rings where they leave more KV
+    blocks under --memory-limit (as engine/plan.py chooses), and always without one (every
+    sequence holds a whole context there: rings take less)."""
     context = min(model.context_length, args.ctx or REFERENCE_CONTEXT)
     max_seqs = args.max_seqs or REFERENCE_MAX_SEQS
     step_tokens = args.prefill_chunk or REFERENCE_STEP_TOKENS
     ring = ring_for(model.window, REFERENCE_BLOCK_SIZE, max_seqs, step_tokens, context)
-    blocks = reference_blocks(model, context, max_seqs, memory_limit, ring)
+    fitting, refused = [], None
+    for r in [ring, None] if ring is not None else [None]:
+        try:
+            fitting.append((reference_blocks(model, context, max_seqs, memory_limit, r), r))
+        except CapacityError as e:
+            refused = e
+    if not fitting:
+        raise refused
+    # where equal, the shared blocks under a limit (they keep the prefix cache), else rings
+    blocks, ring = max(fitting, key=lambda o: (o[0], (o[1] is None) == bool(memory_limit)))
     runner = model.runner(None, num_blocks=blocks, block_size=REFERENCE_BLOCK_SIZE, ring=ring)
     return runner, {"max_seqs": max_seqs, "context": context, "step_tokens": step_tokens,
                     "kv_blocks": blocks, "kv_block_size": REFERENCE_BLOCK_SIZE}

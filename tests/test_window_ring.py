@@ -228,6 +228,13 @@ def test_a_device_engine_with_rings_serves_the_reference_tokens(tmp_path, device
     assert got == want
 
 
+def overhead(model, device, candidate):
+    """A candidate's weights and arenas on the device (its allocator's rounding included), so
+    that a test's memory is that and the cache's share."""
+    f = plan.footprint(plan.runner_for(model, device, candidate))
+    return f.weights + f.arenas
+
+
 def test_the_plan_serves_more_with_rings(tmp_path, monkeypatch):
     """The same memory: with rings, a longer context or more sequences than with every layer's
     cache whole; the state counted is the global layers' blocks and the rings."""
@@ -244,14 +251,16 @@ def test_the_plan_serves_more_with_rings(tmp_path, monkeypatch):
     n_global = cfg.n_layers - sum(cfg.sliding)
     assert f.state >= per_token * (n_global * shape.kv_blocks * 16 + sum(cfg.sliding)
                                    * r.num_blocks * 16)
-    def chosen(free):
-        return plan.plan(model, device, free, "a test", max_seqs=8,
+    base = overhead(model, device, plan.Candidate(8, 8192, 128))
+
+    def chosen(state):
+        return plan.plan(model, device, base + state, "a test", max_seqs=8,
                          step_tokens=128).require().candidate
-    ringed = [chosen(5 << 20), chosen(20 << 20)]
+    ringed = [chosen(7 << 19), chosen(18 << 20)]
     monkeypatch.setattr(type(model), "window", property(lambda self: 0))
-    whole = [chosen(5 << 20), chosen(20 << 20)]
-    # one global layer in six: with rings, 5 MiB serves a longer context, and 20 MiB a full
-    # context for every sequence where whole caches share less than a third of that
+    whole = [chosen(7 << 19), chosen(18 << 20)]
+    # one global layer in six: with rings, 3.5 MiB of cache serves a longer context, and 18 MiB
+    # a full context for every sequence where whole caches share less than a third of that
     assert ringed[0].context > whole[0].context and ringed[0].rings
     assert ringed[1].context == whole[1].context == 8192
     assert ringed[1].kv_blocks == ringed[1].full_blocks > 3 * whole[1].kv_blocks
@@ -265,10 +274,12 @@ def test_the_plan_keeps_shared_blocks_where_rings_would_leave_fewer(tmp_path):
     device = open_or_skip("vulkan")
     model = tiny_gemma(tmp_path, "gemma3")
 
-    def chosen(free):
-        return plan.plan(model, device, free, "a test", max_seqs=64,
+    base = overhead(model, device, plan.Candidate(64, 512, 128))
+
+    def chosen(state):
+        return plan.plan(model, device, base + state, "a test", max_seqs=64,
                          step_tokens=128).require().candidate
-    tight, roomy = chosen(6 << 20), chosen(40 << 20)
+    tight, roomy = chosen(2 << 20), chosen(36 << 20)
     assert not tight.rings and roomy.rings and roomy.kv_blocks == roomy.full_blocks
     assert plan.ring_of(model, tight) is None and plan.ring_of(model, roomy).length == 9
 

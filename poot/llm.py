@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from .backends.select import open_device
 from .engine.request import SamplingParams
 from .engine.engine import Engine
+from .engine.kvcache import ring_for
 from .errors import TemplateError
 from .loader import load
+
+STEP_TOKENS = 256           # the most tokens a step computes (the runner's and the engine's)
 
 
 @dataclass
@@ -35,9 +38,12 @@ class LLM:
         self.model = load(model)
         self.tokenizer = self.model.tokenizer
         context = min(context or self.model.context_length, self.model.context_length)
+        # (a model's sliding-window layers: one ring, of the window and a prefill chunk)
+        ring = ring_for(self.model.window, block_size, 1, STEP_TOKENS, context)
         runner = self.model.runner(device, num_blocks=-(-context // block_size),
-                                   block_size=block_size)
-        self.engine = Engine(runner, self.tokenizer, max_seqs=1, max_context=context)
+                                   block_size=block_size, max_tokens=STEP_TOKENS, ring=ring)
+        self.engine = Engine(runner, self.tokenizer, max_seqs=1, step_tokens=STEP_TOKENS,
+                             max_context=context)
 
     def prompt_ids(self, prompt, chat=False):
         """Token ids of a prompt: text (rendered as one user message when chat), or ids."""

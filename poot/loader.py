@@ -129,26 +129,37 @@ class LoadedModel:
             return self._small_weights[name]
         return self.family.embedding(self.config, weight, last_hidden)
 
-    def step_graph(self, num_blocks, block_size, part=None):
-        """The step graph; `part` (engine/placement.py) makes one device's part of a group."""
+    @property
+    def window(self):
+        """The positions its sliding-window layers attend to (0: it has none)."""
+        cfg = self.config
+        return cfg.sliding_window if any(getattr(cfg, "sliding", ())) else 0
+
+    def step_graph(self, num_blocks, block_size, part=None, ring_blocks=0):
+        """The step graph; `part` (engine/placement.py) makes one device's part of a group;
+        `ring_blocks` > 0: its window layers' caches hold that many blocks (kvcache.Ring)."""
+        ring = {"ring_blocks": ring_blocks} if ring_blocks else {}
         try:
             return self.family.forward(self.config, self.weight_shapes(), num_blocks,
-                                       block_size, self.freq_factors, part)
+                                       block_size, self.freq_factors, part, **ring)
         except MissingWeight as e:
             raise ModelFileError(self.path, f"tensor {e.name} is missing", tensor=e.name) from None
         except WrongShape as e:
             raise ModelFileError(self.path, str(e), tensor=e.name) from None
 
-    def runner(self, device=None, num_blocks=None, block_size=16, max_tokens=256, max_seqs=16):
+    def runner(self, device=None, num_blocks=None, block_size=16, max_tokens=256, max_seqs=16,
+               ring=None):
         """A runner for this model: the numpy reference when `device` is None, else a
-        DeviceRunner on that device (backends/select.py opens devices), allocated and uploaded."""
+        DeviceRunner on that device (backends/select.py opens devices), allocated and uploaded;
+        `ring` (kvcache.Ring): its window layers' cache."""
         from .engine.device_runner import DeviceRunner
         from .engine.runner import ReferenceRunner
         if num_blocks is None:
             num_blocks = -(-self.context_length // block_size)
         if device is None:
-            return ReferenceRunner(self, num_blocks, block_size)
-        runner = DeviceRunner(self, device, num_blocks, block_size, max_tokens, max_seqs)
+            return ReferenceRunner(self, num_blocks, block_size, ring)
+        runner = DeviceRunner(self, device, num_blocks, block_size, max_tokens, max_seqs,
+                              ring=ring)
         runner.allocate()
         runner.upload()
         return runner

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# StepBatch's block tables as a runner uploads them, in order (window_tables only where a graph
+# reads it: a ring's)
+TABLES = ("window_tables", "block_tables")
+
 
 @dataclass
 class LogitEdits:
@@ -101,6 +105,8 @@ class StepBatch:
     + pos % block_size, and it attends to positions 0..positions[t] of its own sequence (causal
     by position, so prefill chunks and decode tokens need no separate paths).
     sample_tokens[r] is the index into tokens whose logits row r samples from.
+    window_tables, where the model's sliding-window layers keep a ring (kvcache.Ring), are
+    their block tables, of the same shape (None: those layers use block_tables).
     """
     tokens: np.ndarray        # int32 [T]
     positions: np.ndarray     # int32 [T]
@@ -108,6 +114,7 @@ class StepBatch:
     block_tables: np.ndarray  # int32 [S, max_blocks_per_seq]
     sample_tokens: np.ndarray  # int32 [R]
     sampling: SamplingRows
+    window_tables: np.ndarray | None = None     # int32 [S, max_blocks_per_seq]
 
     @property
     def num_tokens(self):

@@ -26,6 +26,8 @@ from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from .kernel_choice import (ARGMAX_CHUNKS, MAX_SPLITS, SPLIT_MIN_CONTEXT, SPLIT_TOKENS,
                             TWO_PHASE_FLOATS, KernelChoice, attention_mods, runs_mma,
                             tiled_norm_x16, tiled_x16_format)
+from .batch import TABLES
+from .kvcache import ring_tensors
 from .lowering import assign_slots, lower, next_matmul, normed_after, shared_buffers
 from . import expert_steps, placement
 from .device_choice import EDITS_PER_ROW, DeviceChoice
@@ -37,19 +39,21 @@ class Allocation:
     name: str
     nbytes: int
     kind: str           # "weights" (and constants), "state" (the KV cache), "arenas" (per step)
+    per_block: bool = True  # state: whether it grows with the KV blocks (a ring's does not)
 
 
 class DeviceRunner(DeviceChoice, StepRunner):
     def __init__(self, model, device, num_blocks, block_size=16, max_tokens=256, max_seqs=16,
-                 part=None, split_tokens=None, check=True, context=None):
+                 part=None, split_tokens=None, check=True, context=None, ring=None):
         """check=False: a runner only for its allocation list (a plan's candidate, of which the
         plan builds dozens), whose kernels are not checked against the device's capabilities:
         the runner of the chosen candidate does that. `context`: the longest sequence it serves
-        (the model's unless less), which sizes its block tables and attention splits."""
+        (the model's unless less), which sizes its block tables and attention splits. `ring`
+        (kvcache.Ring): its window layers' cache, of blocks of its own."""
         self.model, self.device, self.part = model, device, part
         self.base = None            # a lane's runner whose weights and KV cache it uses
         self.backend = device.backend
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.num_blocks, self.ring = block_size, num_blocks, ring
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.vocab_size = model.config.vocab_size
         self.max_context = min(model.context_length, context or model.context_length)
@@ -60,7 +64,10 @@ class DeviceRunner(DeviceChoice, StepRunner):
                             if context >= SPLIT_MIN_CONTEXT else context)
         self.split_tokens = split_tokens
         self.attention_splits = -(-context // split_tokens)
-        self.graph = model.step_graph(num_blocks, block_size, part)
+        self.graph = model.step_graph(num_blocks, block_size, part,
+                                      ring_blocks=ring.num_blocks if ring else 0)
+        self._ringed = ring_tensors(self.graph)     # (state tensors that do not scale)
+        self._table_inputs = [name for name in TABLES if name in self.graph.inputs]
         self.has_logits = "logits" in self.graph.outputs
         self.peers = [self]         # the runners of a tensor group, in rank order (group.py)
         self.two_phase_floats = TWO_PHASE_FLOATS
@@ -172,7 +179,8 @@ class DeviceRunner(DeviceChoice, StepRunner):
         for name, (t, array) in self.graph.consts.items():
             out.append(Allocation(name, array.nbytes, "weights"))
         for name, t in self.graph.state.items():      # f16 keys / values
-            out.append(Allocation(name, math.prod(t.shape) * 2, "state"))
+            out.append(Allocation(name, math.prod(t.shape) * 2, "state",
+                                  per_block=name not in self._ringed))
         inputs = self._inputs_layout()
         step = [("inputs", sum(inputs.values()))] if self._packed() else list(inputs.items())
         if self.has_logits:
@@ -264,10 +272,11 @@ class DeviceRunner(DeviceChoice, StepRunner):
 
     def _inputs_layout(self):
         """{step input: int32 words}, in the order of the `inputs` buffer (staged): the block
-        tables last, so a step copies only the rows it has."""
+        tables last, so a step copies only the rows it has (the window layers' tables, where
+        they have a ring, just before them)."""
         return {"tokens": self.max_tokens, "positions": self.max_tokens,
                 "seq_rows": self.max_tokens, "sample_tokens": self.max_seqs,
-                "block_tables": self.max_seqs * self.table_width}
+                **{name: self.max_seqs * self.table_width for name in self._table_inputs}}
 
     def _staged(self):
         """Whether a step's inputs and greedy tokens go through host memory of the device's
@@ -342,23 +351,22 @@ class DeviceRunner(DeviceChoice, StepRunner):
                              f"{self.max_tokens} / {self.max_seqs}")
         self._step_rows, self._step_tiles = batch.seq_rows, None
         self._upload_edits(batch.sampling)
-        dev = self.device
-        if self._staged():
-            # the previous step's copies read this memory: they are done before it is rewritten
+        dev, staged = self.device, self._staged()
+        if staged:      # the previous step's copies read this memory: done before it is rewritten
             dev.synchronize()
-            for name in ("tokens", "positions", "seq_rows", "sample_tokens"):
-                values = getattr(batch, name)
-                self._host[name][:len(values)] = values
-            n, width = batch.block_tables.shape
-            tables = self._host["block_tables"].reshape(self.max_seqs, self.table_width)
-            tables[:n, :width] = batch.block_tables
-            tables[:n, width:] = 0
-            return
-        tables = np.zeros((self.max_seqs, self.table_width), np.int32)
-        tables[:len(batch.block_tables), :batch.block_tables.shape[1]] = batch.block_tables
         for name in ("tokens", "positions", "seq_rows", "sample_tokens"):
-            dev.write(self.buffers[name], np.ascontiguousarray(getattr(batch, name), np.int32))
-        dev.write(self.buffers["block_tables"], tables)
+            values = np.ascontiguousarray(getattr(batch, name), np.int32)
+            if staged:
+                self._host[name][:len(values)] = values
+            else:
+                dev.write(self.buffers[name], values)
+        for name in self._table_inputs:
+            given, (n, width) = getattr(batch, name), getattr(batch, name).shape
+            tables = (self._host[name].reshape(self.max_seqs, self.table_width) if staged
+                      else np.zeros((self.max_seqs, self.table_width), np.int32))
+            tables[:n, :width], tables[:n, width:] = given, 0
+            if not staged:
+                dev.write(self.buffers[name], tables)
 
     def _issue(self, T, R):
         """Issues every launch of a step of T tokens and R sampled rows, in graph order."""
@@ -396,7 +404,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
             return
         for name, host in self._host.items():
             if name != "argmax":
-                words = rows * self.table_width if name == "block_tables" else None
+                words = rows * self.table_width if name in TABLES else None
                 self.device.write(self.buffers[name], host[:words])
 
     # -- each kind of step: STEPS's issue methods (op, T, R, its index, long) ------------------

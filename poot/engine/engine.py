@@ -172,10 +172,15 @@ class Engine:
         # A pipeline's runner has lanes (engine/group.py): each keeps a step of its own
         # sequences in flight while the others' run, so every stage has work.
         self.lanes = getattr(runner, "lanes", [runner])
+        # Window layers' rings (kvcache.Ring): one a running sequence, and nothing shared.
+        ring = getattr(runner, "ring", None)
+        if ring is not None:
+            self.max_seqs = min(self.max_seqs, ring.rings)
+        self.prefix_caching = prefix_caching and ring is None
         self.scheduler = Scheduler(runner.num_blocks, runner.block_size, self.max_seqs,
                                    self.step_tokens, blocks_for(self.context_limit,
                                                                 runner.block_size),
-                                   runner.vocab_size, len(self.lanes), prefix_caching)
+                                   runner.vocab_size, len(self.lanes), prefix_caching, ring)
         self.error = None           # why the engine serves no more (device lost, or a bug)
         self.device_lost = False
         self.on_failure = None      # called (on the engine's thread) once error is set

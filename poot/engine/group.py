@@ -70,7 +70,7 @@ class GroupRunner(StepRunner):
     backend = "ptx"
 
     def __init__(self, model, group, kind, num_blocks, block_size=16, max_tokens=256,
-                 max_seqs=16, check=True, lanes=None, context=None):
+                 max_seqs=16, check=True, lanes=None, context=None, ring=None):
         """check=False: for a plan's candidate (DeviceRunner's check). lanes: steps a pipeline
         keeps in flight at once (one per stage unless given; a tensor group has one)."""
         if kind not in ("pipeline", "tensor"):
@@ -78,7 +78,7 @@ class GroupRunner(StepRunner):
         self.model, self.group, self.placement = model, group, kind
         self.parts = parts(model, kind, len(group.devices), num_blocks, block_size)
         self.runners = [DeviceRunner(model, device, num_blocks, block_size, max_tokens,
-                                     max_seqs, part, check=check, context=context)
+                                     max_seqs, part, check=check, context=context, ring=ring)
                         for device, part in zip(group.devices, self.parts)]
         if kind == "tensor":
             for runner in self.runners:
@@ -86,7 +86,7 @@ class GroupRunner(StepRunner):
                 if len(self.runners) < 3:       # two phases read no less from one peer
                     runner.two_phase_floats = math.inf
         self.head = next(r for r in self.runners if r.has_logits)
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.num_blocks, self.ring = block_size, num_blocks, ring
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.vocab_size = model.config.vocab_size
         self.max_context = self.runners[0].max_context

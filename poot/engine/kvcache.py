@@ -13,9 +13,20 @@ are shared and a sequence writes only past them. (`share` holds blocks once more
 without a key: the choices of one prompt read its full blocks.) A keyed block no sequence holds
 stays cached until a block is needed and none is free: then the least recently used is taken
 back, so the cache never holds blocks the plan promised to the sequences.
+
+Sliding-window layers (Gemma's) need only a sequence's last `window` positions, so where a model
+has them their keys and values live apart, in a `Ring` of blocks per sequence: logical block b
+of a window layer lives in ring slot b mod the ring's length, each sequence's ring its own
+(block tables of their own, `Ring.table`). A step writes a chunk's keys before it reads them, so
+a ring holds the window and one chunk (less one position): then no write of a step reaches a
+slot that a token of the step still reads. Global layers keep the shared blocks above, at full
+context. Window-layer keys of a prefix are overwritten as its ring wraps, so such a model shares
+no blocks between sequences (no prefix cache, no fork's hold): those blocks would be valid for
+global layers only, and a sequence taking them would still compute its window layers whole.
 """
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,6 +44,73 @@ def prefix_keys(tokens, block_size, n_blocks, known=()):
         keys.append(hashlib.blake2b((keys[-1] if keys else b"") + block,
                                     digest_size=16).digest())
     return keys
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The window layers' cache: `rings` rings (one a running sequence) of `length` blocks,
+    enough for the last `window` positions and a step's `chunk` of one sequence's tokens."""
+    window: int
+    block_size: int
+    chunk: int          # the most tokens of one sequence a step computes
+    rings: int          # sequences holding a ring at once: the most that run
+
+    @property
+    def length(self):
+        """Blocks a ring. Position p lives in slot p mod (length * block_size), and a step of
+        a sequence reads and writes the window - 1 positions before its chunk and the chunk:
+        so many consecutive positions never share a slot. (Decoding alone, ceil(window /
+        block_size) blocks would do: a ring indexed modulo needs no extra block for a window
+        that starts inside one.)"""
+        return blocks_for(self.window + self.chunk - 1, self.block_size)
+
+    @property
+    def num_blocks(self):
+        return self.rings * self.length
+
+    def table(self, ring, width):
+        """Ring `ring`'s block table of `width` logical blocks: block b at slot b mod length."""
+        return ring * self.length + np.arange(width, dtype=np.int32) % self.length
+
+
+def ring_for(window, block_size, rings, chunk, context):
+    """The Ring of a model whose sliding-window layers see `window` positions (0: it has
+    none), serving `rings` sequences of up to `context` tokens in chunks of `chunk`; None where
+    it has none or where a ring would hold no fewer blocks than a whole context (the window
+    layers then keep the shared blocks as the others)."""
+    if not window:
+        return None
+    ring = Ring(window, block_size, chunk, rings)
+    return ring if ring.length < blocks_for(context, block_size) else None
+
+
+def ring_tensors(graph):
+    """The names of a step graph's cache tensors that its window layers keep in a ring (read
+    and written through the step input `window_tables`)."""
+    return {t.name for op in graph.ops if op.kind == "store_kv"
+            and op.inputs[6].name == "window_tables" for t in op.inputs[2:4]}
+
+
+class RingPool:
+    """Which rings are free; a running sequence holds one (scheduler.py)."""
+
+    def __init__(self, ring):
+        self.ring = ring
+        self._free = list(range(ring.rings - 1, -1, -1))
+
+    @property
+    def num_free(self):
+        return len(self._free)
+
+    def take(self):
+        if not self._free:
+            raise RuntimeError("no ring free: more sequences run than the runner has rings")
+        return self._free.pop()
+
+    def give(self, ring):
+        if ring in self._free or not 0 <= ring < self.ring.rings:
+            raise ValueError(f"ring {ring} given back but not held")
+        self._free.append(ring)
 
 
 class BlockAllocator:

@@ -8,11 +8,13 @@ reports before touching device memory), each buffer rounded by the device's allo
 (the paged KV cache). `plan` takes the largest shape that fits the free memory (and whose every
 buffer fits the device's limit for one buffer): the longest context, then the most sequences,
 then the larger chunk; its KV cache takes the memory left, up to a full context for every
-sequence and at least one full context. Sequences take blocks as they grow, so 64 sequences
-of a 128k-token context share what memory there is rather than each reserving 128k; when the
-blocks run out the scheduler preempts the latest arrival. The chosen candidate's runner
-allocates exactly the list that was counted, and `verify` then compares the device's own
-accounting with the plan.
+sequence and at least one full context. Sequences take blocks as they grow, so 64 sequences of a
+128k-token context share what memory there is rather than each reserving 128k; when the blocks
+run out the scheduler preempts the latest arrival. A model's sliding-window layers keep a ring a
+sequence instead (kvcache.Ring: the window and a chunk), so the blocks counted are the global
+layers' and the rings a fixed part of the state: a Gemma's context costs its global layers only.
+The chosen candidate's runner allocates exactly the list that was counted, and `verify` then
+compares the device's own accounting with the plan.
 
 A device group (engine/group.py) is planned the same way per device: a candidate's footprint on
 each device is that device's own runner's list (its weights, arenas and share of the KV cache),
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 from ..errors import CapacityError, ModelRefused, PlanMismatch
 from .device_runner import DeviceRunner
+from .kvcache import ring_for
 
 BLOCK_SIZE = 16                         # tokens per KV block
 MAX_SEQS = (1, 2, 4, 8, 16, 32, 64)     # sequences at once, unless --max-seqs pins one
@@ -42,6 +45,7 @@ class Candidate:
     context: int
     step_tokens: int
     kv_blocks: int = 0          # 0: a full context for every sequence
+    rings: bool = False         # the model's window layers keep a ring a sequence (ring_of)
 
     def __post_init__(self):
         if not self.kv_blocks:
@@ -58,7 +62,7 @@ class Candidate:
         return max(blocks_for(self.context), self.max_seqs)
 
     def sharing(self, kv_blocks):
-        return Candidate(self.max_seqs, self.context, self.step_tokens, kv_blocks)
+        return Candidate(self.max_seqs, self.context, self.step_tokens, kv_blocks, self.rings)
 
     @property
     def rank(self):
@@ -70,8 +74,9 @@ class Candidate:
     def __str__(self):
         shared = "" if self.kv_blocks == self.full_blocks else \
             f", sharing {self.kv_blocks * BLOCK_SIZE} tokens of KV cache"
+        rings = ", window layers in rings" if self.rings else ""
         return (f"{self.max_seqs} sequence{'s' if self.max_seqs > 1 else ''} x {self.context} "
-                f"tokens, prefill chunk {self.step_tokens}{shared}")
+                f"tokens, prefill chunk {self.step_tokens}{shared}{rings}")
 
 
 def blocks_for(tokens):
@@ -128,7 +133,7 @@ class Plan:
         """The chosen plan as /health shows it."""
         c, f = self.candidate, self.footprint
         return {"max_seqs": c.max_seqs, "context": c.context, "step_tokens": c.step_tokens,
-                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE,
+                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE, "window_rings": c.rings,
                 "footprint": {"weights": f.weights, "arenas": f.arenas, "state": f.state,
                               "total": f.total},
                 "memory_free": self.free, "memory_source": self.source}
@@ -188,11 +193,32 @@ def candidates(model_context, max_seqs=None, context=None, step_tokens=None):
     return sorted(shapes, key=lambda c: c.rank)
 
 
+def ring_of(model, candidate):
+    """The window layers' ring of a candidate that takes them (None: it does not, the model
+    has no window layers, or a ring would save nothing): a ring for each of its sequences,
+    holding the window and a prefill chunk."""
+    if not candidate.rings:
+        return None
+    return ring_for(model.window, BLOCK_SIZE, candidate.max_seqs, candidate.step_tokens,
+                    min(candidate.context, model.context_length))
+
+
+def variants(model, shape):
+    """A shape's ways of keeping the cache: every layer in the shared blocks, and, where the
+    model has window layers, those in rings. Rings are reserved whole for every sequence while
+    shared blocks are taken as sequences grow, so which leaves more KV blocks depends on the
+    shape and the memory: the plan takes the one that does (the shared blocks where equal: they
+    keep the prefix cache)."""
+    ringed = Candidate(shape.max_seqs, shape.context, shape.step_tokens, shape.kv_blocks, True)
+    return [shape, ringed] if ring_of(model, ringed) is not None else [shape]
+
+
 def runner_for(model, device, candidate, check=True):
     """The device runner of a candidate, nothing allocated (it has read the device's caps, and
     with `check` refused a model whose kernels need what the device lacks)."""
     return DeviceRunner(model, device, candidate.kv_blocks, BLOCK_SIZE, candidate.step_tokens,
-                        candidate.max_seqs, check=check, context=candidate.context)
+                        candidate.max_seqs, check=check, context=candidate.context,
+                        ring=ring_of(model, candidate))
 
 
 def footprint(runner):
@@ -213,20 +239,20 @@ class Scaling:
 
     @classmethod
     def of(cls, allocations, blocks, rounded):
+        """(A ring's state buffers, Allocation.per_block false, are fixed.)"""
         fixed = dict.fromkeys(KINDS, 0)
-        for a in allocations:
-            if a.kind != "state":
-                fixed[a.kind] += rounded(a.nbytes)
-        largest = max(((a.nbytes, a.name) for a in allocations if a.kind != "state"),
-                      default=(0, ""))
-        per_block = tuple((a.nbytes // blocks, a.name) for a in allocations if a.kind == "state")
-        if any(n * blocks != a.nbytes for (n, _), a in
-               zip(per_block, [a for a in allocations if a.kind == "state"])):
+        scales = [a for a in allocations if a.kind == "state" and a.per_block]
+        others = [a for a in allocations if not (a.kind == "state" and a.per_block)]
+        for a in others:
+            fixed[a.kind] += rounded(a.nbytes)
+        largest = max(((a.nbytes, a.name) for a in others), default=(0, ""))
+        per_block = tuple((a.nbytes // blocks, a.name) for a in scales)
+        if any(n * blocks != a.nbytes for (n, _), a in zip(per_block, scales)):
             raise ValueError("a KV cache buffer is not a whole number of bytes a block")
         return cls(fixed, largest, per_block, rounded)
 
     def at(self, blocks):
-        state = sum(self.rounded(n * blocks) for n, _ in self.per_block)
+        state = self.fixed["state"] + sum(self.rounded(n * blocks) for n, _ in self.per_block)
         largest = max([self.largest] + [(n * blocks, name) for n, name in self.per_block])
         return Footprint(self.fixed["weights"], self.fixed["arenas"], state,
                          self.fixed["weights"] + self.fixed["arenas"] + state, *largest)
@@ -245,6 +271,13 @@ def most_blocks(candidate, scalings, frees, max_buffers):
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fit(middle) else (low, middle - 1)
     return low
+
+
+def best_variant(rows):
+    """(candidate, footprints) of the variant with the most KV blocks that fit, the first where
+    equal; rows: (blocks that fit or 0, candidate, footprints)."""
+    most = max(blocks for blocks, _, _ in rows)
+    return next((c, f) for blocks, c, f in rows if blocks == most)
 
 
 def fits(footprint, free, max_buffer):
@@ -276,12 +309,15 @@ def plan(model, device, free, source, max_seqs=None, context=None, step_tokens=N
     with _collected_after():
         for i, shape in enumerate(candidates(model.context_length, max_seqs, context,
                                              step_tokens)):
-            least = shape.sharing(shape.least_blocks)
-            scaling = Scaling.of(runner_for(model, device, least, check=i == 0).allocations(),
-                                 least.kv_blocks, device.allocation_bytes)
-            blocks = most_blocks(shape, [scaling], [free], [device.max_buffer])
-            chosen = shape.sharing(blocks or least.kv_blocks)
-            table.append((chosen, scaling.at(chosen.kv_blocks)))
+            rows = []
+            for variant in variants(model, shape):
+                least = variant.sharing(variant.least_blocks)
+                scaling = Scaling.of(runner_for(model, device, least, check=i == 0)
+                                     .allocations(), least.kv_blocks, device.allocation_bytes)
+                blocks = most_blocks(variant, [scaling], [free], [device.max_buffer])
+                chosen = variant.sharing(blocks or least.kv_blocks)
+                rows.append((blocks or 0, chosen, scaling.at(chosen.kv_blocks)))
+            table.append(best_variant(rows))
     fitting = [i for i, (_, f) in enumerate(table) if fits(f, free, device.max_buffer)]
     return Plan(f"{device.backend}: {device.name}", free, source, device.max_buffer,
                 tuple(table), fitting[-1] if fitting else None)
@@ -344,7 +380,7 @@ class GroupPlan:
     def describe(self):
         c = self.candidate
         return {"max_seqs": c.max_seqs, "context": c.context, "step_tokens": c.step_tokens,
-                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE,
+                "kv_blocks": c.kv_blocks, "kv_block_size": BLOCK_SIZE, "window_rings": c.rings,
                 "devices": [{"device": name, "memory_free": free,
                              "footprint": {"weights": f.weights, "arenas": f.arenas,
                                            "state": f.state, "total": f.total}}
@@ -376,15 +412,21 @@ def plan_group(model, group, kind, frees, source, max_seqs=None, context=None,
     with _collected_after():
         for i, shape in enumerate(candidates(model.context_length, max_seqs, context,
                                              step_tokens)):
-            least = shape.sharing(shape.least_blocks)
-            runner = GroupRunner(model, group, kind, least.kv_blocks, BLOCK_SIZE,
-                                 shape.step_tokens, shape.max_seqs, check=i == 0,
-                                 context=shape.context)          # as plan(): checked once
-            scalings = [Scaling.of(share.allocations(), least.kv_blocks,
-                                   share.device.allocation_bytes) for share in runner.shares()]
-            blocks = most_blocks(shape, scalings, frees, limits)
-            chosen = shape.sharing(blocks or least.kv_blocks)
-            table.append((chosen, tuple(s.at(chosen.kv_blocks) for s in scalings)))
+            rows = []
+            for variant in variants(model, shape):
+                least = variant.sharing(variant.least_blocks)
+                runner = GroupRunner(model, group, kind, least.kv_blocks, BLOCK_SIZE,
+                                     shape.step_tokens, shape.max_seqs, check=i == 0,
+                                     context=shape.context,      # as plan(): checked once
+                                     ring=ring_of(model, variant))
+                scalings = [Scaling.of(share.allocations(), least.kv_blocks,
+                                       share.device.allocation_bytes)
+                            for share in runner.shares()]
+                blocks = most_blocks(variant, scalings, frees, limits)
+                chosen = variant.sharing(blocks or least.kv_blocks)
+                rows.append((blocks or 0, chosen, tuple(s.at(chosen.kv_blocks)
+                                                        for s in scalings)))
+            table.append(best_variant(rows))
     fitting = [i for i, (_, fs) in enumerate(table)
                if all(fits(f, free, limit) for f, free, limit in zip(fs, frees, limits))]
     return GroupPlan(tuple(f"{d.backend}: {d.name}" for d in group.devices), tuple(frees),
@@ -394,7 +436,8 @@ def plan_group(model, group, kind, frees, source, max_seqs=None, context=None,
 def group_runner_for(model, group, kind, candidate):
     from .group import GroupRunner
     return GroupRunner(model, group, kind, candidate.kv_blocks, BLOCK_SIZE,
-                       candidate.step_tokens, candidate.max_seqs, context=candidate.context)
+                       candidate.step_tokens, candidate.max_seqs, context=candidate.context,
+                       ring=ring_of(model, candidate))
 
 
 def verify_group(group, plan, runner, before):

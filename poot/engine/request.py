@@ -242,6 +242,7 @@ class Sequence:
     stop_text: StopText = field(init=False)
     num_computed: int = 0
     blocks: list = field(default_factory=list)
+    ring: int | None = None # its window layers' ring while it runs (kvcache.Ring), if any
     lane: int = 0           # the runner's lane whose steps run it (engine/scheduler.py)
     keys: list = field(default_factory=list)    # prefix keys of its full blocks (kvcache.py)
     cached_tokens: int = 0  # of its prompt, taken from the prefix cache when first admitted

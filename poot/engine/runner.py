@@ -15,12 +15,14 @@ class ReferenceRunner:
     faults = None               # engine/faults.py: steps made to fail, for tests
     _launched = None            # the StepOutput of the step launch() computed
 
-    def __init__(self, model, num_blocks, block_size=16):
+    def __init__(self, model, num_blocks, block_size=16, ring=None):
+        """`ring` (kvcache.Ring): the window layers' cache, of its own blocks."""
         self.model = model
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.num_blocks, self.ring = block_size, num_blocks, ring
         self.vocab_size = model.config.vocab_size
         self.max_context = model.context_length
-        self.graph = model.step_graph(num_blocks, block_size)
+        self.graph = model.step_graph(num_blocks, block_size,
+                                      ring_blocks=ring.num_blocks if ring else 0)
         state = {name: np.zeros(t.shape, np.float32) for name, t in self.graph.state.items()}
         self.interpreter = ReferenceInterpreter(
             self.graph, lambda name: self.graph.read(name, model.weight_array), state)
@@ -37,6 +39,8 @@ class ReferenceRunner:
         inputs = {"tokens": batch.tokens, "positions": batch.positions,
                   "seq_rows": batch.seq_rows, "block_tables": batch.block_tables,
                   "sample_tokens": batch.sample_tokens}
+        if "window_tables" in self.graph.inputs:
+            inputs["window_tables"] = batch.window_tables
         return self.interpreter.run(inputs)
 
     def step(self, batch):

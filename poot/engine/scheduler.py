@@ -23,6 +23,11 @@ sequence reports (SamplingParams.prompt_logprobs), its row forced to that token.
 most max_seqs rows (what a runner's step buffers hold), so such a prompt's chunks are cut to the
 rows the others leave; it takes no cached prefix, whose positions it must score.
 
+A model with sliding-window layers (kvcache.Ring) keeps their keys in a ring per running
+sequence: one is taken on admission and given back on finishing, aborting or preemption (there
+are as many rings as sequences run at once); a sequence's chunk is cut to the ring's `chunk`,
+and no blocks are shared (no prefix cache, no fork's hold: kvcache.py says why).
+
 A constrained sequence whose next mask is not ready (`mask_ready`, engine/masks.py) sits out
 decode steps until it is, so that no one else's step waits for it.
 
@@ -34,7 +39,7 @@ import logging
 import numpy as np
 
 from poot.engine.batch import LogitEdits, SamplingRows, StepBatch
-from poot.engine.kvcache import BlockAllocator
+from poot.engine.kvcache import BlockAllocator, RingPool
 from poot.engine.request import MAX_LOGPROBS, SamplingParams
 from poot.engine.logit_controls import LogitControls
 
@@ -46,8 +51,12 @@ PROMPT_ROWS = [SamplingParams(temperature=0, logprobs=k) for k in range(MAX_LOGP
 
 class Scheduler:
     def __init__(self, num_blocks, block_size, max_seqs, step_tokens, table_width, vocab_size,
-                 lanes=1, prefix_caching=True):
-        self.kv = BlockAllocator(num_blocks, block_size, prefix_caching)
+                 lanes=1, prefix_caching=True, ring=None):
+        self.kv = BlockAllocator(num_blocks, block_size, prefix_caching and ring is None)
+        self.ring = ring
+        self.rings = None if ring is None else RingPool(ring)
+        # the most tokens of one sequence a step computes (a ring holds no more than its chunk)
+        self.seq_tokens = step_tokens if ring is None else min(step_tokens, ring.chunk)
         self.max_seqs, self.step_tokens = max_seqs, step_tokens
         self.table_width, self.vocab_size, self.lanes = table_width, vocab_size, lanes
         self.waiting = []   # by arrival (seq_id), preempted sequences included
@@ -79,6 +88,7 @@ class Scheduler:
             if seq in queue_:
                 queue_.remove(seq)
                 self.kv.release(seq.blocks)
+                self._give_ring(seq)
                 if not seq.admitted and seq.fork is not None and seq.fork.first is not seq:
                     self._admitted_one(seq.fork)        # it will take no hold
                 return True
@@ -91,6 +101,7 @@ class Scheduler:
         self.in_flight.clear()
         self.holds.clear()
         self.kv = BlockAllocator(self.kv.num_blocks, self.kv.block_size, self.kv.caching)
+        self.rings = None if self.ring is None else RingPool(self.ring)
 
     def schedule(self, lane=0, make_room=lambda: False):
         """The lane's next step: (sequence, token count) pairs, empty when it has nothing to
@@ -130,7 +141,8 @@ class Scheduler:
         for seq in [s for s in mine if s.num_uncomputed > 1]:
             if seq not in self.running or budget < 1:
                 continue
-            n = fit(seq, self._within_rows(seq, min(seq.num_uncomputed, budget), rows))
+            n = fit(seq, self._within_rows(
+                seq, min(seq.num_uncomputed, budget, self.seq_tokens), rows))
             if n:
                 take(seq, n)
         # A newcomer joins only if a block per running sequence stays free for their next
@@ -148,7 +160,8 @@ class Scheduler:
             cached = self._start(seq)
             spare = self.kv.num_free - len(self.running)
             want = self._within_rows(
-                seq, min(seq.num_uncomputed, budget, spare * self.kv.block_size), rows)
+                seq, min(seq.num_uncomputed, budget, self.seq_tokens,
+                         spare * self.kv.block_size), rows)
             if want < 1:
                 self.kv.release(seq.blocks)
                 seq.num_computed = 0
@@ -161,6 +174,8 @@ class Scheduler:
                     self._admitted_one(seq.fork)
             self.kv.grow(seq.blocks, seq.num_computed + want)
             self.waiting.pop(i)
+            if self.rings is not None:
+                seq.ring = self.rings.take()
             seq.lane = lane
             self._insert(self.running, seq)
             take(seq, want)
@@ -228,7 +243,7 @@ class Scheduler:
             if fork is not None and fork.first is seq and not fork.primed \
                     and seq.num_computed >= len(seq.prompt):
                 fork.primed = True
-                if fork.waiting:
+                if fork.waiting and self.ring is None:
                     fork.blocks = seq.blocks[:(len(seq.prompt) - 1) // self.kv.block_size]
                     self.kv.share(fork.blocks)
                     self.holds.append(fork)
@@ -260,11 +275,17 @@ class Scheduler:
             if seq.seq_id not in keep:
                 self.running.remove(seq)
                 self.kv.release(seq.blocks)
+                self._give_ring(seq)
                 seq.num_computed = 0
                 self._insert(self.waiting, seq)
                 self.preemptions_total += 1
                 return True
         return False
+
+    def _give_ring(self, seq):
+        if seq.ring is not None:
+            self.rings.give(seq.ring)
+            seq.ring = None
 
     @staticmethod
     def _insert(queue_, seq):
@@ -279,6 +300,7 @@ class Scheduler:
         next token's log probability the row reports."""
         tokens, positions, seq_rows, sample_tokens, rows = [], [], [], [], []
         tables = np.zeros((len(plan), self.table_width), np.int32)
+        windows = None if self.ring is None else np.zeros_like(tables)
         for row, (seq, n) in enumerate(plan):
             start = seq.num_computed
             for p in seq.logprob_positions(start, n):
@@ -288,6 +310,8 @@ class Scheduler:
             positions += range(start, start + n)
             seq_rows += [row] * n
             tables[row, :len(seq.blocks)] = seq.blocks
+            if windows is not None:
+                windows[row] = self.ring.table(seq.ring, self.table_width)
             if seq.samples_after(start, n):
                 sample_tokens.append(len(tokens) - 1)
                 rows.append((seq, None))
@@ -318,7 +342,8 @@ class Scheduler:
         batch = StepBatch(tokens=np.array(tokens, np.int32),
                           positions=np.array(positions, np.int32),
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,
-                          sample_tokens=np.array(sample_tokens, np.int32), sampling=sampling)
+                          sample_tokens=np.array(sample_tokens, np.int32), sampling=sampling,
+                          window_tables=windows)
         return batch, rows
 
     def _masks(self, rows):

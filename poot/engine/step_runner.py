@@ -57,7 +57,7 @@ class StepRunner:
                 *(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (
                     batch.tokens, batch.positions, batch.seq_rows)), batch.block_tables,
                 np.concatenate([batch.sample_tokens, T - 1 + np.zeros(pad, np.int32)]),
-                batch.sampling)
+                batch.sampling, batch.window_tables)
             self._upload(padded)
             key = (bucket, long, self._edit_state()[0])
             graph = self.graphs.get(key)

@@ -210,16 +210,21 @@ def hf_array(name, array):
     return array + np.float32(1.0) if name.endswith("norm.weight") else array
 
 
-def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
+def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None, ring_blocks=0):
     """The decoder step as a graph. `weights` maps GGUF tensor names to (shape, dtype);
     `part` (engine/placement.py) makes one device's graph of a group, as llama.forward's does.
-    `freq_factors` is always None: config_from_gguf refuses a file that has them."""
+    `freq_factors` is always None: config_from_gguf refuses a file that has them.
+    `ring_blocks` > 0: the sliding-window layers' caches hold that many blocks of their own,
+    read and written through the step input `window_tables` (engine/kvcache.py: Ring)."""
     g = Graph()
+    part = part or Part((0, cfg.n_layers))
     tokens = g.input("tokens", ("T",))
     positions = g.input("positions", ("T",))
     seq_rows = g.input("seq_rows", ("T",))
     block_tables = g.input("block_tables", ("S", "B"))
     sample_tokens = g.input("sample_tokens", ("R",))
+    ringed = ring_blocks and any(cfg.sliding[i] for i in range(*part.layers))
+    window_tables = g.input("window_tables", ("S", "B")) if ringed else block_tables
     inv_freq = {local: g.const(f"rope_inv_freq.{'local' if local else 'global'}",
                                cfg.rope_inv_freq(local)) for local in set(cfg.sliding)}
 
@@ -231,7 +236,6 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     def reduced(partial):
         return g.all_reduce(partial, part.world) if part.world > 1 else partial
 
-    part = part or Part((0, cfg.n_layers))
     H, Hkv, D, E, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff
     group = H // Hkv
     kv0, kv1 = part.kv_heads or (0, Hkv)
@@ -259,10 +263,12 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
             k = norm(k, p + "attn_k_norm.weight", D)
         q = g.rope(q, positions, inv_freq[local], cfg.rope_style)
         k = g.rope(k, positions, inv_freq[local], cfg.rope_style)
-        k_cache = g.state_tensor(p + "k_cache", (num_blocks, block_size, Hkvs, D))
-        v_cache = g.state_tensor(p + "v_cache", (num_blocks, block_size, Hkvs, D))
-        g.store_kv(k, v, k_cache, v_cache, positions, seq_rows, block_tables)
-        a = g.attention(q, k_cache, v_cache, positions, seq_rows, block_tables,
+        blocks, tables = (ring_blocks, window_tables) if local and ringed else \
+            (num_blocks, block_tables)
+        k_cache = g.state_tensor(p + "k_cache", (blocks, block_size, Hkvs, D))
+        v_cache = g.state_tensor(p + "v_cache", (blocks, block_size, Hkvs, D))
+        g.store_kv(k, v, k_cache, v_cache, positions, seq_rows, tables)
+        a = g.attention(q, k_cache, v_cache, positions, seq_rows, tables,
                         cfg.query_scalar ** -0.5, cfg.sliding_window if local else 0,
                         cfg.attn_softcap)
         o = g.matmul(g.reshape(a, ("T", Hs * D)),

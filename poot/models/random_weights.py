@@ -276,17 +276,18 @@ GEMMA_SHAPES = {"gemma2": dict(n_layers=3, attn_softcap=5.0, final_softcap=10.0)
 
 
 def write_random_gemma(path, arch="gemma2", dtype="F16", seed=0, d_model=64, n_heads=4,
-                       n_kv_heads=2, head_dim=32, d_ff=128, vocab_size=400, window=8):
+                       n_kv_heads=2, head_dim=32, d_ff=128, vocab_size=400, window=8,
+                       context=512):
     """Writes a tiny random Gemma 2 or 3 (`arch`) as llama.cpp's converter writes one: norms
     as 1 + w (drawn around 1), the embedding table as the output head, Gemma 2's soft-caps,
     Gemma 3's q/k norms and global layers' rope scaling; a sliding `window` short enough for
-    tests to cross. Matrices in `dtype`, norms in F32."""
+    tests to cross; a `context` of that many tokens. Matrices in `dtype`, norms in F32."""
     shape = GEMMA_SHAPES[arch]
     n_layers = shape["n_layers"]
     tokens, scores, types = sentencepiece_vocab(vocab_size)
     meta = {
         "general.architecture": arch, "general.name": f"random-{arch}",
-        f"{arch}.block_count": n_layers, f"{arch}.context_length": 512,
+        f"{arch}.block_count": n_layers, f"{arch}.context_length": context,
         f"{arch}.embedding_length": d_model, f"{arch}.feed_forward_length": d_ff,
         f"{arch}.attention.head_count": n_heads, f"{arch}.attention.head_count_kv": n_kv_heads,
         f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim,

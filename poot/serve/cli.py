@@ -19,6 +19,7 @@ from poot.backends import DeviceGroup
 from poot.backends.select import BACKENDS, open_placed, parse_placement
 from poot.engine import plan
 from poot.engine.faults import Faults
+from poot.engine.kvcache import ring_for, ring_tensors
 from poot.errors import CapacityError, PootError, ServingFailed, UsageError
 from poot.options import Parser, check_context, check_flags, device_memory
 from poot.serve.profile import StackSampler
@@ -70,16 +71,21 @@ def build_parser():
     return p
 
 
-def reference_blocks(model, context, max_seqs, memory_limit):
+def reference_blocks(model, context, max_seqs, memory_limit, ring=None):
     """The reference backend's KV blocks: a full context for every sequence, or as many as
-    `memory_limit` holds of its float32 cache (at least one full context, else a capacity
-    error). The reference plans nothing else against host memory."""
+    `memory_limit` holds of its float32 cache beside the window layers' rings, if any
+    (at least one full context, else a capacity error). The reference plans nothing else
+    against host memory."""
     per_seq = -(-context // REFERENCE_BLOCK_SIZE)
     blocks = per_seq * max_seqs
     if memory_limit is not None:
-        graph = model.step_graph(num_blocks=1, block_size=REFERENCE_BLOCK_SIZE)
-        block_bytes = sum(4 * math.prod(t.shape) for t in graph.state.values())
-        blocks = min(blocks, memory_limit // block_bytes)
+        graph = model.step_graph(1, REFERENCE_BLOCK_SIZE, ring_blocks=ring.num_blocks if ring
+                                 else 0)
+        ringed = ring_tensors(graph)
+        nbytes = {name: 4 * math.prod(t.shape) for name, t in graph.state.items()}
+        block_bytes = sum(n for name, n in nbytes.items() if name not in ringed)
+        ring_bytes = sum(n for name, n in nbytes.items() if name in ringed)
+        blocks = min(blocks, max(memory_limit - ring_bytes, 0) // block_bytes)
         if blocks < per_seq:
             raise CapacityError(
                 f"one sequence of {context} tokens needs {per_seq * block_bytes} bytes of KV "
@@ -143,8 +149,8 @@ def serve(args, stop_event):
     except BaseException:
         server.close(grace=0)
         raise
-    log.info("serving %s on %s: backend %s, %d sequences x %d tokens", model.name, server.url,
-             runner.backend, engine.max_seqs, engine.context_limit)
+    log.info("serving %s on %s: backend %s, %d sequences x %d tokens%s", model.name, server.url,
+             runner.backend, engine.max_seqs, engine.context_limit, ring_note(runner))
     sampler = StackSampler(args.profile).start() if args.profile else None
     stop_event.wait()
     if sampler is not None:
@@ -157,6 +163,15 @@ def serve(args, stop_event):
     log.info("stopping: finishing in-flight requests (up to %.0f s)", SHUTDOWN_GRACE_S)
     server.close(grace=SHUTDOWN_GRACE_S)
     return 0
+
+
+def ring_note(runner):
+    """What the startup line says of a model whose sliding-window layers keep a ring."""
+    ring = getattr(runner, "ring", None)
+    if ring is None:
+        return ""
+    return (f"; sliding-window layers hold a ring of {ring.length} blocks a sequence (window "
+            f"{ring.window}), so no prefix cache (a ring overwrites a prefix's window blocks)")
 
 
 def inject_faults(runner):
@@ -175,11 +190,24 @@ def inject_faults(runner):
 
 
 def reference_runner(model, args, memory_limit):
+    """The reference runner: a model's window layers keep rings where they leave more KV
+    blocks under --memory-limit (as engine/plan.py chooses), and always without one (every
+    sequence holds a whole context there: rings take less)."""
     context = min(model.context_length, args.ctx or REFERENCE_CONTEXT)
     max_seqs = args.max_seqs or REFERENCE_MAX_SEQS
-    blocks = reference_blocks(model, context, max_seqs, memory_limit)
-    runner = model.runner(None, num_blocks=blocks, block_size=REFERENCE_BLOCK_SIZE)
     step_tokens = args.prefill_chunk or REFERENCE_STEP_TOKENS
+    ring = ring_for(model.window, REFERENCE_BLOCK_SIZE, max_seqs, step_tokens, context)
+    fitting, refused = [], None
+    for r in [ring, None] if ring is not None else [None]:
+        try:
+            fitting.append((reference_blocks(model, context, max_seqs, memory_limit, r), r))
+        except CapacityError as e:
+            refused = e
+    if not fitting:
+        raise refused
+    # where equal, the shared blocks under a limit (they keep the prefix cache), else rings
+    blocks, ring = max(fitting, key=lambda o: (o[0], (o[1] is None) == bool(memory_limit)))
+    runner = model.runner(None, num_blocks=blocks, block_size=REFERENCE_BLOCK_SIZE, ring=ring)
     return runner, {"max_seqs": max_seqs, "context": context, "step_tokens": step_tokens,
                     "kv_blocks": blocks, "kv_block_size": REFERENCE_BLOCK_SIZE}
 

@@ -208,47 +208,9 @@ class DeviceRunner(DeviceChoice, StepRunner):
             words = (self._split_rows() * heads * self.attention_splits
                      * (self.model.config.head_dim + 2))
             out.append(Allocation("attention_partials", words * 4, "arenas"))
-        partials = self._mma_partials()
-        if partials:                        # the slices of a split mma_tiled, [splits, T, rows]
-            out.append(Allocation("mma_partials", partials * 4, "arenas"))
-        if self._dequant_words():           # a weight decoded to f16 pairs, [rows, cols / 2]
-            out.append(Allocation("dequant_f16", self._dequant_words() * 4, "arenas"))
-        if self._mma_x16_words():           # x rounded for the tensor cores, [T, cols / 2]
-            out.append(Allocation("mma_x16", self._mma_x16_words() * 4, "arenas"))
-        if self._unit_x16_words():          # a gated unit stored by its tiles, [T, half / 2]
-            out.append(Allocation("mma_units_x16", self._unit_x16_words() * 4, "arenas"))
-        if self.choice.norm_x16_words():          # x normed and rounded for mma_vec, [T, cols / 2]
-            out.append(Allocation("norm_x16", self.choice.norm_x16_words() * 4, "arenas"))
+        out += [Allocation(name, words * 4, "arenas")
+                for name, words in self.choice.tile_arenas(self.steps).items() if words]
         return out
-
-    def _dequant_words(self):
-        """The words of the largest weight a step decodes to f16 first (0: none does)."""
-        return max((math.prod(self.choice.tiled_weight(op).shape) // 2 for op in self.choice.tiled_ops()
-                    if any(self.choice.dequantizes(op, n) for n in self.choice.mma_launches(op))),
-                   default=0)
-
-    def _mma_partials(self):
-        """The floats of the largest partial sums a split matmul of any step writes."""
-        return max((launch.splits * n * self.choice.tiled_weight(op).shape[0]
-                    if launch.splits > 1 or op.up is not None and
-                    not self.choice.stores_unit(op, launch, n) else 0
-                    for op in self.choice.tiled_ops()
-                    for n, launch in self.choice.mma_launches(op).items()), default=0)
-
-    def _unit_x16_words(self):
-        """The words of the largest gated unit a step's tiles store as x16 (0: none does): it
-        cannot share mma_x16, which holds the tiles' own input meanwhile."""
-        return max((n * self.choice.tiled_weight(op).shape[0] // 4
-                    for i, op in enumerate(self.steps) if op in self.choice.tiled_ops()
-                    and self.choice.unit_x16(op, next_matmul(self.steps, i)) is not None
-                    for n, launch in self.choice.mma_launches(op).items()
-                    if self.choice.stores_unit(op, launch, n)), default=0)
-
-    def _mma_x16_words(self):
-        """The words of the largest x a step's x16 mma_tiled reads rounded (0: none does)."""
-        return max((self.choice.elements(op.x.shape[:1]) * op.weight.shape[1] // 2
-                    for op in self.choice.tiled_ops() if self.choice.tiled_variant(op).get("x16")),
-                   default=0)
 
     # -- allocation and upload -----------------------------------------------------------------
     def allocate(self):

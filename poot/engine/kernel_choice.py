@@ -14,7 +14,7 @@ from collections import Counter
 from ..formats.quants import QUANTS
 from ..kernels import flash, matmul, mma_vec, ops
 from ..kernels.lang import WGMMA
-from .lowering import part_rows
+from .lowering import next_matmul, part_rows
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
@@ -200,6 +200,35 @@ class KernelChoice:
         return max((min(self.elements(op.x.shape[:1]), short) * op.weight.shape[1] // 2
                     for op in self.steps if op.kind == "matmul" for n in self.groups(op.weight)
                     if self.matvec(op.weight, n, op.variant)[2] is not None), default=0)
+
+    def tile_arenas(self, steps):
+        """{arena: words} of what the tensor-core and mma_vec lowerings keep between launches,
+        each sized by the largest step that needs it (0: none does), in allocation order."""
+        tiled = self.tiled_ops()
+        launches = [(op, n, launch) for op in tiled
+                    for n, launch in self.mma_launches(op).items()]
+        return {
+            # the slices of a split mma_tiled (or a gated unit's unsplit sums), [splits, T, rows]
+            "mma_partials": max((launch.splits * n * self.tiled_weight(op).shape[0]
+                                 for op, n, launch in launches if launch.splits > 1 or
+                                 op.up is not None and not self.stores_unit(op, launch, n)),
+                                default=0),
+            # a weight decoded to f16 pairs, [rows, cols / 2]
+            "dequant_f16": max((math.prod(self.tiled_weight(op).shape) // 2 for op in tiled
+                                if any(self.dequantizes(op, n) for n in self.mma_launches(op))),
+                               default=0),
+            # x rounded for the tensor cores, [T, cols / 2]
+            "mma_x16": max((self.elements(op.x.shape[:1]) * op.weight.shape[1] // 2
+                            for op in tiled if self.tiled_variant(op).get("x16")), default=0),
+            # a gated unit stored by its tiles as x16, [T, half / 2]: it cannot share mma_x16,
+            # which holds the tiles' own input meanwhile
+            "mma_units_x16": max((n * self.tiled_weight(op).shape[0] // 4
+                                  for i, op in enumerate(steps) if op in tiled
+                                  and self.unit_x16(op, next_matmul(steps, i)) is not None
+                                  for n, launch in self.mma_launches(op).items()
+                                  if self.stores_unit(op, launch, n)), default=0),
+            # x normed and rounded for mma_vec, [T, cols / 2]
+            "norm_x16": self.norm_x16_words()}
 
     # ---- the tensor-core matmul ---------------------------------------------------------------
     def tiled_weight(self, op):

@@ -13,7 +13,8 @@ import math
 from functools import cache
 
 from .lang import F16, F32, I32, U32, KernelBuilder
-from .ops import LOWEST, ATTENTION_TILE, _attention_params, cache_slot, tiled_token_tile
+from .ops import (LOWEST, ATTENTION_TILE, _attention_params, cache_slot, query_state,
+                  tiled_token_tile)
 from .softcap import capped, sees, suffix, window_start
 
 FLASH_WARPS = 8         # subgroups of a workgroup at most (the default): 128 query rows
@@ -111,16 +112,8 @@ def attention_flash(head_dim, heads, window=0, softcap=0.0, warps=FLASH_WARPS):
         mine_lead = k.select(mine_block.eq(b), leads[b], mine_lead)
 
     qs = scale if softcap else scale * LOG2E
-    qa = []                     # A of S: q * qs rounded, k16 step s
-    for s in range(head_dim // 16):
-        words = []
-        for j in range(4):
-            at = (tokens[j % 2] * n_heads + h) * head_dim + 16 * s + 2 * quad + 8 * (j // 2)
-            words.append(k.pack_half2(q[at] * qs, q[at + 1] * qs))
-        qa.append(words)
-    running_max = [k.var(F32, LOWEST) for _ in range(2)]
-    running_sum = [k.var(F32, 0.0) for _ in range(2)]
-    acc = [[k.var(F32, 0.0) for _ in range(4)] for _ in range(head_dim // 8)]
+    qa, running_max, running_sum, acc = query_state(k, q, tokens, n_heads, h, head_dim, quad,
+                                                    qs)
     k_lane = ((lane & 7) + (lane >> 4) * 8) * row_words + ((lane >> 3) & 1) * 4
     v_lane = (8 * ((lane >> 3) & 1) + (lane & 7)) * row_words + 4 * (lane >> 4)
 

@@ -452,6 +452,23 @@ def attention_tile_heads(n_heads, n_kv_heads):
     return max(h for h in range(1, min(group, 8) + 1) if group % h == 0)
 
 
+def query_state(k, q, tokens, n_heads, h, head_dim, quad, scale):
+    """A tensor-core attention lane's start for its two query rows `tokens` of head h: the A
+    fragments of S (q * scale rounded to f16 pairs, one k16 step each) and the online
+    softmax's running maxima, sums and output accumulators."""
+    qa = []
+    for s in range(head_dim // 16):
+        words = []
+        for j in range(4):
+            at = (tokens[j % 2] * n_heads + h) * head_dim + 16 * s + 2 * quad + 8 * (j // 2)
+            words.append(k.pack_half2(q[at] * scale, q[at + 1] * scale))
+        qa.append(words)
+    running_max = [k.var(F32, LOWEST) for _ in range(2)]
+    running_sum = [k.var(F32, 0.0) for _ in range(2)]
+    acc = [[k.var(F32, 0.0) for _ in range(4)] for _ in range(head_dim // 8)]
+    return qa, running_max, running_sum, acc
+
+
 @cache
 def attention_tiles(head_dim, heads, window=0, softcap=0.0):
     """The tiles of `attention` on the tensor cores (flash attention; fragment_load and mma,
@@ -493,16 +510,8 @@ def attention_tiles(head_dim, heads, window=0, softcap=0.0):
     limits = [positions[t] for t in tokens]
     first = window and first_key(
         k, [positions[k.min(t0 + i, t_last)] for i in range(ATTENTION_TILE)], window)
-    qa = []                     # A of S: q * scale rounded, k16 step s
-    for s in range(head_dim // 16):
-        words = []
-        for j in range(4):
-            at = (tokens[j % 2] * n_heads + h) * head_dim + 16 * s + 2 * quad + 8 * (j // 2)
-            words.append(k.pack_half2(q[at] * scale, q[at + 1] * scale))
-        qa.append(words)
-    running_max = [k.var(F32, LOWEST) for _ in range(2)]
-    running_sum = [k.var(F32, 0.0) for _ in range(2)]
-    acc = [[k.var(F32, 0.0) for _ in range(4)] for _ in range(head_dim // 8)]
+    qa, running_max, running_sum, acc = query_state(k, q, tokens, n_heads, h, head_dim, quad,
+                                                    scale)
     parts = KEY_BLOCK * half // 4                           # 16-byte parts of a round's rows
     with k.for_(first, last + 1, KEY_BLOCK) as j0:
         k.barrier()                                         # the last round is done with them

@@ -13,6 +13,7 @@ from poot.errors import ModelFileError
 from poot.formats import open_model
 from poot.formats.gguf import GGUFFile, write_gguf
 from poot.ir import reference
+from poot.kernels.lang import MMA_CAPS
 from poot.loader import hf_weight_names
 from poot.models import llama
 from tests.models import tiny_model
@@ -323,7 +324,8 @@ def test_a_hugging_face_moe_folder_on_a_device_matches_the_reference(tmp_path, d
         return batch, loaded.runner(None, num_blocks=32).logits(batch)
     batch, want = clear(prefill)
     got = loaded.runner(device, num_blocks=32, max_tokens=32).logits(batch)
-    assert rel_err(got, want) < 2e-3
+    # BF16 weights: the tensor cores' paths (experts' mma_vec on ptx) read x rounded to bf16
+    assert rel_err(got, want) < (8e-3 if MMA_CAPS["bf16"] in device.caps else 2e-3)
 
 
 def test_tensor_placement_refuses_a_mixture_of_experts(tmp_path):

@@ -22,6 +22,10 @@ from poot.kernels.quant import DEVICE_DTYPES
 from tests.models import default_model, tiny_model
 
 
+# Two logits closer than this may come out in either order on a device (f16 KV and products).
+NEAR_TIE = 0.01
+
+
 def step(tokens, start, row_tables):
     """One sequence's tokens from position `start`, every token's logits sampled."""
     n = len(tokens)
@@ -476,6 +480,19 @@ def test_steps_that_fail_on_the_device_fail_only_their_requests(tmp_path, device
                 for n, m in zip(lengths, new)]
     reference = Engine(model.runner(None, num_blocks=64), model.tokenizer)
     want = [[t for o in reference.generate(p, q) for t in o.token_ids] for p, q in requests]
+    gaps = []
+
+    def settled(i, got):
+        """Answer i, or the reference's where the two part at a token whose two best logits
+        (the reference's) lie within NEAR_TIE: the device's f16 arithmetic may take either."""
+        if isinstance(got, EngineFailed) or got == want[i]:
+            return got
+        k = next(j for j, (a, b) in enumerate(zip(got, want[i])) if a != b)
+        logits = reference.runner.logits(step(requests[i][0] + want[i][:k], 0, list(range(8))))
+        best = np.sort(logits[-1])[-2:]
+        gaps.append(float(best[1] - best[0]))
+        return want[i] if gaps[-1] < NEAR_TIE else got
+
     runner = model.runner(device, num_blocks=64, max_tokens=32, max_seqs=4)
     engine = Engine(runner, model.tokenizer, max_seqs=4, step_tokens=32)
 
@@ -488,22 +505,22 @@ def test_steps_that_fail_on_the_device_fail_only_their_requests(tmp_path, device
                 got.append([t for o in h for t in o.token_ids])
             except EngineFailed as e:
                 got.append(e)
-        return got
+        return [settled(i, g) for i, g in enumerate(got)]
 
     runner.faults = faults = Faults(every=2)      # the first decode step, while captured
     with pytest.raises(EngineFailed, match="injected fault in step 2"):
         list(engine.generate(*requests[1]))
     assert not runner.graphs and engine.kv.num_used == 0
     faults.every = None
-    assert [t for o in engine.generate(*requests[2]) for t in o.token_ids] == want[2]
+    assert settled(2, [t for o in engine.generate(*requests[2]) for t in o.token_ids]) == want[2]
     faults.every = 9
     got = served()
     assert faults.injected and engine.error is None and engine.kv.num_used == 0
     assert any(isinstance(g, EngineFailed) for g in got)
     assert [g for g in got if not isinstance(g, EngineFailed)] == [
-        w for g, w in zip(got, want) if not isinstance(g, EngineFailed)] != []
+        w for g, w in zip(got, want) if not isinstance(g, EngineFailed)] != [], gaps
     faults.every = None
-    assert served() == want
+    assert served() == want, gaps
     faults.lost_at = faults.steps + 2
     assert all(isinstance(g, EngineFailed) for g in served())
     assert engine.device_lost and engine.error.startswith("device lost")

@@ -18,7 +18,7 @@ import sys
 import threading
 from collections import deque
 
-from poot.serve import sender
+import poot.serve.sender as sender
 from poot.serve.errors import APIError
 
 log = logging.getLogger("poot.serve")

@@ -3,9 +3,9 @@
 One handler thread per connection (HTTP/1.1 keep-alive). A handler reads and checks the body,
 lets openai.py turn it into a request, submits that to the engine and writes what comes back:
 one JSON response, or server-sent events per token (chunked transfer encoding), which one
-writer thread encodes and one sender process sends for every stream (streams.py). It notices a client that went away, while
-waiting as well as while writing, and cancels its request (every choice of it) so the engine frees its KV blocks.
-It never touches the engine's internals.
+writer thread encodes and one sender process sends for every stream (streams.py). It notices a
+client that went away, while waiting as well as while writing, and cancels its request (every
+choice of it) so the engine frees its KV blocks. It never touches the engine's internals.
 """
 import hmac
 import json

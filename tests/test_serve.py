@@ -169,6 +169,23 @@ def test_a_streamed_completion_equals_the_whole_one_and_ends_with_usage(client, 
     assert len({c.id for c in chunks}) == 1
 
 
+@pytest.mark.parametrize("start", [b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\x8a",
+                                   b"P\xffST /v1/completions"])
+def test_bytes_that_cannot_start_a_request_get_a_400_without_a_line_end(server, start):
+    """A TLS handshake sent to this plain-HTTP port (or binary noise) has no line end to wait
+    for: it is answered at once, long before the idle timeout."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(start)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in head
+    error = json.loads(body)["error"]
+    assert "not an HTTP request" in error["message"] and error["type"] == "invalid_request_error"
+    assert ("TLS" in error["message"]) == (start[:1] == b"\x16")
+
+
 def test_the_stream_is_server_sent_events_one_per_http_chunk(server):
     body = json.dumps({"prompt": "raw", "max_tokens": 6, "temperature": 0, "stream": True,
                        "ignore_eos": True}).encode()

@@ -31,6 +31,8 @@ log = logging.getLogger("poot.serve")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 IDLE_TIMEOUT_S = 60.0
 DISCONNECT_POLL_S = 0.25
+# RFC 9110 5.6.2: a method is a token; what may follow it on the request line's first bytes
+METHOD = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]*(?:[ \r\n]|\Z)")
 
 
 class ClientGone(Exception):
@@ -180,6 +182,23 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self):
         self.timeout = self.serving.idle_timeout   # idle (or a stalled body) this long: closed
         super().setup()
+
+    def handle_one_request(self):
+        """http.server's, after a look at the first bytes that came: where they cannot start a
+        request line (a method holding a byte no method may: a TLS handshake sent to this
+        plain-HTTP port, binary noise), a 400 at once, not after the idle timeout spent waiting
+        for a line end that may never come."""
+        try:
+            head = self.rfile.peek(1)
+        except (TimeoutError, OSError):
+            self.close_connection = True
+            return
+        if head and not METHOD.match(head):
+            self.command, self.request_version, self.requestline = None, "HTTP/1.1", ""
+            self.send_error(400, f"not an HTTP request: it starts {head[:8]!r}" + (
+                " (a TLS handshake: this port speaks plain HTTP)" if head[:1] == b"\x16" else ""))
+            return
+        super().handle_one_request()
 
     def version_string(self):
         return "poot"

@@ -197,6 +197,26 @@ def test_poot_serve_gives_the_same_tokens_under_every_placement(tmp_path, group)
                                                                                [160, 320]]
 
 
+def test_compare_placements_on_one_device_of_the_reference(tmp_path):
+    """The script end to end where CI can run it: the same placement twice on the reference
+    backend agrees with itself, token ids and logprobs included."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    model = tiny_model(tmp_path)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    script = Path(__file__).resolve().parent.parent / "scripts" / "compare-placements"
+    result = subprocess.run([sys.executable, str(script), "--backend", "reference", "--model",
+                             str(model), "--tokens", "6", "--ctx", "256", "--logprobs", "2",
+                             "--port", str(port), "0", "0"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("-> 6 tokens") == 6 and "0: same tokens as 0\n" in result.stdout
+
+
 class OneDeviceGroup(DeviceGroup):
     """Two ranks (or more) on one device, in place of two GPUs (see the module's docstring). A
     device's launches run in issue order, so barriers and events have nothing to order."""

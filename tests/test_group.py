@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import poot
-from drivers import cuda
 from poot.backends import DeviceGroup
 from poot.backends.ptx import PtxGroup
 from poot.engine.batch import SamplingRows, StepBatch
@@ -76,10 +75,6 @@ def test_group_greedy_equals_one_device(tmp_path, group, kind, case):
 @pytest.mark.parametrize("kind", ["tensor", "pipeline"])
 def test_group_batched_decode_equals_one_device(tmp_path, group, kind):
     """128 sequences decoding together: one graph over both devices."""
-    batched_decode(tmp_path, group, kind)
-
-
-def batched_decode(tmp_path, group, kind):
     model = poot.load(tiny_model(tmp_path, dtype="F16", shape="tiny-odd"))
     n, per_seq = 128, 4
     one, two = runners(model, group, kind, n * per_seq, max_tokens=n, max_seqs=n)
@@ -110,36 +105,6 @@ def batched_decode(tmp_path, group, kind):
         assert np.array_equal(got_tokens[clear], want_tokens[clear])
         assert np.array_equal(want_tokens, tokens)
     assert two.graphs, "decode steps were not replayed from a captured graph"
-
-
-class StreamPair(PtxGroup):
-    """Two ranks on one CUDA device, each on a stream of its own (PtxDevice.lane), as the ranks
-    of a group with flags: the flagged reductions (ops.all_reduce) then order two streams that
-    run side by side on a real GPU, where one is all there is. Peer memory across devices is
-    the two-device tests'."""
-
-    def __init__(self, device):
-        self.devices, self.name, self.events = [device, device.lane()], device.name, []
-        for d in self.devices:
-            d._current()
-            self.events.append(d.cu.event_create(cuda.CU_EVENT_DISABLE_TIMING))
-
-
-@pytest.fixture(scope="module")
-def stream_pair():
-    return StreamPair(open_or_skip("ptx"))
-
-
-@pytest.mark.parametrize("case", CASES[:5], ids=["-".join(c) for c in CASES[:5]])
-def test_flagged_reductions_on_two_streams_equal_one_device(tmp_path, stream_pair, case):
-    model = load(tmp_path, case)
-    one, two = runners(model, stream_pair, "tensor", 32)
-    assert all(r.flags for r in two.runners) and "flags" in stream_pair.features
-    same_greedy(one, two, 24)
-
-
-def test_flagged_batched_decode_on_two_streams(tmp_path, stream_pair):
-    batched_decode(tmp_path, stream_pair, "tensor")
 
 
 def test_two_phase_reduction_equals_one_device(tmp_path, group):

@@ -55,7 +55,7 @@ def runner_kernels(subgroup_size):
             ops.attention_combine(64), ops.attention_combine(128), choice.argmax(subgroup_size),
             choice.argmax_chunks(subgroup_size), choice.top_candidates(subgroup_size),
             choice.logit_edits()]
-    out += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)] + [ops.step_serial()]
+    out += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     out += [ops.all_gather(w) for w in (2, 8)]
     out += gemma_kernels(subgroup_size)
     return out + expert_kernels(subgroup_size)
@@ -172,8 +172,7 @@ def check_all(commands):
 def test_every_runner_kernel_assembles_with_ptxas(tmp_path, sm):
     """Each kernel the target offers (wgmma: sm_90a only), for its architecture."""
     commands = []
-    flagged = [ops.all_reduce(w, r, flagged=True) for w in (2, 8) for r in (False, True)]
-    for kernel in runner_kernels(32) + mma_kernels() + flagged:
+    for kernel in runner_kernels(32) + mma_kernels():
         if not kernel.caps <= ptx_caps(sm):
             continue
         source = tmp_path / f"{kernel.name}.ptx"

@@ -729,36 +729,6 @@ def test_all_reduce(device, residual):
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2)])
-def test_all_reduce_flagged(cuda_device, world, rank):
-    """all_reduce's flagged form on one rank, the others played by the host: with their flags
-    in this rank's flags at the step's serial it sums as all_reduce does, and raises its own
-    flag in each other rank's flags, nowhere else."""
-    slots, slot, serial = 5, 3, int(rng.integers(2, 1 << 31))
-    parts = [rng.standard_normal(1000).astype(np.float32) for _ in range(world)]
-    residual = rng.standard_normal(1000).astype(np.float32)
-    flags = [rng.integers(0, 1 << 31, slots * world).astype(np.uint32) for _ in range(world)]
-    for j in range(world):
-        flags[rank][slot * world + j] = serial if j != rank else 0
-    got = run(cuda_device, ops.all_reduce(world, True, flagged=True), (-(-1000 // (4 * ops.WG)),),
-              *parts, residual, np.zeros(1000, np.float32), np.array([serial], np.uint32),
-              *flags, slot, rank, 0, 1000)
-    plain = run(cuda_device, ops.all_reduce(world, True), (-(-1000 // (4 * ops.WG)),), *parts,
-                residual, np.zeros(1000, np.float32), 0, 1000)
-    assert np.array_equal(got["out"], plain["out"])
-    for j in range(world):
-        want = flags[j].copy()
-        if j != rank:
-            want[slot * world + rank] = serial
-        assert np.array_equal(got[f"flags{j}"], want)
-
-
-def test_step_serial(device):
-    serial = int(rng.integers(0, 1 << 31))
-    got = run(device, ops.step_serial(), (1,), np.array([serial], np.uint32))["serial"]
-    assert got.tolist() == [serial + 1]
-
-
 @pytest.mark.parametrize("style", ["normal", "neox"])
 @pytest.mark.parametrize("scale", [1.0, 1.19])             # LongRoPE's attention factor
 def test_rope(device, style, scale):

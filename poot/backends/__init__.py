@@ -16,9 +16,6 @@ FEATURES = {
     "staging": ("host_array", "download"),  # page-locked host memory that steps copy in a recording
     "views": ("view",),                     # a buffer's part from an offset on, as a buffer
     "lanes": ("lane",),                     # the device again, with a stream of its own
-    # a group's kernels wait for each other's flags in peer memory (all_reduce's flagged form)
-    # instead of the host ordering them by events: devices that each run their own workgroups
-    "flags": (),
 }
 
 

@@ -258,7 +258,7 @@ class PtxGroup(DeviceGroup):
     access enabled between every pair (refused at startup, with the driver's words, where two
     cannot reach each other), an event per device for ordering across them."""
     backend = "ptx"
-    features = frozenset({"capture", "lanes", "flags"})
+    features = frozenset({"capture", "lanes"})
 
     def __init__(self, ordinals):
         self.devices = [PtxDevice(o) for o in ordinals]

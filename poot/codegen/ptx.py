@@ -21,8 +21,6 @@ Statements and memory (the operations on values, and their numerics, are ptx_ops
   (ptx_caps), the module then .target sm_90a, PTX ISA 8.0.
 - copy_async is cp.async.cg (16 bytes, L2 only; a src-size of 0 where it is outside), commit
   and wait are cp.async.commit_group and cp.async.wait_group.
-- signal is st.release.sys.global.u32, wait_for a loop of ld.acquire.sys.global.u32 until
-  the word is the value (sm_70 and newer): flags one device's kernel raises in another's memory.
 - A kernel's `resident` workgroups a multiprocessor become `.minnctapersm`: ptxas keeps each
   thread's registers within what lets that many run at once.
 
@@ -33,16 +31,16 @@ SHARED_LIMIT.
 """
 from poot.codegen.ptx_ops import Instructions, int_type, reg_bits, reg_class
 from poot.errors import ModelRefused
-from poot.kernels.lang import (ASYNC_COPY, BINARY, BOOL, COMPARE, F32, HALF2_ARITH, SPECIAL,
-                               SYSTEM_FLAGS, UNARY, WGMMA, AsyncProxyFence, Assign, Barrier,
-                               CopyAsync, CopyCommit, CopyWait, For, If, Let, Return, Signal,
-                               Store, VarDecl, WaitFor, Wgmma, WgmmaCommit, WgmmaFence, WgmmaWait)
+from poot.kernels.lang import (ASYNC_COPY, BINARY, BOOL, COMPARE, F32, HALF2_ARITH, SPECIAL, UNARY,
+                               WGMMA, AsyncProxyFence, Assign, Barrier, CopyAsync,
+                               CopyCommit, CopyWait, For, If, Let, Return, Store, VarDecl, Wgmma,
+                               WgmmaCommit, WgmmaFence, WgmmaWait)
 
 # What every sm_80+ device offers, in lang.py's capability names: the matrix operations are
 # ldmatrix (sm_75) and mma.sync m16n8k16 with f16 or bf16 operands (sm_80); cp.async (sm_80).
 PTX_CAPS = frozenset({"storage16", "storage8", "float16", "int16", "int64", "subgroup",
                       "subgroup_arith", "subgroup_shuffle", "shared", "fragment_load", "mma_f16",
-                      "mma_bf16", ASYNC_COPY, HALF2_ARITH, SYSTEM_FLAGS})
+                      "mma_bf16", ASYNC_COPY, HALF2_ARITH})
 
 # sm_90a adds the warpgroup matrix operations (wgmma and the fences around it), PTX ISA 8.0: a
 # kernel that uses them is rendered for sm_90a, which only an sm_90 device runs.
@@ -219,8 +217,6 @@ class _Renderer(Instructions):
                 self.ret()
             elif isinstance(stmt, Wgmma):
                 self.wgmma(stmt)
-            elif isinstance(stmt, (Signal, WaitFor)):
-                self.flag(stmt)
             else:
                 raise TypeError(f"unknown statement {stmt!r}")
 
@@ -322,20 +318,6 @@ class _Renderer(Instructions):
             where = f"[{address}+{offset}]" if offset else f"[{address}]"
             operands = f"{data}, {where}" if verb == "ld" else f"{where}, {data}"
             self.emit(f"{verb}.{space}{vector}.{_memory(dtype)} {operands};")
-
-    def flag(self, stmt):
-        """Signal: one release store at system scope. WaitFor: a loop of acquire loads at system
-        scope until the word equals the value."""
-        address, value = self.address(stmt.target, False, stmt.index), self.val(stmt.value)
-        if isinstance(stmt, Signal):
-            self.emit(f"st.release.sys.global.u32 [{address}], {value};")
-            return
-        self.labels += 1
-        n, word, differs = self.labels, self.temp("b32"), self.temp("pred")
-        self.label(f"$L{n}_wait")
-        self.emit(f"ld.acquire.sys.global.u32 {word}, [{address}];")
-        self.emit(f"setp.ne.u32 {differs}, {word}, {value};")
-        self.emit(f"@{differs} bra $L{n}_wait;")
 
     def copy_async(self, stmt):
         target, source = self.kernel.array(stmt.target, True), self.kernel.array(stmt.source, False)

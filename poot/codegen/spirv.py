@@ -28,9 +28,8 @@ from poot.codegen.spirv_module import (ACQUIRE_RELEASE_WORKGROUP_MEMORY, BLOCK, 
                                        STORAGE_BUFFER, VERSION_1_3, WORKGROUP, ModuleBuilder, inst,
                                        spv_dtype)
 from poot.errors import ModelRefused
-from poot.kernels.lang import (ASYNC_COPY, BOOL, F32, HALF2_ARITH, I32, MMA_CAPS, SYSTEM_FLAGS,
-                               U16, U32, U64, WGMMA, Assign, Barrier, For, If, Let, Return, Store,
-                               VarDecl)
+from poot.kernels.lang import (ASYNC_COPY, BOOL, F32, HALF2_ARITH, I32, MMA_CAPS, U16, U32, U64,
+                               WGMMA, Assign, Barrier, For, If, Let, Return, Store, VarDecl)
 
 TARGET = f"SPIR-V {VERSION_1_3 >> 16}.{VERSION_1_3 >> 8 & 0xFF}"
 
@@ -130,8 +129,7 @@ def _wide(dtype):
 
 
 # lang.py capabilities that SPIR-V (as rendered here) has no rendering of.
-UNRENDERED_CAPS = frozenset({"fragment_load", *MMA_CAPS.values(), ASYNC_COPY, HALF2_ARITH, WGMMA,
-                             SYSTEM_FLAGS})
+UNRENDERED_CAPS = frozenset({"fragment_load", *MMA_CAPS.values(), ASYNC_COPY, HALF2_ARITH, WGMMA})
 
 
 class _Renderer(ModuleBuilder):

@@ -70,7 +70,6 @@ class DeviceRunner(DeviceChoice, StepRunner):
         self._table_inputs = [name for name in TABLES if name in self.graph.inputs]
         self.has_logits = "logits" in self.graph.outputs
         self.peers = [self]         # the runners of a tensor group, in rank order (group.py)
-        self.flags = False          # its one-phase reductions wait on flags, not barriers
         self.two_phase_floats = TWO_PHASE_FLOATS
         self.long = False           # this step splits its attention (run() decides)
         self._step_rows = None      # the uploaded step's sequence rows (host), for attention
@@ -80,8 +79,6 @@ class DeviceRunner(DeviceChoice, StepRunner):
         # up, so that one mma_tiled reads both
         self.mma = runs_mma(self.graph, device.caps)
         self.steps, self.stacked = lower(self.graph, stack_glu=self.mma)
-        self._flag_slot = {id(op): k for k, op in enumerate(     # an all_reduce's flags' place
-            op for op in self.steps if op.kind == "all_reduce")}
         self.choice = KernelChoice(device, model, self.steps, self.stacked, max_tokens,
                                    max_seqs, self.mma)
         self._uses, self._slot_of, self._slot_sizes = assign_slots(
@@ -127,8 +124,6 @@ class DeviceRunner(DeviceChoice, StepRunner):
                                        "has no kernel")
                 for kernel in STEPS[step.kind].kernels(self, steps, i, long):
                     seen.setdefault(kernel.name, kernel)
-        if self.flags:
-            seen.setdefault("step_serial", ops.step_serial())
         if self.has_logits:
             seen.setdefault("logit_edits", choice.logit_edits())
             seen.setdefault("argmax_chunks", choice.argmax_chunks(sg))
@@ -200,8 +195,6 @@ class DeviceRunner(DeviceChoice, StepRunner):
                      ("edit_repeat", edits), ("edit_add", edits),
                      ("edit_mask_of", self.max_seqs),
                      ("edit_masks", self.max_seqs * self._mask_words())]
-        if self.flags:      # the step's serial, and a flag per reduction and rank (ops.all_reduce)
-            step += [("group_serial", 1), ("group_flags", len(self._flag_slot) * len(self.peers))]
         if "hidden" in self.graph.inputs:   # a pipeline stage's input, copied from the last
             step.append(("hidden", self.max_tokens * self.model.config.d_model))
         shared = {}
@@ -228,8 +221,6 @@ class DeviceRunner(DeviceChoice, StepRunner):
                                 self._allocations() if a.kind != "arenas")
         for a in self.allocations():
             self.buffers[a.name] = self.device.alloc(a.nbytes)
-            if a.name in ("group_serial", "group_flags"):       # flags start below serial 1
-                self.device.write(self.buffers[a.name], np.zeros(a.nbytes // 4, np.uint32))
         if self._staged():
             words = self._inputs_layout()
             self._host_inputs = self.device.host_array(sum(words.values()) * 4).view(np.int32)
@@ -350,8 +341,6 @@ class DeviceRunner(DeviceChoice, StepRunner):
         a tensor group can put its barrier between the ranks' partial sums or slices and their
         reduction or gathering (group.py)."""
         self._stage_inputs(T)
-        if self.flags:
-            self._launch(ops.step_serial(), (1,), self.buffers["group_serial"])
         long = self.mma and T >= self.choice.mma_min_tokens
         self._x16 = {"mma": None, "norm": None}
         for i, op in enumerate(self.steps):
@@ -616,41 +605,37 @@ class DeviceRunner(DeviceChoice, StepRunner):
         """The sum of the group's partials, plus the residual, into this rank's output; a
         generator that yields where the group must pass a barrier, returning what the norm_x16
         buffer holds after (as _launch_matvec). One phase: every rank sums the whole message
-        from every rank's partials; where `after`, the next matmul, reads the sum through a
-        norm on mma_vec, that launch makes its norm_x16 too (reduce_norm_x16), or on the tensor
-        cores (`long`, mma_tiled) the tiled x16, returning what mma_x16 holds. A group with
-        flags passes no barrier before the plain kernel: its flagged form orders the ranks.
-        Two phases (two_phase_floats or more): each rank sums its own slice, then, after a
-        barrier, copies the other slices from the ranks that summed them."""
-        rows, cols = self._shape(op.output, T, R)
-        n, world, residual = rows * cols, op.attrs["world"], op.attrs["residual"]
+        from every rank's partials; where `after`, the matmul that follows, reads the sum
+        through a norm on mma_vec, that one launch makes its norm_x16 too (reduce_norm_x16: a
+        launch fewer, two for each layer of a tensor group); in a step on the tensor cores
+        (`long`) where that matmul runs mma_tiled, it writes the tiled x16 instead and returns
+        what mma_x16 holds (as _launch_tiled). Two phases (messages of
+        two_phase_floats or more): each rank sums its own slice, then, after a barrier, copies
+        the other slices from the ranks that summed them, reading each peer's partial once
+        instead of whole."""
+        n = int(np.prod(self._shape(op.output, T, R)))
+        kernel = ops.all_reduce(op.attrs["world"], op.attrs["residual"])
         parts = [peer._buffer(op.inputs[0]) for peer in self.peers]
         rest = [self._buffer(t) for t in op.inputs[1:]] + [self._buffer(op.output)]
-        one_phase = n < self.two_phase_floats
-        tiled = (one_phase and after is not None and long
-                 and self.choice.mma_launch(self.choice.tiled_weight(after), rows))
-        prep = one_phase and after is not None and not long and self.choice.matvec(
-            after.weight, self.choice.group_of(after.weight, rows), after.variant)[2]
-        if one_phase and not tiled and not prep and self.flags:
-            self._launch(ops.all_reduce(world, residual, True), (-(-n // (4 * ops.WG)),),
-                         *parts, *rest, self.buffers["group_serial"],
-                         *(peer.buffers["group_flags"] for peer in self.peers),
-                         self._flag_slot[id(op)], self.peers.index(self), 0, n)
-            return None
         yield op
-        kernel = ops.all_reduce(world, residual)
-        if tiled:
-            dtype = self.choice.tiled_weight(after).dtype
-            self._launch(mma_vec.reduce_norm_x16(tiled_x16_format(dtype), world), (rows,),
-                         *parts, *rest, self._buffer(after.norm), self.buffers["mma_x16"], cols,
-                         after.eps)
-            return (after.x.name, after.norm.name, matmul.mma_operand(dtype))
-        if one_phase and not prep:
-            self._launch(kernel, (-(-n // (4 * ops.WG)),), *parts, *rest, 0, n)
-            return None
-        if one_phase:
+        if n < self.two_phase_floats:
+            rows, cols = self._shape(op.output, T, R)
+            prep = None
+            if after is not None and long:
+                dtype = self.choice.tiled_weight(after).dtype
+                if self.choice.mma_launch(self.choice.tiled_weight(after), rows):
+                    self._launch(mma_vec.reduce_norm_x16(tiled_x16_format(dtype), len(parts)),
+                                 (rows,), *parts, *rest, self._buffer(after.norm),
+                                 self.buffers["mma_x16"], cols, after.eps)
+                    return (after.x.name, after.norm.name, matmul.mma_operand(dtype))
+            elif after is not None:
+                prep = self.choice.matvec(after.weight, self.choice.group_of(after.weight, rows),
+                                    after.variant)[2]
+            if prep is None:
+                self._launch(kernel, (-(-n // (4 * ops.WG)),), *parts, *rest, 0, n)
+                return None
             x, gain, x16 = rest[-1], self._buffer(after.norm), self.buffers["norm_x16"]
-            self._launch(mma_vec.reduce_norm_x16(after.weight.dtype, world), (rows,),
+            self._launch(mma_vec.reduce_norm_x16(after.weight.dtype, len(parts)), (rows,),
                          *parts, *rest, gain, x16, cols, after.eps)
             return (x, gain, prep.name)
         slices = [(a * 4, b * 4) for a, b in placement.even(n // 4, len(self.peers))]
@@ -751,8 +736,6 @@ def _reduce_kernels(runner, steps, i, long):
     op, choice = steps[i], runner.choice
     world, after = op.attrs["world"], normed_after(steps, i)
     out = [ops.all_reduce(world, op.attrs["residual"])]
-    if runner.flags:
-        out.append(ops.all_reduce(world, op.attrs["residual"], True))
     if after is not None and long and choice.mma_launches(after):
         out.append(mma_vec.reduce_norm_x16(tiled_x16_format(choice.tiled_weight(after).dtype),
                                            world))

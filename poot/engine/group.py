@@ -11,10 +11,7 @@ runner's allocation list. A GroupRunner steps them together:
   barrier per reduction is enough: a rank refills a buffer only after the next barrier, which
   every rank passes only after its reduction from that buffer. From three devices on, long
   messages reduce in two phases (each rank sums its slice; after a second barrier it copies the
-  others' slices). On a group with flags (ptx) a one-phase reduction that is the all_reduce
-  kernel alone passes no barrier: its flagged form orders the ranks on the devices (each raises
-  a flag in the others' memory, at the step's serial, and waits for theirs), so no event crosses
-  devices between a step's start and end. Each rank computes the logits of its rows of the output head (the vocabulary)
+  others' slices). Each rank computes the logits of its rows of the output head (the vocabulary)
   into a buffer of its own; after one more barrier rank 0 copies every rank's slice into its
   columns of the logits (an all_gather) and samples. A rank rewrites its slice only after the
   next step's first barrier, which it passes only after rank 0 has done that copy, so one buffer
@@ -86,7 +83,6 @@ class GroupRunner(StepRunner):
         if kind == "tensor":
             for runner in self.runners:
                 runner.peers = self.runners
-                runner.flags = "flags" in group.features
                 if len(self.runners) < 3:       # two phases read no less from one peer
                     runner.two_phase_floats = math.inf
         self.head = next(r for r in self.runners if r.has_logits)

@@ -52,8 +52,6 @@ MMA_CAPS = {"f16": "mma_f16", "bf16": "mma_bf16"}
 ASYNC_COPY = "async_copy"
 # The capability of the warpgroup matrix operations (KernelBuilder.wgmma and its fences).
 WGMMA = "wgmma"
-# Flags between devices' kernels (KernelBuilder.signal and wait_for), and their capability.
-SYSTEM_FLAGS = "system_flags"
 # Arithmetic on two f16 lanes of a u32 word (KernelBuilder.half2), and its capability.
 HALF2 = {"sub": 2, "mul": 2, "fma": 3}
 HALF2_ARITH = "half2_arith"
@@ -252,25 +250,6 @@ class WgmmaWait:
     """Waits until at most `pending` of this warpgroup's committed groups are running: the
     accumulators of the others may be read, their shared operands overwritten."""
     pending: int
-
-
-@dataclass(frozen=True)
-class Signal:
-    """Stores u32 `value` at `target`[index] with release semantics at system scope: what this
-    thread's device wrote before (its earlier kernels' results too) is visible to any device's
-    thread that reads the value with WaitFor."""
-    target: str
-    index: Value
-    value: Value
-
-
-@dataclass(frozen=True)
-class WaitFor:
-    """This thread reads u32 `target`[index] with acquire semantics at system scope until it
-    equals `value`."""
-    target: str
-    index: Value
-    value: Value
 
 
 @dataclass(frozen=True)
@@ -526,20 +505,6 @@ class KernelBuilder:
 
     def return_(self):
         self.emit(Return())
-
-    def signal(self, buffer, index, value):
-        """See Signal: buffer (u32, another device's memory or this one's) [index] = value."""
-        self._flag(Signal, buffer, index, value)
-
-    def wait_for(self, buffer, index, value):
-        """See WaitFor: waits until buffer (u32) [index] == value."""
-        self._flag(WaitFor, buffer, index, value)
-
-    def _flag(self, kind, buffer, index, value):
-        if isinstance(buffer, SharedArray) or buffer.param.dtype != U32:
-            raise TypeError(f"{kind.__name__.lower()} on {buffer.param.name}: a u32 buffer")
-        self.caps.add(SYSTEM_FLAGS)
-        self.emit(kind(buffer.param.name, self.coerce(index, I32), self.coerce(value, U32)))
 
     # -- asynchronous copies ---------------------------------------------------------------------
     def copy_async(self, array, index, buffer, source, inside=None):

@@ -637,36 +637,15 @@ def attention_combine(head_dim):
 
 
 @cache
-def all_reduce(world, residual=False, flagged=False):
+def all_reduce(world, residual=False):
     """out[i] = residual[i] + part_0[i] + ... + part_{world-1}[i] for start <= i < stop, four
     elements a thread: the partial sums of a device group's ranks, each read from its own
     device's memory (peer access). Every rank adds in rank order, so the sums agree bit for bit
-    on every device. start, stop multiples of 4; grid (ceil((stop - start) / (4 WG))).
-
-    flagged: the ranks order themselves, with no barrier between their launches. Each
-    workgroup's first thread raises flag[slot][rank] to the step's serial in every other rank's
-    flags (its own partial is complete: this kernel runs after the one that wrote it) and waits
-    until its own flags hold the serial from every other rank; the partials are then read
-    coherently (written while this kernel may already run)."""
-    k = KernelBuilder(f"all_reduce_w{world}" + "_residual" * residual + "_flagged" * flagged,
-                      (WG,))
-    parts = [k.buffer(f"part{j}", F32, "rw" if flagged else "r") for j in range(world)]
+    on every device. start, stop multiples of 4; grid (ceil((stop - start) / (4 WG)))."""
+    k = KernelBuilder(f"all_reduce_w{world}" + "_residual" * residual, (WG,))
+    parts = [k.buffer(f"part{j}", F32) for j in range(world)]
     res = k.buffer("residual", F32) if residual else None
     out = k.buffer("out", F32, "w")
-    if flagged:
-        serial = k.buffer("serial", U32)[0]
-        flags = [k.buffer(f"flags{j}", U32, "rw") for j in range(world)]
-        slot, rank = k.scalar("slot", I32), k.scalar("rank", I32)
-        with k.if_(k.thread_id().eq(0)):
-            for j in range(world):
-                with k.if_(rank.ne(j)):
-                    k.signal(flags[j], slot * world + rank, serial)
-            for r in range(world):
-                with k.if_(rank.eq(r)):
-                    for j in range(world):
-                        if j != r:
-                            k.wait_for(flags[r], slot * world + j, serial)
-        k.barrier()
     start, stop = k.scalar("start", I32), k.scalar("stop", I32)
     i = start + (k.block_id() * WG + k.thread_id()) * 4
     with k.if_(i < stop):
@@ -676,17 +655,6 @@ def all_reduce(world, residual=False, flagged=False):
         if residual:
             total = [a + b for a, b in zip(res.load(i, 4), total)]
         out.store(i, *total)
-    return k.build()
-
-
-@cache
-def step_serial():
-    """serial[0] += 1: a tensor group's step number on each rank (all_reduce's flagged form),
-    the first launch of every step."""
-    k = KernelBuilder("step_serial", (32,))
-    serial = k.buffer("serial", U32, "rw")
-    with k.if_(k.thread_id().eq(0)):
-        serial[0] = serial[0] + 1
     return k.build()
 
 

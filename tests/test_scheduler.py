@@ -185,6 +185,20 @@ def test_a_stop_string_found_while_the_next_step_runs_drops_its_token_and_frees_
     assert engine.stats().generation_tokens_total == k + 1 + 30
 
 
+def test_min_tokens_holds_off_stop_strings(model):
+    """vLLM's min_tokens: a stop string ends the reply only from the n-th token on."""
+    prompt = prompts(model, [4], seed=2)[0]
+    texts = [o.text for o in make_engine(model).generate(prompt, greedy(24))]
+    full = "".join(texts)
+    k = next(k for k in range(2, 20) if texts[k] and full.count(texts[k]) == 1)
+    stop = texts[k]
+    held = list(make_engine(model).generate(prompt, greedy(24, stop=(stop,), min_tokens=k + 2)))
+    assert "".join(o.text for o in held) == full and held[-1].finish_reason == "length"
+    armed = list(make_engine(model).generate(prompt, greedy(24, stop=(stop,), min_tokens=k + 1)))
+    assert "".join(o.text for o in armed) == "".join(texts[:k])
+    assert armed[-1].finish_reason == "stop"
+
+
 def test_a_stop_token_ends_generation_and_is_counted_but_not_written(model):
     prompt = prompts(model, [6], seed=3)[0]
     generated = alone(model, prompt, greedy(12))

@@ -191,13 +191,15 @@ class StopText:
                 ends.setdefault(stop[k - 1], set()).add(k)
         self._ends = {c: sorted(ks, reverse=True) for c, ks in ends.items()}
 
-    def push(self, piece):
-        """Add text; return (text now final, whether a stop string was found)."""
+    def push(self, piece, armed=True):
+        """Add text; return (text now final, whether a stop string was found). Not `armed`
+        (within min_tokens) no stop string is looked for, but the text that may start one is
+        still held back: one that ends after the arming is found then."""
         self.pending += piece
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0] if armed else []
         if hits:
             out, self.pending = self.pending[:min(hits)], ""
             return out, True
@@ -339,7 +341,9 @@ class Sequence:
             # Held-back text was waiting to see if it starts a stop string; now it is final.
             text = self._flush_text()
         else:
-            text, hit = self.stop_text.push(self.decoder.push(token_id))
+            # vLLM's min_tokens: no stop string ends a reply before that many tokens
+            text, hit = self.stop_text.push(self.decoder.push(token_id),
+                                            self.num_generated >= self.params.min_tokens)
             if hit:
                 self.finish_reason = "stop"
             elif self.finish_reason == "length":

@@ -190,7 +190,7 @@ class Handler(BaseHTTPRequestHandler):
         for a line end that may never come."""
         try:
             head = self.rfile.peek(1)
-        except (TimeoutError, OSError):
+        except OSError:                 # a timeout included: idle this long, closed
             self.close_connection = True
             return
         if head and not METHOD.match(head):

@@ -169,6 +169,29 @@ typedef struct CUlaunchConfig_st {
 CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                           void **extra);
 
+/* Tensor maps (sm_90): the opaque CUtensorMap and the enums cuTensorMapEncodeTiled takes, with
+   the values poot passes named. */
+typedef struct CUtensorMap_st { unsigned long long opaque[16]; } CUtensorMap;
+typedef enum CUtensorMapDataType_enum { CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1 } CUtensorMapDataType;
+typedef enum CUtensorMapInterleave_enum {
+    CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+} CUtensorMapInterleave;
+typedef enum CUtensorMapSwizzle_enum { CU_TENSOR_MAP_SWIZZLE_128B = 3 } CUtensorMapSwizzle;
+typedef enum CUtensorMapL2promotion_enum {
+    CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
+} CUtensorMapL2promotion;
+typedef enum CUtensorMapFloatOOBfill_enum {
+    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0
+} CUtensorMapFloatOOBfill;
+CUresult cuTensorMapEncodeTiled(CUtensorMap *tensorMap, CUtensorMapDataType tensorDataType,
+                                unsigned int tensorRank, void *globalAddress,
+                                const unsigned long long *globalDim,
+                                const unsigned long long *globalStrides,
+                                const unsigned int *boxDim, const unsigned int *elementStrides,
+                                CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
+                                CUtensorMapL2promotion l2Promotion,
+                                CUtensorMapFloatOOBfill oobFill);
+
 CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags);
 CUresult cuStreamDestroy_v2(CUstream hStream);
 CUresult cuStreamSynchronize(CUstream hStream);
@@ -192,7 +215,8 @@ CUresult cuGraphDestroy(CUgraph hGraph);
 # The declared enums' names, as module constants (CU_DEVICE_ATTRIBUTE_WARP_SIZE, ...).
 for _enum in ("CUdevice_attribute", "CUjit_option", "CUfunction_attribute", "CUstream_flags",
               "CUevent_flags", "CUstreamCaptureMode", "CUgraphInstantiate_flags",
-              "CUlaunchAttributeID"):
+              "CUlaunchAttributeID", "CUtensorMapDataType", "CUtensorMapInterleave",
+              "CUtensorMapSwizzle", "CUtensorMapL2promotion", "CUtensorMapFloatOOBfill"):
     globals().update(ffi.typeof(_enum).relements)
 
 
@@ -432,6 +456,25 @@ class Driver:
         config.attrs, config.numAttrs = attribute, 1
         self._check("cuLaunchKernelEx",
                     self.lib.cuLaunchKernelEx(config, function, params.array, ffi.NULL))
+
+    def tensor_map_encode_tiled(self, data_type, address, dims, strides, box, swizzle,
+                                l2_promotion):
+        """A CUtensorMap (16 u64 words, a launch parameter as they are) of the tiled tensor at
+        device `address`: `dims` elements innermost first, `strides` bytes between the rows of
+        each dimension past the first, read in boxes of `box`; no interleave, zeros past the
+        tensor."""
+        rank = len(dims)
+        room = ffi.new("char[]", 128 + 64)          # the map is aligned to 64 bytes in cuda.h
+        start = int(ffi.cast("uintptr_t", room))
+        tensor_map = ffi.cast("CUtensorMap *", start + -start % 64)
+        self._check("cuTensorMapEncodeTiled", self.lib.cuTensorMapEncodeTiled(
+            tensor_map, data_type, rank, ffi.cast("void *", address),
+            ffi.new("unsigned long long[]", list(dims)),
+            ffi.new("unsigned long long[]", list(strides)),
+            ffi.new("unsigned int[]", list(box)), ffi.new("unsigned int[]", [1] * rank),
+            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, l2_promotion,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+        return tuple(tensor_map.opaque)
 
     # Streams and events.
     def stream_create(self, flags=CU_STREAM_DEFAULT):

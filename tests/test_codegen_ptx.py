@@ -691,11 +691,39 @@ def test_async_copies_into_dynamic_shared_memory():
     assert dynamic_shared_bytes(MMA_CASES["mma_f16"](np.random.default_rng(0)).kernel) == 0
 
 
+def test_tensor_copies_render_with_their_maps_and_barriers():
+    """mma_tiled's tensor-copy pipeline: its maps are trailing 128-byte parameters aligned to
+    64 whose generic addresses the copies name, each ring slot's barrier is set up once and
+    waited on by parity, W's two boxes and x's complete the expected bytes of a step (128 rows
+    of W and `tokens` of x, 128 bytes each), and only sm_90a renders it."""
+    kernel = matmul.mma_tiled("BF16", tokens=64, stages=4, x16=True, wgmma=True, in_flight=1,
+                              tensor_copy=True)
+    assert [(m.buffer, m.cols, m.rows, m.box_rows) for m in kernel.maps] == \
+        [("w_values", "cols", "rows", 64), ("x16", "cols", "n_tokens", 64)]
+    assert kernel_params(kernel)[-2:] == [("w_map", "tensor_map"), ("x_map", "tensor_map")]
+    text = render_ptx(kernel, 90)
+    assert ".param .align 64 .b8 param_w_map[128],\n    .param .align 64 .b8 param_x_map[128]\n" \
+        in text
+    assert "cvta.param.u64 %map_x_map, %map_x_map;" in text
+    assert text.count("mbarrier.init.shared::cta.b64") == 4          # a slot each
+    assert "mbarrier.arrive.expect_tx.shared::cta.b64" in text
+    assert f"], {(128 + 64) * 128};" in text
+    # three boxes a step: the two steps started before the loop and the one in it
+    assert text.count("cp.async.bulk.tensor.2d.shared::cluster.global.tile") == 9
+    assert "mbarrier.try_wait.parity.shared::cta.b64" in text and "cp.async.cg" not in text
+    for sm in (80, 100):
+        with pytest.raises(ModelRefused, match=f"needs tensor_copy, wgmma, which PTX for sm_{sm}"):
+            render_ptx(kernel, sm)
+    with pytest.raises(ValueError, match="in_flight"):
+        matmul.mma_tiled("F16", stages=4, x16=True, wgmma=True, tensor_copy=True)
+
+
 def test_wgmma_is_sm_90a_only_and_its_tiles_aligned():
     """A kernel with warpgroup matrix operations renders for sm_90a (PTX ISA 8.0) and is
     refused elsewhere; its shared arrays start at their alignment (1024: wgmma's swizzle)
     statically and in the dynamic array, whose own alignment is the largest."""
-    assert ptx_caps(90) == PTX_CAPS | {lang.WGMMA} and ptx_caps(80) == ptx_caps(100) == PTX_CAPS
+    assert ptx_caps(90) == PTX_CAPS | {lang.WGMMA, lang.TENSOR_COPY}
+    assert ptx_caps(80) == ptx_caps(100) == PTX_CAPS
     kernel = matmul.mma_tiled("F16", tokens=32, stages=4, x16=True, wgmma=True)
     text = render_ptx(kernel, 90)
     assert ".version 8.0\n.target sm_90a\n" in text

@@ -19,6 +19,7 @@ from drivers import DriverError, LibraryNotFound
 from drivers import cuda
 
 from ..codegen.ptx import dynamic_shared_bytes, ptx_caps, render_ptx
+from ..kernels.lang import BOX_COLS
 from . import Device, DeviceGroup, workgroups
 from ..errors import BackendUnavailable, NoSuchDevice, PlacementRefused
 
@@ -28,6 +29,9 @@ SCALAR_CTYPES = {"i32": "int32_t", "u32": "uint32_t", "f32": "float"}
 # counts every buffer as whole pages: an upper bound, which the post-allocation check
 # (engine/plan.py) compares with what cuMemGetInfo says was taken.
 ALLOCATION_GRANULARITY = 2 << 20
+# Tensor maps encoded once and kept (a map is 128 bytes; a prefill's matmuls make a few per
+# weight and token count).
+TENSOR_MAPS_KEPT = 4096
 _thread = threading.local()     # .context: the context current on this thread, as poot set it
 
 
@@ -85,6 +89,7 @@ class PtxDevice(Device):
         self.allocated = 0
         self._pinned = []           # host_array memory
         self._timed = None
+        self._tensor_maps = {}      # (pointer, cols, rows, box rows) -> CUtensorMap words
 
     def lane(self):
         """The device with a stream of its own (a pipeline lane, engine/group.py): work issued
@@ -180,7 +185,8 @@ class PtxDevice(Device):
         return function
 
     def launch(self, function, kernel, grid, args):
-        """One launch in stream order; args follow kernel.params (buffers, then Python scalars)."""
+        """One launch in stream order; args follow kernel.params (buffers, then Python scalars),
+        and the kernel's tensor maps are made from them."""
         grid = workgroups(kernel, grid)
         self._current()
         typed = []
@@ -189,6 +195,10 @@ class PtxDevice(Device):
                 typed.append(("CUdeviceptr", arg.pointer))
             else:
                 typed.append((SCALAR_CTYPES[param.dtype.name], arg))
+        if kernel.maps:
+            named = {param.name: arg for param, arg in zip(kernel.params, args)}
+            typed += [("CUtensorMap", {"opaque": self._tensor_map(m, named)})
+                      for m in kernel.maps]
         params = cuda.KernelParams(*typed)
         shared = dynamic_shared_bytes(kernel)
         if self._timed is None:
@@ -201,6 +211,26 @@ class PtxDevice(Device):
         self.cu.launch_kernel(function, grid, kernel.workgroup, params, shared, self.stream)
         self.cu.event_record(end, self.stream)
         self._timed.append((kernel.name, start, end))
+
+    def _tensor_map(self, tensor_map, named):
+        """The CUtensorMap words of a kernel's TensorMap (lang.py) over this launch's buffer: 16-bit
+        values, rows `cols` values apart, boxes of BOX_COLS x box_rows swizzled in 128 bytes."""
+        buffer = named[tensor_map.buffer]
+        cols, rows = named[tensor_map.cols], named[tensor_map.rows]
+        key = (buffer.pointer, cols, rows, tensor_map.box_rows)
+        words = self._tensor_maps.get(key)
+        if words is None:
+            if buffer.pointer % 16 or cols % 8:
+                raise ValueError(f"tensor map {tensor_map.name}: the buffer at {buffer.pointer:#x} "
+                                 f"and its rows of {cols} values must be 16-byte aligned")
+            words = self.cu.tensor_map_encode_tiled(
+                cuda.CU_TENSOR_MAP_DATA_TYPE_UINT16, buffer.pointer, (cols, rows), (2 * cols,),
+                (BOX_COLS, tensor_map.box_rows), cuda.CU_TENSOR_MAP_SWIZZLE_128B,
+                cuda.CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
+            if len(self._tensor_maps) >= TENSOR_MAPS_KEPT:
+                self._tensor_maps.clear()
+            self._tensor_maps[key] = words
+        return words
 
     def start_timing(self):
         """Times every launch from now on with a pair of events (--device-timing)."""

@@ -21,6 +21,10 @@ Statements and memory (the operations on values, and their numerics, are ptx_ops
   (ptx_caps), the module then .target sm_90a, PTX ISA 8.0.
 - copy_async is cp.async.cg (16 bytes, L2 only; a src-size of 0 where it is outside), commit
   and wait are cp.async.commit_group and cp.async.wait_group.
+- tensor_load is cp.async.bulk.tensor.2d (the tensor copy unit, sm_90a) completing bytes of an
+  mbarrier (barrier_init, barrier_expect and barrier_wait: mbarrier.init, arrive.expect_tx and
+  a try_wait.parity loop). A TensorMap is a trailing `.param .align 64 .b8 [128]` whose generic
+  address (cvta.param) the copies name; the launcher fills it (CUtensorMap).
 - A kernel's `resident` workgroups a multiprocessor become `.minnctapersm`: ptxas keeps each
   thread's registers within what lets that many run at once.
 
@@ -31,9 +35,10 @@ SHARED_LIMIT.
 """
 from poot.codegen.ptx_ops import Instructions, int_type, reg_bits, reg_class
 from poot.errors import ModelRefused
-from poot.kernels.lang import (ASYNC_COPY, BINARY, BOOL, COMPARE, F32, HALF2_ARITH, SPECIAL, UNARY,
-                               WGMMA, AsyncProxyFence, Assign, Barrier, CopyAsync,
-                               CopyCommit, CopyWait, For, If, Let, Return, Store, VarDecl, Wgmma,
+from poot.kernels.lang import (ASYNC_COPY, BINARY, BOOL, COMPARE, F32, HALF2_ARITH, SPECIAL,
+                               TENSOR_COPY, UNARY, WGMMA, AsyncProxyFence, Assign, Barrier,
+                               BarrierExpect, BarrierInit, BarrierWait, CopyAsync, CopyCommit,
+                               CopyWait, For, If, Let, Return, Store, TensorLoad, VarDecl, Wgmma,
                                WgmmaCommit, WgmmaFence, WgmmaWait)
 
 # What every sm_80+ device offers, in lang.py's capability names: the matrix operations are
@@ -42,14 +47,18 @@ PTX_CAPS = frozenset({"storage16", "storage8", "float16", "int16", "int64", "sub
                       "subgroup_arith", "subgroup_shuffle", "shared", "fragment_load", "mma_f16",
                       "mma_bf16", ASYNC_COPY, HALF2_ARITH})
 
-# sm_90a adds the warpgroup matrix operations (wgmma and the fences around it), PTX ISA 8.0: a
-# kernel that uses them is rendered for sm_90a, which only an sm_90 device runs.
+# sm_90a adds the warpgroup matrix operations (wgmma and the fences around it) and the tensor
+# copies with their mbarriers, PTX ISA 8.0: a kernel that uses them is rendered for sm_90a,
+# which only an sm_90 device runs.
 WGMMA_SM, WGMMA_VERSION = 90, "8.0"
+HOPPER_CAPS = frozenset({WGMMA, TENSOR_COPY})
+# A TensorMap parameter: the driver's opaque CUtensorMap, 128 bytes aligned to 64.
+TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 64
 
 
 def ptx_caps(sm):
     """What PTX offers a device of sm_`sm` (lang.py's capability names)."""
-    return PTX_CAPS | {WGMMA} if sm == WGMMA_SM else PTX_CAPS
+    return PTX_CAPS | HOPPER_CAPS if sm == WGMMA_SM else PTX_CAPS
 
 
 # The lowest PTX ISA version that names each target; the instructions rendered here need 7.0
@@ -78,8 +87,9 @@ _ONE_INSTRUCTION = {
 
 def kernel_params(kernel):
     """(name, ctype) per kernel parameter, in order: buffers are u64 device pointers, scalars
-    i32/u32/f32."""
-    return [(p.name, "u64" if p.kind == "buffer" else p.dtype.name) for p in kernel.params]
+    i32/u32/f32, then the tensor maps (CUtensorMap)."""
+    return [(p.name, "u64" if p.kind == "buffer" else p.dtype.name) for p in kernel.params] + \
+        [(m.name, "tensor_map") for m in kernel.maps]
 
 
 def _shared_offsets(kernel):
@@ -148,12 +158,18 @@ class _Renderer(Instructions):
                 self.registers[pointer] = "b64"
                 self.emit(f"ld.param.u64 {pointer}, [param_{p.name}];")
                 self.emit(f"cvta.to.global.u64 {pointer}, {pointer};")
+        for m in k.maps:
+            self.registers[f"%map_{m.name}"] = "b64"
+            self.emit(f"mov.b64 %map_{m.name}, param_{m.name};")
+            self.emit(f"cvta.param.u64 %map_{m.name}, %map_{m.name};")
         self.block(k.body)
         self.ret()
 
         params = [f"    .param .{'u64' if p.kind == 'buffer' else _SCALAR_PARAM[p.dtype.name]} "
                   f"param_{p.name}" for p in k.params]
-        wgmma = WGMMA in k.caps
+        params += [f"    .param .align {TENSOR_MAP_ALIGN} .b8 param_{m.name}[{TENSOR_MAP_BYTES}]"
+                   for m in k.maps]
+        wgmma = bool(HOPPER_CAPS & k.caps)
         version = WGMMA_VERSION if wgmma else PTX_VERSION[self.sm]
         align = max((a.align for a in k.shared), default=16)
         out = [f"// {k.name}: rendered by poot.codegen.ptx",
@@ -217,6 +233,8 @@ class _Renderer(Instructions):
                 self.ret()
             elif isinstance(stmt, Wgmma):
                 self.wgmma(stmt)
+            elif isinstance(stmt, (BarrierInit, BarrierExpect, BarrierWait, TensorLoad)):
+                self.tensor_copy(stmt)
             else:
                 raise TypeError(f"unknown statement {stmt!r}")
 
@@ -330,6 +348,33 @@ class _Renderer(Instructions):
             size = self.temp("b32")
             self.emit(f"selp.u32 {size}, 16, 0, {self.val(stmt.inside)};")
         self.emit(f"cp.async.cg.shared.global [{to}], [{at}], 16, {size};")
+
+    def tensor_copy(self, stmt):
+        """The tensor copies and their transaction barriers (mbarrier.*, .shared::cta)."""
+        if isinstance(stmt, TensorLoad):
+            to = self.address(stmt.target, True, stmt.index)
+            bar = self.address(stmt.barrier, True, stmt.barrier_index)
+            self.emit(f"cp.async.bulk.tensor.2d.shared::cluster.global.tile"
+                      f".mbarrier::complete_tx::bytes [{to}], [%map_{stmt.map}, "
+                      f"{{{self.val(stmt.col)}, {self.val(stmt.row)}}}], [{bar}];")
+            return
+        bar = self.address(stmt.target, True, stmt.index)
+        if isinstance(stmt, BarrierInit):
+            self.emit(f"mbarrier.init.shared::cta.b64 [{bar}], {stmt.count};")
+            # the barrier as set up is what the copy unit (the async proxy) sees too
+            self.emit("fence.mbarrier_init.release.cluster;")
+            self.emit("fence.proxy.async.shared::cta;")
+        elif isinstance(stmt, BarrierExpect):
+            state = self.temp("b64")
+            self.emit(f"mbarrier.arrive.expect_tx.shared::cta.b64 {state}, [{bar}], "
+                      f"{stmt.nbytes};")
+        else:
+            self.labels += 1
+            done = self.temp("pred")
+            self.label(f"$L{self.labels}_wait")
+            self.emit(f"mbarrier.try_wait.parity.shared::cta.b64 {done}, [{bar}], "
+                      f"{self.val(stmt.parity)};")
+            self.emit(f"@!{done} bra $L{self.labels}_wait;")
 
     def wgmma(self, stmt):
         """The accumulators are the Vars' own registers, written in place: no copy of them may

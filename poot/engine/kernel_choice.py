@@ -13,7 +13,7 @@ from collections import Counter
 
 from ..formats.quants import QUANTS
 from ..kernels import flash, matmul, mma_vec, ops
-from ..kernels.lang import WGMMA
+from ..kernels.lang import TENSOR_COPY, WGMMA
 from .lowering import next_matmul, part_rows
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
@@ -54,22 +54,19 @@ def mma_choice(dtype, caps=frozenset(), tokens=matmul.MMA_TOKENS):
     """(mma_tiled keywords, mma_launch split policy) of the tensor-core matmul of a weight
     format on a device of `caps`, for a launch of the token tile `tokens`: F16 and BF16 weights
     stream through a ring of asynchronous copies (three stages) with x rounded once beforehand
-    (mma_x16), their splits kept to one wave of two workgroups a multiprocessor; where the
-    device has wgmma (sm_90a) the products run on it, from four stages for the 32- and 64-token
-    tiles, whose steps are short, and three for 128; long steps take 256-token tiles there
-    (mma_launch's `wide`), four stages deep with one step's wgmma kept running while the next
-    is waited for (`in_flight`: the tile alone on its multiprocessor has no neighbour to hide
-    the wait). The formats decoded in the kernel keep the register pipeline (their words are
-    not operands as they are)."""
+    (mma_x16), their splits kept to one wave of two workgroups a multiprocessor. Where the
+    device has wgmma and the tensor copies (sm_90a) the products run on it, fed by tensor
+    copies with one step's wgmma kept running while the next is waited for (`in_flight`); long
+    steps take 256-token tiles there (mma_launch's `wide`), four stages deep (what shared
+    memory holds), the 128-token tile five and the shorter ones four. The formats decoded in
+    the kernel keep the register pipeline (their words are not operands as they are)."""
     if dtype not in ("F16", "BF16"):
         return {}, {}
     policy = {"per_sm": 2, "one_wave": True}
-    if WGMMA in caps:
-        if tokens == matmul.WIDE_TOKENS:
-            return {"stages": 4, "x16": True, "wgmma": True, "in_flight": 1}, \
-                dict(policy, wide=True)
-        return {"stages": 4 if tokens < matmul.MMA_TOKENS else 3, "x16": True,
-                "wgmma": True}, dict(policy, wide=True)
+    if WGMMA in caps and TENSOR_COPY in caps:
+        stages = 5 if tokens == matmul.MMA_TOKENS else 4
+        return {"stages": stages, "x16": True, "wgmma": True, "in_flight": 1,
+                "tensor_copy": True}, dict(policy, wide=True)
     return {"stages": 3, "x16": True}, policy
 
 

@@ -52,6 +52,9 @@ MMA_CAPS = {"f16": "mma_f16", "bf16": "mma_bf16"}
 ASYNC_COPY = "async_copy"
 # The capability of the warpgroup matrix operations (KernelBuilder.wgmma and its fences).
 WGMMA = "wgmma"
+# The capability of Hopper's tensor copies: tensor_map, tensor_load and the transaction barriers
+# they complete (KernelBuilder.barrier_init, barrier_expect, barrier_wait).
+TENSOR_COPY = "tensor_copy"
 # Arithmetic on two f16 lanes of a u32 word (KernelBuilder.half2), and its capability.
 HALF2 = {"sub": 2, "mul": 2, "fma": 3}
 HALF2_ARITH = "half2_arith"
@@ -75,6 +78,23 @@ class Param:
     dtype: DType
     kind: str            # "buffer" or "scalar"
     access: str = "r"
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """A buffer of 16-bit values seen as a matrix of `rows` x `cols` (the names of two scalar
+    parameters; a row `cols` values long) for tensor_load, which copies boxes of `box_rows`
+    rows x BOX_COLS values. It is no parameter the caller passes: the launcher builds it from
+    the buffer's and the scalars' arguments."""
+    name: str
+    buffer: str
+    cols: str
+    rows: str
+    box_rows: int
+
+
+# A tensor_load box's row: 64 16-bit values, 128 bytes, the span of wgmma's 128-byte swizzle.
+BOX_COLS = 64
 
 
 @dataclass(frozen=True)
@@ -253,6 +273,44 @@ class WgmmaWait:
 
 
 @dataclass(frozen=True)
+class BarrierInit:
+    """Sets up transaction barrier `target`[index] for `count` arrivals a phase."""
+    target: str
+    index: Value
+    count: int
+
+
+@dataclass(frozen=True)
+class BarrierExpect:
+    """Arrives at transaction barrier `target`[index], raising the bytes its phase waits for
+    by `nbytes`."""
+    target: str
+    index: Value
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BarrierWait:
+    """Waits for the phase of `parity` of transaction barrier `target`[index] to complete."""
+    target: str
+    index: Value
+    parity: Value
+
+
+@dataclass(frozen=True)
+class TensorLoad:
+    """Starts copying the box of tensor map `map` at (row, col) into shared `target` from
+    element `index`, completing bytes of transaction barrier `barrier`[barrier_index]."""
+    map: str
+    target: str
+    index: Value
+    col: Value
+    row: Value
+    barrier: str
+    barrier_index: Value
+
+
+@dataclass(frozen=True)
 class Return:
     """This thread stops (no barrier may follow for threads that returned)."""
 
@@ -321,6 +379,7 @@ class Kernel:
     caps: frozenset
     n_values: int
     resident: int = 1    # workgroups a multiprocessor should hold at once (a register budget)
+    maps: tuple = ()     # TensorMaps, after the parameters
 
     @property
     def shared_bytes(self):
@@ -357,7 +416,7 @@ class KernelBuilder:
         self.name = _named(name)
         self.workgroup = tuple(workgroup) + (1,) * (3 - len(workgroup))
         self.resident = resident
-        self.params, self.shared_arrays = [], []
+        self.params, self.shared_arrays, self.maps = [], [], []
         self.caps = set()
         self._blocks = [[]]
         self._next = 0
@@ -671,6 +730,55 @@ class KernelBuilder:
         self.caps.add(WGMMA)
         self.emit(WgmmaWait(int(pending)))
 
+    # -- tensor copies (sm_90) -------------------------------------------------------------------
+    def tensor_map(self, name, buffer, cols, rows, box_rows):
+        """A TensorMap of `buffer` (16-bit values in u32 words) whose shape is the scalar
+        parameters named `cols` and `rows`, read in boxes of `box_rows` rows (at most 256)."""
+        scalars = {p.name for p in self.params if p.kind == "scalar"}
+        if cols not in scalars or rows not in scalars:
+            raise ValueError(f"tensor_map {name}: {cols} and {rows} must be scalar parameters")
+        if not 1 <= box_rows <= 256:
+            raise ValueError(f"tensor_map {name}: a box has 1 to 256 rows, not {box_rows}")
+        if any(m.name == name for m in self.maps) or any(p.name == name for p in self.params):
+            raise ValueError(f"tensor map {name!r} declared twice")
+        self.caps.add(TENSOR_COPY)
+        tensor_map = TensorMap(_named(name), buffer.param.name, cols, rows, int(box_rows))
+        self.maps.append(tensor_map)
+        return tensor_map
+
+    def _barrier_slot(self, array, index):
+        if not isinstance(array, SharedArray) or array.param.dtype != U64:
+            raise TypeError("a transaction barrier is an element of a shared u64 array")
+        self.caps.add(TENSOR_COPY)
+        return array.param.name, self.coerce(index, I32)
+
+    def barrier_init(self, array, index, count):
+        """Sets up the transaction barrier at array[index] for `count` arrivals a phase; the
+        workgroup uses it after a barrier() that follows."""
+        self.emit(BarrierInit(*self._barrier_slot(array, index), int(count)))
+
+    def barrier_expect(self, array, index, nbytes):
+        """This thread arrives at the barrier, which also waits for `nbytes` more bytes of
+        tensor_load before its phase completes."""
+        self.emit(BarrierExpect(*self._barrier_slot(array, index), int(nbytes)))
+
+    def barrier_wait(self, array, index, parity):
+        """Waits until the barrier's phase of `parity` (an i32 Value, 0 or 1: phases alternate,
+        the first is 0) has completed; what its tensor_loads wrote is then visible to wgmma."""
+        name, at = self._barrier_slot(array, index)
+        self.emit(BarrierWait(name, at, self.coerce(parity, I32)))
+
+    def tensor_load(self, tensor_map, array, index, col, row, barrier, barrier_index):
+        """Starts copying the box of `tensor_map` at (row, col) into shared u32 `array` from
+        element `index` (1024-byte aligned): box_rows rows of 128 bytes, 16-byte parts swizzled
+        as wgmma reads them (part p of row r at p ^ (r % 8)), zeros past the matrix. Its bytes
+        count toward the barrier's expected ones (barrier_expect)."""
+        if not isinstance(array, SharedArray) or array.param.dtype != U32:
+            raise TypeError("tensor_load writes a shared u32 array")
+        name, at = self._barrier_slot(barrier, barrier_index)
+        self.emit(TensorLoad(tensor_map.name, array.param.name, self.coerce(index, I32),
+                             self.coerce(col, I32), self.coerce(row, I32), name, at))
+
     # -- control ---------------------------------------------------------------------------------
     @contextmanager
     def _block(self, block):
@@ -712,7 +820,8 @@ class KernelBuilder:
         if self.shared_arrays:
             caps.add("shared")
         return Kernel(self.name, tuple(self.params), tuple(self.shared_arrays), self.workgroup,
-                      tuple(self._blocks[0]), frozenset(caps), self._next, self.resident)
+                      tuple(self._blocks[0]), frozenset(caps), self._next, self.resident,
+                      tuple(self.maps))
 
 
 def walk(body):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from . import activations
-from .lang import BF16, F16, F32, I32, U16, U32, U64, KernelBuilder
+from .lang import BF16, BOX_COLS, F16, F32, I32, U16, U32, U64, KernelBuilder
 from .matvec import WORKGROUP, store_row, variant_name
 from .matvec import matvec, matvec_grid, matvec_split  # noqa: F401 (the runner's matmul.matvec)
 from .quant import reader
@@ -65,6 +65,8 @@ MMA_VARIANTS = {
     "wg3f1": {"stages": 3, "x16": True, "wgmma": True, "in_flight": 1},
     "wg4f1": {"stages": 4, "x16": True, "wgmma": True, "in_flight": 1},
     "wg5f1": {"stages": 5, "x16": True, "wgmma": True, "in_flight": 1},
+    "wg4t": {"stages": 4, "x16": True, "wgmma": True, "in_flight": 1, "tensor_copy": True},
+    "wg5t": {"stages": 5, "x16": True, "wgmma": True, "in_flight": 1, "tensor_copy": True},
 }
 
 
@@ -105,7 +107,7 @@ def _pack(k, operand, lo, hi):
 @cache
 def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_DEPTH,
               stages=None, x16=False, outputs=1, wgmma=False, in_flight=0, glu=None,
-              glu_x16=None):
+              glu_x16=None, tensor_copy=False):
     """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / tokens))
     (mma_launch picks tokens and the split).
 
@@ -159,6 +161,11 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     - `in_flight` 1 (with wgmma): a step waits only for the step before's wgmma, so the tensor
       cores always have the next step's queued; the copies then run S - 2 steps ahead (the
       slot of the step before the last is the one known free at a step's barrier).
+    - `tensor_copy` (with wgmma and in_flight; sm_90a; cols a multiple of 8): one thread starts
+      a step's tiles as three tensor copies (lang.tensor_load: W's two 64-row boxes, x's box of
+      `tokens` rows), which swizzle as wgmma reads and write zeros past the matrices; each ring
+      slot has a transaction barrier that every thread waits on instead of copy_wait. No
+      thread computes an address or issues a copy of its own.
 
     `glu` (an activation; with wgmma, unsplit): W is a gated unit's gate rows stacked on its
     up rows (`rows` both, half each) and a tile takes 64 of each, the first warpgroup gate's
@@ -189,11 +196,14 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
         raise ValueError("mma_tiled: in_flight 1 keeps a wgmma step running, 3 stages or more")
     if glu and not wgmma or glu and (split or residual or outputs > 1) or glu_x16 and not glu:
         raise ValueError("mma_tiled: a gated unit's tiles are unsplit wgmma ones storing it alone")
+    if tensor_copy and not in_flight:
+        raise ValueError("mma_tiled: tensor copies feed the in_flight wgmma pipeline")
     r = reader(dtype)
     operand = mma_operand(dtype)
     name = f"mma_tiled_{dtype.lower()}" + f"_t{tokens}" * (tokens != MMA_TOKENS) + \
         f"_d{depth}" * (depth != MMA_DEPTH) + f"_s{stages}" * bool(stages) + "_x16" * x16 + \
-        "_wgmma" * wgmma + f"_f{in_flight}" * bool(in_flight) + "_split" * split + \
+        "_wgmma" * wgmma + f"_f{in_flight}" * bool(in_flight) + "_tma" * tensor_copy + \
+        "_split" * split + \
         "_residual" * residual + f"_out{outputs}" * (outputs > 1) + \
         (f"_{activations.UNITS[glu]}" if glu else "") + \
         (f"_x16_{mma_operand(glu_x16).name}" if glu_x16 else "")
@@ -304,8 +314,33 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
             for e in range(0, unit // 2, 4):
                 ws.store(row * row_words + u * (unit // 2) + e, *words[e:e + 4])
 
+    if tensor_copy:
+        w_map = k.tensor_map("w_map", buf["values"], "cols", "rows", WGMMA_ROWS)
+        x_map = k.tensor_map("x_map", x, "cols", "n_tokens", tokens)
+        full = k.shared("full", U64, stages)            # a ring slot's transaction barrier
+        phase = k.var(I32, 0)                           # the phase of this step's slot
+        with k.if_(tid.eq(0)):
+            for s in range(stages):
+                k.barrier_init(full, s, 1)
+        k.barrier()
+        if glu:
+            w_rows = (g0, half + g0)
+        else:
+            w_rows = (m0, m0 + WGMMA_ROWS)
+
+    def tensor_step(c0, slot):
+        """Thread 0 starts the step at column c0 into ring slot `slot` (none past the slice)."""
+        with k.if_(tid.eq(0) & (c0 < end)):
+            k.barrier_expect(full, slot, (MMA_ROWS + tokens) * BOX_COLS * 2)
+            for half_tile, row in enumerate(w_rows):
+                k.tensor_load(w_map, ws, slot * w_tile + half_tile * WGMMA_ROWS * row_words, c0,
+                              row, full, slot)
+            k.tensor_load(x_map, xs, slot * x_tile, c0, t0, full, slot)
+
     def copy_step(c0, slot):
         """Starts the copies of the step at column c0 into ring slot `slot`, as one batch."""
+        if tensor_copy:
+            return tensor_step(c0, slot)
         for p in range(w_parts):
             to, at, inside = w_part(p, c0)
             k.copy_async(ws, slot * w_tile + to, buf["values"], k.select(inside, at, 0), inside)
@@ -357,11 +392,14 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
             store_x(fetch_x(begin), begin)
         slot = k.var(I32, 0)                        # this step's slot of the ring
         with k.for_(begin, end, depth) as c0:
-            k.copy_wait(ahead - 1)                  # this step's copies are done ...
-            if wgmma:
-                k.async_proxy_fence()               # ... and visible to wgmma ...
-            k.barrier()                             # ... everyone's, and the last step's mma
             now = slot.get()
+            if tensor_copy:                         # this step's tiles are in ...
+                k.barrier_wait(full, now, phase.get())
+            else:
+                k.copy_wait(ahead - 1)              # this step's copies are done ...
+                if wgmma:
+                    k.async_proxy_fence()           # ... and visible to wgmma ...
+            k.barrier()                             # ... everyone's, and the last step's mma
             after = k.select(now.eq(stages - 1), 0, now + 1)
             if in_flight:                           # the slot `ahead` steps on
                 into = k.select(now + ahead >= stages, now + ahead - stages, now + ahead)
@@ -382,7 +420,10 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
                 if not x16:
                     store_x(values, c0 + depth, after * x_tile)
             slot.set(after)
-        k.copy_wait(0)
+            if tensor_copy:
+                phase.set(k.select(now.eq(stages - 1), phase.get() ^ 1, phase.get()))
+        if not tensor_copy:
+            k.copy_wait(0)
         if in_flight:
             k.wgmma_wait(0)
     else:

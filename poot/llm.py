@@ -6,17 +6,19 @@
     for piece in llm.stream("Once upon a time"):
         print(piece, end="", flush=True)
     llm.chat([{"role": "user", "content": "Hi!"}]).text
+    poot.LLM(max_seqs=8).generate(["A", "B"], n=2)    # prompts and choices run together
 
 Generation runs through the same engine as the server (continuous batching, paged KV cache),
 driven from the caller's thread.
 """
 from dataclasses import dataclass
+from numbers import Integral
 
 from .backends.select import open_device
 from .engine.request import SamplingParams
 from .engine.engine import Engine
 from .engine.kvcache import ring_for
-from .errors import TemplateError
+from .errors import TemplateError, UsageError
 from .loader import load
 
 STEP_TOKENS = 256           # the most tokens a step computes (the runner's and the engine's)
@@ -31,19 +33,23 @@ class Completion:
 
 
 class LLM:
-    """A loaded model with a runner and an engine. `context` caps the tokens per sequence."""
+    """A loaded model with a runner and an engine. `context` caps the tokens per sequence;
+    `max_seqs` sequences (prompts, and choices of a prompt) run together in a step, each with
+    room for `context` tokens in the cache; more wait their turn."""
 
-    def __init__(self, model=None, backend="auto", context=None, block_size=16):
+    def __init__(self, model=None, backend="auto", context=None, block_size=16, max_seqs=1):
+        if not isinstance(max_seqs, Integral) or max_seqs < 1:
+            raise UsageError(f"max_seqs must be a positive integer, not {max_seqs!r}")
         device = open_device(backend)
         self.model = load(model)
         self.tokenizer = self.model.tokenizer
         context = min(context or self.model.context_length, self.model.context_length)
-        # (a model's sliding-window layers: one ring, of the window and a prefill chunk)
-        ring = ring_for(self.model.window, block_size, 1, STEP_TOKENS, context)
-        runner = self.model.runner(device, num_blocks=-(-context // block_size),
+        # (a model's sliding-window layers: a ring a sequence, of the window and a prefill chunk)
+        ring = ring_for(self.model.window, block_size, max_seqs, STEP_TOKENS, context)
+        runner = self.model.runner(device, num_blocks=max_seqs * -(-context // block_size),
                                    block_size=block_size, max_tokens=STEP_TOKENS, ring=ring)
-        self.engine = Engine(runner, self.tokenizer, max_seqs=1, step_tokens=STEP_TOKENS,
-                             max_context=context)
+        self.engine = Engine(runner, self.tokenizer, max_seqs=max_seqs,
+                             step_tokens=STEP_TOKENS, max_context=context)
 
     def prompt_ids(self, prompt, chat=False):
         """Token ids of a prompt: text (rendered as one user message when chat), or ids."""
@@ -70,19 +76,34 @@ class LLM:
             if out.text:
                 yield out.text
 
-    def generate(self, prompt, chat=False, **params):
-        prompt_ids = self.prompt_ids(prompt, chat)
-        return self._collect(prompt_ids, self.outputs(prompt_ids, **params))
+    def generate(self, prompt, chat=False, n=1, **params):
+        """The Completion of a prompt (text, or token ids); with `n` > 1 a list of n choices,
+        the prompt computed once and each choice sampled on its own (with a seed, choice j
+        samples with seed + j). A list of prompts gives a list of those, in its order."""
+        many = isinstance(prompt, (list, tuple)) and bool(prompt) and \
+            not isinstance(prompt[0], Integral)
+        prompts = [self.prompt_ids(p, chat) for p in (prompt if many else [prompt])]
+        done = self._run(prompts, n, params)
+        per_prompt = [done[i * n:(i + 1) * n] if n > 1 else done[i * n]
+                      for i in range(len(prompts))]
+        return per_prompt if many else per_prompt[0]
 
-    def chat(self, messages, **params):
-        prompt_ids = self.chat_prompt_ids(messages)
-        return self._collect(prompt_ids, self.outputs(prompt_ids, **params))
+    def chat(self, messages, n=1, **params):
+        """The Completion of a conversation (a list of n with `n` > 1, as generate)."""
+        done = self._run([self.chat_prompt_ids(messages)], n, params)
+        return done if n > 1 else done[0]
 
-    @staticmethod
-    def _collect(prompt_ids, outputs):
-        text, ids, reason = [], [], None
-        for out in outputs:
-            text.append(out.text)
-            ids += out.token_ids
-            reason = out.finish_reason or reason
-        return Completion("".join(text), ids, prompt_ids, reason)
+    def _run(self, prompts, n, params):
+        """Every choice's Completion of one request of `prompts`, prompt i's choice j at i n + j."""
+        handle = self.engine.submit_prompts(prompts, SamplingParams(**params), n)
+        text, ids = [[] for _ in range(len(prompts) * n)], [[] for _ in range(len(prompts) * n)]
+        reasons = [None] * len(text)
+        try:
+            for out in handle:
+                text[out.index].append(out.text)
+                ids[out.index] += out.token_ids
+                reasons[out.index] = out.finish_reason or reasons[out.index]
+        finally:
+            handle.cancel()
+        return [Completion("".join(text[c]), ids[c], prompts[c // n], reasons[c])
+                for c in range(len(text))]

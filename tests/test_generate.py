@@ -49,6 +49,31 @@ def test_stream_pieces_make_the_text(smollm):
                                               temperature=0).text
 
 
+def test_prompts_and_choices_run_together_as_each_alone(smollm):
+    """A list of prompts (text and token ids) in one call, run together, gives each prompt's
+    answer alone; n choices sample as n calls with seeds seed, seed + 1, ...; with max_seqs 1
+    the choices wait their turn and give the same."""
+    batched = poot.LLM(default_model(), backend="reference", context=256, max_seqs=4)
+    ids = smollm.prompt_ids("Water boils at")
+    prompts = ["The capital of France is", "Once upon a time", ids]
+    got = batched.generate(prompts, max_tokens=8, temperature=0)
+    assert [g.token_ids for g in got] == [
+        smollm.generate(p, max_tokens=8, temperature=0).token_ids for p in prompts]
+    assert got[2].prompt_token_ids == ids and all(g.finish_reason == "length" for g in got)
+    for llm in (batched, smollm):
+        choices = llm.generate("Once upon a time", n=3, max_tokens=6, temperature=1.0, seed=7)
+        assert [c.token_ids for c in choices] == [
+            smollm.generate("Once upon a time", max_tokens=6, temperature=1.0,
+                            seed=7 + j).token_ids for j in range(3)]
+    two = batched.generate(prompts[:2], n=2, max_tokens=4, temperature=0)
+    assert [[c.token_ids for c in pair] for pair in two] == \
+        [[g.token_ids[:4]] * 2 for g in got[:2]]
+    chats = batched.chat([{"role": "user", "content": "Hi"}], n=2, max_tokens=4, temperature=0)
+    assert len(chats) == 2 and chats[0].token_ids == chats[1].token_ids
+    with pytest.raises(poot.UsageError, match="max_seqs"):
+        poot.LLM(default_model(), backend="reference", max_seqs=0)
+
+
 def test_cli_generate_json(tmp_path):
     model = tiny_model(tmp_path)
     result = poot_cli("generate", "--model", str(model), "--prompt", "Hello", "--max-tokens",

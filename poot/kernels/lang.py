@@ -2,18 +2,23 @@
 
 A kernel is built by calling a `KernelBuilder`: builder methods and Python operators on `Value`s
 append statements to the current block, so a kernel is a flat list of single operations
-(`Let`: one result each) nested in structured control flow (`If`, `For`). Every value is
-defined once, before its uses, in the block where it is visible - the shape PTX registers, SPIR-V
-SSA ids and C locals all accept. Mutable state lives in `Var`s. The finished `Kernel` is plain
+(`Let`: one result each) nested in structured control flow (`If`, `For`): statements.py's
+statements. Every value is defined once, before its uses, in the block where it is visible -
+the shape PTX registers, SPIR-V SSA ids and C locals all accept. Mutable state lives in `Var`s. The finished `Kernel` is plain
 data: parameters, shared arrays, workgroup size, body, and the capabilities it uses, which a
 device compares with what it has. Renderers (codegen/) turn it into target code; this module
 knows no target.
 """
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from poot.errors import ModelRefused
+# the statements a body holds (statements.py), named here too, where the renderers take them
+from .statements import (  # noqa: F401
+    AsyncProxyFence, Assign, Barrier, BarrierExpect, BarrierInit, BarrierWait, CopyAsync,
+    CopyCommit, CopyWait, For, If, Let, Return, Store, TensorLoad, VarDecl, Wgmma, WgmmaCommit,
+    WgmmaFence, WgmmaWait, walk)
 
 
 @dataclass(frozen=True)
@@ -161,165 +166,6 @@ class Value:
         if dtype.bits != self.dtype.bits:
             raise TypeError(f"bitcast {self.dtype} -> {dtype}: sizes differ")
         return self.b.let("bitcast", dtype, (self,))
-
-
-@dataclass(frozen=True)
-class Let:
-    """value `id` of `dtype` = op(args...), with constant attributes."""
-    id: int
-    op: str
-    dtype: DType
-    args: tuple = ()
-    attrs: tuple = ()    # (key, value) pairs
-
-    def attr(self, key, default=None):
-        return dict(self.attrs).get(key, default)
-
-
-@dataclass(frozen=True)
-class Store:
-    target: str          # a buffer param or a shared array name
-    shared: bool
-    index: Value
-    values: tuple        # `width` consecutive elements from index (index a multiple of width)
-
-
-@dataclass(frozen=True)
-class Assign:
-    var: int
-    value: Value
-
-
-@dataclass
-class If:
-    cond: Value
-    then: list = field(default_factory=list)
-    orelse: list = field(default_factory=list)
-
-
-@dataclass
-class For:
-    """for index in range(start, stop, step): body  (i32 index; step positive: an int or a
-    Value defined before the loop)."""
-    index: Value
-    start: Value
-    stop: Value
-    step: object
-    body: list = field(default_factory=list)
-    unroll: bool = False
-
-
-@dataclass(frozen=True)
-class Barrier:
-    """Every thread of the workgroup arrives; shared memory written before is visible after."""
-
-
-@dataclass(frozen=True)
-class CopyAsync:
-    """Starts copying 4 u32 words from buffer `source` at `source_index` into shared array
-    `target` at `index`; zeros are written, and nothing read, where `inside` (a bool Value, or
-    None: always) is false."""
-    target: str
-    index: Value
-    source: str
-    source_index: Value
-    inside: object = None
-
-
-@dataclass(frozen=True)
-class CopyCommit:
-    """The copies this thread started since its last commit form one batch."""
-
-
-@dataclass(frozen=True)
-class CopyWait:
-    """This thread waits until at most `pending` of its batches are still copying."""
-    pending: int
-
-
-@dataclass(frozen=True)
-class AsyncProxyFence:
-    """This thread's shared-memory writes so far are visible to what reads shared memory
-    asynchronously after the next barrier (wgmma)."""
-
-
-@dataclass(frozen=True)
-class WgmmaFence:
-    """Orders this warpgroup's register writes before the wgmma that follow (needed before the
-    first of them and after any other write to their accumulators)."""
-
-
-@dataclass(frozen=True)
-class Wgmma:
-    """accumulators (Vars `accs`, f32) += A B, asynchronously: A 64 x 16 and B 16 x n of
-    `operand` (f16 or bf16), both read from shared memory through descriptors (u64 Values)."""
-    operand: str
-    n: int
-    desc_a: object
-    desc_b: object
-    accs: tuple
-
-
-@dataclass(frozen=True)
-class WgmmaCommit:
-    """The wgmma this warpgroup issued since its last commit form one group."""
-
-
-@dataclass(frozen=True)
-class WgmmaWait:
-    """Waits until at most `pending` of this warpgroup's committed groups are running: the
-    accumulators of the others may be read, their shared operands overwritten."""
-    pending: int
-
-
-@dataclass(frozen=True)
-class BarrierInit:
-    """Sets up transaction barrier `target`[index] for `count` arrivals a phase."""
-    target: str
-    index: Value
-    count: int
-
-
-@dataclass(frozen=True)
-class BarrierExpect:
-    """Arrives at transaction barrier `target`[index], raising the bytes its phase waits for
-    by `nbytes`."""
-    target: str
-    index: Value
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class BarrierWait:
-    """Waits for the phase of `parity` of transaction barrier `target`[index] to complete."""
-    target: str
-    index: Value
-    parity: Value
-
-
-@dataclass(frozen=True)
-class TensorLoad:
-    """Starts copying the box of tensor map `map` at (row, col) into shared `target` from
-    element `index`, completing bytes of transaction barrier `barrier`[barrier_index]."""
-    map: str
-    target: str
-    index: Value
-    col: Value
-    row: Value
-    barrier: str
-    barrier_index: Value
-
-
-@dataclass(frozen=True)
-class Return:
-    """This thread stops (no barrier may follow for threads that returned)."""
-
-
-@dataclass(frozen=True)
-class VarDecl:
-    id: int
-    dtype: DType
-    init: Value
 
 
 class Var:
@@ -822,14 +668,3 @@ class KernelBuilder:
         return Kernel(self.name, tuple(self.params), tuple(self.shared_arrays), self.workgroup,
                       tuple(self._blocks[0]), frozenset(caps), self._next, self.resident,
                       tuple(self.maps))
-
-
-def walk(body):
-    """Every statement of a body, depth first, in program order."""
-    for stmt in body:
-        yield stmt
-        if isinstance(stmt, If):
-            yield from walk(stmt.then)
-            yield from walk(stmt.orelse)
-        elif isinstance(stmt, For):
-            yield from walk(stmt.body)

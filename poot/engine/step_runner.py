@@ -11,8 +11,8 @@ decide, or whose edits the device had no room for, are read back and sampled on 
 import numpy as np
 
 from .batch import StepBatch, StepOutput
-from .sampling import (choice_args, choice_arrays, choose_among, choose_among_rows,
-                       choose_sorted, edit_row, logprobs_among, sample, sample_row)
+from .sampling import (choice_args, choice_arrays, choose_among_rows, choose_sorted, edit_row,
+                       logprobs_among, sample, sample_row)
 
 
 class StepRunner:
@@ -163,29 +163,29 @@ class StepRunner:
     def _step_with_logprobs(self, R, rows):
         """The tokens and log probabilities (of the edited logits) of the last step's R rows,
         from their candidates: a row that reports log probabilities from candidates with sums at
-        temperature 1 (sampling.logprobs_among; a forced row's token among them too), a row that
-        does not (rows.reports) from candidates at its own temperature (choose_among); only the
-        rows those cannot decide are taken from the logits read back (sampling.sample_row)."""
+        temperature 1 (sampling.logprobs_among; a forced row's token among them too), the rows
+        that do not (rows.reports) together from candidates at their own temperatures
+        (choose_among_rows); only the rows those cannot decide are taken from the logits read
+        back (sampling.sample_row)."""
         k = rows.n_logprobs
         reports = np.ones(R, bool) if rows.reports is None else np.asarray(rows.reports, bool)
         temperature = np.where(reports | (rows.temperature <= 0), 1.0, rows.temperature)
         candidates = self._candidates(R, temperature.astype(np.float32))
         tokens, chosen = np.zeros(R, np.int32), np.zeros(R, np.float32)
         top, top_lp = np.zeros((R, k), np.int32), np.zeros((R, k), np.float32)
-        undecided = []
-        for r in range(R):
-            part = [c[r] for c in candidates]
-            if reports[r]:
-                forced = -1 if rows.forced is None else int(rows.forced[r])
-                got = logprobs_among(*part, self.vocab_size, *choice_args(rows, r), k, forced)
-                if got is not None:
-                    tokens[r], chosen[r], top[r], top_lp[r] = got
-            else:
-                got = choose_among(*part, self.vocab_size, *choice_args(rows, r))
-                if got is not None:
-                    tokens[r] = got
+        others = np.flatnonzero(~reports)
+        picked = choose_among_rows(*(c[others] for c in candidates), self.vocab_size,
+                                   *(a[others] for a in choice_arrays(rows, R)))
+        tokens[others] = picked
+        undecided = others[picked < 0].tolist()
+        for r in np.flatnonzero(reports):
+            forced = -1 if rows.forced is None else int(rows.forced[r])
+            got = logprobs_among(*(c[r] for c in candidates), self.vocab_size,
+                                 *choice_args(rows, r), k, forced)
             if got is None:
                 undecided.append(r)
+            else:
+                tokens[r], chosen[r], top[r], top_lp[r] = got
         for r, logits in self._logit_rows(undecided).items():   # the candidates could not tell
             tokens[r], chosen[r], top[r], top_lp[r] = sample_row(logits, rows, r, k)
         return StepOutput(tokens=tokens, logprobs=chosen, top_ids=top, top_logprobs=top_lp)

@@ -85,9 +85,11 @@ def test_bench_counts_the_active_weights_of_a_mixture_of_experts(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench"), "--backend", "vulkan", "--models",
          "tiny-moe:Q4_0", "--batches", "1,4", "--steps", "2", "--prefill", "16", "--cache",
-         str(tmp_path)], capture_output=True, text=True, timeout=600)
+         str(tmp_path), "--mixed", "2:40:24", "--profile"], capture_output=True, text=True,
+        timeout=600)
     assert result.returncode == 0, result.stderr
-    rows = [line.split() for line in result.stdout.splitlines() if "tiny-moe:Q4_0" in line]
+    rows = [line.split() for line in result.stdout.splitlines()
+            if "tiny-moe:Q4_0" in line and not line.startswith("#")]
     assert [(r[2], r[3]) for r in rows] == [("Q4_0", "1"), ("Q4_0", "4")]
     active = [line for line in result.stderr.splitlines() if "active weights a token" in line]
     assert len(active) == 1 and "(2 of 6 experts)" in active[0], result.stderr
@@ -95,3 +97,10 @@ def test_bench_counts_the_active_weights_of_a_mixture_of_experts(tmp_path):
     active_bytes, total_bytes = (int(words[i - 1].replace(",", "")) for i, w in enumerate(words)
                                  if w == "bytes")
     assert 0 < active_bytes < total_bytes
+    # --mixed 2:40:24: 2 decode rows, then 12 tokens ending a prompt, a whole one, 4 of the next:
+    # of the 16-token tiles from the step's start only the second holds one sequence alone
+    mixed = [line for line in result.stdout.splitlines() if "tiny-moe:Q4_0 mixed" in line]
+    assert len(mixed) == 2, result.stdout
+    assert "2 decoding at 16 tokens + 40 prompt tokens of 24-token prompts (16 of them" in \
+        mixed[0]
+    assert "launches" in mixed[1] and float(mixed[0].split()[-2]) > 0

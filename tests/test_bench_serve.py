@@ -96,6 +96,11 @@ def test_bench_serve_on_the_vulkan_device(tmp_path, backend, temperature):
                             "--temperature", str(temperature), "--top-p", "0.9")
     assert sorted(rows) == [("on", "plain", 1, "yes"), ("on", "plain", 2, "yes")], out
     assert f"requests at temperature {temperature:g}, top-p 0.9;" in out
+    # the engine's launches after a landing, from the server's /metrics: at least a step each
+    # token after a request's first, and the host's time between under a second
+    for row in json.loads((tmp_path / "out.json").read_text())["rows"]:
+        assert row["steps"] >= 11 and 0 < row["launch_gap"] < 1, row
+    assert "# plain, 2 clients, stream yes: " in out and "ms between on average" in out
     for row in rows.values():
         check_figures(row)
 

@@ -56,6 +56,8 @@ class EngineStats:
     prefix_cache_query_tokens_total: int = 0    # prompt tokens looked up in it
     prefix_cache_evictions_total: int = 0       # cached blocks taken back for new tokens
     kv_blocks_cached: int = 0                   # blocks no sequence holds that keep a prefix
+    launch_gaps_total: int = 0                  # steps launched right after one landed ...
+    launch_gap_seconds_total: float = 0.0       # ... and the seconds from the landing to it
 
 
 def _snapshot(kernel_times):
@@ -195,6 +197,8 @@ class Engine:
         self._stopping = False
         self._steps_total = 0
         self._step_failures_total = 0
+        self._gaps = 0              # launches that followed a landing in the same step() ...
+        self._gap_seconds = 0.0     # ... and their host time between: the device idles there
 
     @property
     def kv(self):
@@ -329,7 +333,8 @@ class Engine:
             kernel_times=_snapshot(getattr(self.runner, "kernel_times", None)),
             prefix_cache_hit_tokens_total=s.kv.hit_tokens,
             prefix_cache_query_tokens_total=s.kv.query_tokens,
-            prefix_cache_evictions_total=s.kv.evictions, kv_blocks_cached=s.kv.num_cached)
+            prefix_cache_evictions_total=s.kv.evictions, kv_blocks_cached=s.kv.num_cached,
+            launch_gaps_total=self._gaps, launch_gap_seconds_total=self._gap_seconds)
 
     def _cancel(self, seq_ids):
         with self._wake:
@@ -371,8 +376,9 @@ class Engine:
             self._turn = (lane + 1) % len(self.lanes)
             landed = self._land(lane)
             plan = self.scheduler.schedule(lane, make_room=lambda: self._drain(but=lane))
-            if plan:
-                self._launch(lane, plan)
+            if plan and self._launch(lane, plan) and landed is not None:
+                self._gaps += 1
+                self._gap_seconds += time.monotonic() - landed[2]
             if landed is not None:
                 self._deliver(*landed)
             return self.error is None and bool(landed or plan or any(self._flight))
@@ -413,8 +419,8 @@ class Engine:
             self.scheduler.released(plan)
             self._step_failed(lane, plan, exc)
             return None
-        self.scheduler.computed(plan)
         now = time.monotonic()
+        self.scheduler.computed(plan)
         tokens = out.tokens.tolist()
         taken = []
         for r, (seq, position) in enumerate(rows):

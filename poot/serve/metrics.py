@@ -117,7 +117,14 @@ class Metrics:
                      stats.prefix_cache_query_tokens_total),
                     ("poot_prefix_cache_evictions_total", "counter",
                      "Cached prefix blocks taken back for new tokens.",
-                     stats.prefix_cache_evictions_total)):
+                     stats.prefix_cache_evictions_total),
+                    ("poot_engine_launch_gaps_total", "counter",
+                     "Steps launched by the engine right after one of theirs landed.",
+                     stats.launch_gaps_total),
+                    ("poot_engine_launch_gap_seconds_total", "counter",
+                     "Host seconds from those landings to the launches (the device waits "
+                     "meanwhile, but for a pipeline's other lanes).",
+                     _number(float(stats.launch_gap_seconds_total)))):
                 family(name, kind, help_, [f"{name} {value}"])
             if stats.kernel_times is not None:
                 times = sorted(stats.kernel_times.items())

@@ -30,7 +30,8 @@ def hf_model(tmp_path, arch, **extra):
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM)}[arch]
     model = cls[1](cls[0](**common)).eval()
     with torch.no_grad():                     # norms away from 1 and biases away from 0
         for name, p in model.named_parameters():
@@ -98,6 +99,8 @@ VARIANTS = [
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     ("mistral", {"sliding_window": None}),
     ("qwen2", {}),
+    ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),    # the last has no rope
+    ("smollm3", {"no_rope_layers": [0, 1], "pad_token_id": None}),   # the first
     ("qwen3", {"head_dim": 32}),
 ]
 
@@ -138,8 +141,12 @@ def permute_for_gguf(w, n_heads):
         w.shape)
 
 
-def test_gguf_llama_layout_matches_transformers(tmp_path):
-    model, folder = hf_model(tmp_path, "llama")
+@pytest.mark.parametrize("arch,extra", [("llama", {}),
+                                        ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None})])
+def test_gguf_llama_layout_matches_transformers(tmp_path, arch, extra):
+    """As llama.cpp's converter writes them: q/k rows permuted, SmolLM3's layers without rope
+    known by the architecture (every fourth)."""
+    model, folder = hf_model(tmp_path, arch, **extra)
     f = open_model(folder)
     cfg = llama.config_from_hf(folder, f.config)
     tensors = []
@@ -150,15 +157,16 @@ def test_gguf_llama_layout_matches_transformers(tmp_path):
         elif g.endswith("attn_k.weight"):
             w = permute_for_gguf(w, cfg.n_kv_heads)
         tensors.append((g, "F32", w))
-    meta = {"general.architecture": "llama", "llama.block_count": cfg.n_layers,
-            "llama.context_length": 256, "llama.embedding_length": cfg.d_model,
-            "llama.feed_forward_length": cfg.d_ff, "llama.attention.head_count": cfg.n_heads,
-            "llama.attention.head_count_kv": cfg.n_kv_heads, "llama.vocab_size": 97,
-            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 10000.0}
+    meta = {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in {
+        "block_count": cfg.n_layers, "context_length": 256, "embedding_length": cfg.d_model,
+        "feed_forward_length": cfg.d_ff, "attention.head_count": cfg.n_heads,
+        "attention.head_count_kv": cfg.n_kv_heads, "vocab_size": 97,
+        "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0}.items()}}
     write_gguf(tmp_path / "m.gguf", meta, tensors)
     gguf = GGUFFile(tmp_path / "m.gguf")
     gcfg = llama.config_from_gguf(gguf.path, gguf.metadata, gguf.tensors)
     assert gcfg.rope_style == "normal" and gcfg.n_kv_heads == 2
+    assert gcfg.nope_layers == cfg.nope_layers == ({3} if arch == "smollm3" else set())
     shapes = {n: (t.shape, t.dtype) for n, t in gguf.tensors.items()}
     ids = np.random.default_rng().integers(0, 97, 30).tolist()
     ours = Harness(gcfg, shapes, gguf.array).run([(0, 0, ids)])

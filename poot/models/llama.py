@@ -1,10 +1,11 @@
-"""The Llama family in the graph IR: Llama 2/3/3.x, Mistral, SmolLM2, Qwen2/2.5, Qwen3, and the
-mixtures of experts Mixtral and Qwen3-MoE.
+"""The Llama family in the graph IR: Llama 2/3/3.x, Mistral, SmolLM2 and 3, Qwen2/2.5, Qwen3,
+and the mixtures of experts Mixtral and Qwen3-MoE.
 
 `forward` reads top to bottom as the model's forward pass; the variants are small named switches
 in `LlamaConfig` (q/k/v bias for Qwen2, q/k norm for Qwen3, rope layout and frequency scaling,
-tied embeddings, a feed-forward block of routed experts). Weights are named as in GGUF files;
-Hugging Face names are mapped onto those, each expert's matrix onto its row of the stacked one.
+layers without rope for SmolLM3, tied embeddings, a feed-forward block of routed experts).
+Weights are named as in GGUF files; Hugging Face names are mapped onto those, each expert's
+matrix onto its row of the stacked one.
 """
 import math
 from dataclasses import dataclass
@@ -16,10 +17,12 @@ from ..engine.placement import Part
 from ..ir.graph import Graph
 from .family import gguf_name_by, layer_tensor, weight_reader
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3")
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
             "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
+            "SmolLM3ForCausalLM": "smollm3"}
+NOPE_INTERVAL = 4           # SmolLM3: every fourth layer has no rope (llama.cpp's, not in GGUF)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class LlamaConfig:
     rope_scaling: tuple = ()     # () | ("linear", factor) | ("llama3", factor, low, high, orig)
     qkv_bias: bool = False       # Qwen2
     qk_norm: bool = False        # Qwen3
+    nope_layers: frozenset = frozenset()     # layers whose q and k get no rope (SmolLM3)
     tied_embeddings: bool = False
     # mixture of experts (Mixtral, Qwen3-MoE): each token's feed-forward block is the weighted
     # sum of experts_used of n_experts SwiGLU blocks (d_ff wide each), chosen by a router
@@ -114,7 +118,9 @@ def config_from_gguf(path, metadata, tensor_names):
         norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_dim=int(key("rope.dimension_count", head_dim)),
-        rope_style="normal" if arch == "llama" else "neox", rope_scaling=scaling,
+        rope_style="normal" if arch in ("llama", "smollm3") else "neox", rope_scaling=scaling,
+        nope_layers=nope_every(NOPE_INTERVAL if arch == "smollm3" else 0,
+                               int(key("block_count"))),
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         tied_embeddings="output.weight" not in tensor_names,
@@ -145,15 +151,24 @@ def config_from_hf(path, config):
         else:
             raise ModelFileError(path, f"rope scaling {kind!r} is not supported")
         n_experts, d_ff = hf_experts(path, arch, config)
+        n_layers = int(config["num_hidden_layers"])
+        nope = frozenset()
+        if arch == "smollm3":
+            if config.get("use_sliding_window") and config.get("sliding_window"):
+                raise ModelFileError(path, "SmolLM3 with sliding-window layers is not supported")
+            roped = config.get("no_rope_layers")    # 1: the layer has rope, 0: it has none
+            nope = nope_every(int(config.get("no_rope_layer_interval", NOPE_INTERVAL)),
+                              n_layers) if roped is None else frozenset(
+                i for i in range(n_layers) if not roped[i])
         return LlamaConfig(
-            arch=arch, n_layers=int(config["num_hidden_layers"]), d_model=d_model,
-            n_heads=n_heads, n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-            head_dim=head_dim, d_ff=d_ff,
+            arch=arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+            n_kv_heads=int(config.get("num_key_value_heads") or n_heads), head_dim=head_dim,
+            d_ff=d_ff,
             vocab_size=int(config["vocab_size"]), context_length=context,
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_dim=int(head_dim * config.get("partial_rotary_factor", 1.0)),
-            rope_style="neox", rope_scaling=scaling,
+            rope_style="neox", rope_scaling=scaling, nope_layers=nope,
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias")),
             qk_norm=arch in ("qwen3", "qwen3moe"),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -162,6 +177,11 @@ def config_from_hf(path, config):
             norm_topk=bool(config.get("norm_topk_prob", True)))
     except KeyError as missing:
         raise ModelFileError(path, f"config.json lacks {missing}") from None
+
+
+def nope_every(interval, n_layers):
+    """The layers without rope when every `interval`-th has none (0: none lacks it)."""
+    return frozenset(i for i in range(n_layers) if interval and (i + 1) % interval == 0)
 
 
 def hf_experts(path, arch, config):
@@ -286,8 +306,9 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
         if cfg.qk_norm:
             q = g.rms_norm(q, w(p + "attn_q_norm.weight", D), cfg.norm_eps)
             k = g.rms_norm(k, w(p + "attn_k_norm.weight", D), cfg.norm_eps)
-        q = g.rope(q, positions, inv_freq, cfg.rope_style)
-        k = g.rope(k, positions, inv_freq, cfg.rope_style)
+        if i not in cfg.nope_layers:
+            q = g.rope(q, positions, inv_freq, cfg.rope_style)
+            k = g.rope(k, positions, inv_freq, cfg.rope_style)
         k_cache = g.state_tensor(p + "k_cache", (num_blocks, block_size, Hkvs, D))
         v_cache = g.state_tensor(p + "v_cache", (num_blocks, block_size, Hkvs, D))
         g.store_kv(k, v, k_cache, v_cache, positions, seq_rows, block_tables)

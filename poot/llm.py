@@ -59,10 +59,13 @@ class LLM:
             return self.chat_prompt_ids([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt, add_special=True, parse_special=True)
 
-    def chat_prompt_ids(self, messages):
+    def chat_prompt_ids(self, messages, chat_template_kwargs=None):
+        """Token ids of a conversation by the model's chat template; `chat_template_kwargs`:
+        more variables for it (e.g. {"enable_thinking": False} for Qwen3 and SmolLM3)."""
         if self.model.chat_template is None:
             raise TemplateError(f"{self.model.name} has no chat template")
-        text = self.model.chat_template.render(messages, add_generation_prompt=True)
+        text = self.model.chat_template.render(messages, add_generation_prompt=True,
+                                               **(chat_template_kwargs or {}))
         # The template writes BOS itself where the model wants one.
         return self.tokenizer.encode(text, add_special=False, parse_special=True)
 
@@ -88,9 +91,9 @@ class LLM:
                       for i in range(len(prompts))]
         return per_prompt if many else per_prompt[0]
 
-    def chat(self, messages, n=1, **params):
+    def chat(self, messages, n=1, chat_template_kwargs=None, **params):
         """The Completion of a conversation (a list of n with `n` > 1, as generate)."""
-        done = self._run([self.chat_prompt_ids(messages)], n, params)
+        done = self._run([self.chat_prompt_ids(messages, chat_template_kwargs)], n, params)
         return done if n > 1 else done[0]
 
     def _run(self, prompts, n, params):

@@ -74,6 +74,21 @@ def test_prompts_and_choices_run_together_as_each_alone(smollm):
         poot.LLM(default_model(), backend="reference", max_seqs=0)
 
 
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """LLM.chat's chat_template_kwargs: Qwen3's template, told enable_thinking false, ends the
+    prompt with an empty think block."""
+    from tests.test_serve_tools import long_tiny
+    llm = poot.LLM(long_tiny(tmp_path, "qwen3-0.6b").file.path, backend="reference")
+    ask = [{"role": "user", "content": "Hi"}]
+    thinking = llm.chat_prompt_ids(ask)
+    quiet = llm.chat_prompt_ids(ask, {"enable_thinking": False})
+    assert llm.tokenizer.decode(quiet) == llm.tokenizer.decode(thinking) + \
+        "<think>\n\n</think>\n\n"
+    done = llm.chat(ask, chat_template_kwargs={"enable_thinking": False}, max_tokens=2,
+                    temperature=0, ignore_eos=True)
+    assert done.prompt_token_ids == quiet and len(done.token_ids) == 2
+
+
 def test_cli_generate_json(tmp_path):
     model = tiny_model(tmp_path)
     result = poot_cli("generate", "--model", str(model), "--prompt", "Hello", "--max-tokens",

@@ -264,6 +264,31 @@ def test_each_family_s_format_round_trips(folder, template, controls, fmt):
         server.close(grace=0)
 
 
+def test_chat_template_kwargs_reach_the_template(folder):
+    """vLLM's chat_template_kwargs: Qwen3's template told enable_thinking false closes an
+    empty think block in the prompt, in /tokenize and in a completion alike; a field that is
+    no object, or that would set what the server sets, is a 400 naming it."""
+    model = long_tiny(folder, "qwen3-0.6b")
+    server = start_server(model, num_blocks=2048, block_size=4, step_tokens=512)
+    try:
+        def prompt(**extra):
+            ids = call(server, "POST", "/tokenize", {"messages": ASK, **extra})[2]["tokens"]
+            return ids, call(server, "POST", "/detokenize", {"tokens": ids})[2]["prompt"]
+        thinking, text = prompt()
+        quiet, quiet_text = prompt(chat_template_kwargs={"enable_thinking": False})
+        assert quiet_text == text + "<think>\n\n</think>\n\n"
+        assert prompt(chat_template_kwargs={"enable_thinking": True})[0] == thinking
+        status, _, got = call(server, "POST", "/v1/chat/completions", {
+            "messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
+        assert status == 200 and got["usage"]["prompt_tokens"] == len(quiet), got
+        for bad in ([1], {"messages": []}, {"add_generation_prompt": False}, {"not a name": 1}):
+            status, _, got = call(server, "POST", "/v1/chat/completions", {
+                "messages": ASK, "max_tokens": 2, "chat_template_kwargs": bad})
+            assert status == 400 and got["error"]["param"] == "chat_template_kwargs", got
+    finally:
+        server.close(grace=0)
+
+
 def test_a_template_in_an_unread_format_refuses_tools(folder):
     model = long_tiny(folder, "c4ai-command-r-plus-tool-use")
     server = start_server(model, num_blocks=64)

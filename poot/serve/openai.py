@@ -271,22 +271,44 @@ def _tool_calls(calls, where):
     return out
 
 
-def render_chat(model, messages, tool_use=None):
+TEMPLATE_SETS = ("messages", "tools", "add_generation_prompt")    # what render_chat gives
+
+
+def template_kwargs(body):
+    """`chat_template_kwargs` (vLLM's and llama.cpp's field): more variables for the model's
+    chat template, such as Qwen3's and SmolLM3's enable_thinking; {} where absent."""
+    extra = body.get("chat_template_kwargs")
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise invalid("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for key in extra:
+        if not key.isidentifier() or key in TEMPLATE_SETS:
+            raise invalid(f"'chat_template_kwargs' cannot set {key!r}: it must name a template "
+                          f"variable other than {', '.join(TEMPLATE_SETS)}",
+                          "chat_template_kwargs")
+    return extra
+
+
+def render_chat(model, messages, tool_use=None, extra=None):
+    """The prompt text of `messages` by the model's template; `extra`: more variables for it
+    (template_kwargs)."""
     if model.chat_template is None:
         raise invalid(f"model '{model.name}' has no chat template; use /v1/completions with a "
                       "prompt you format yourself", "messages", "no_chat_template")
     messages, tools = tool_use.messages(messages) if tool_use else (messages, None)
     try:
-        return model.chat_template.render(messages, add_generation_prompt=True, tools=tools)
+        return model.chat_template.render(messages, add_generation_prompt=True, tools=tools,
+                                          **(extra or {}))
     except TemplateError as exc:
         raise invalid(f"the model's chat template rejected the messages: {exc}",
                       "messages") from None
 
 
-def chat_prompt_ids(model, messages, tool_use=None):
+def chat_prompt_ids(model, messages, tool_use=None, extra=None):
     # The rendered template carries its own special tokens (BOS included where the model wants).
-    return model.tokenizer.encode(render_chat(model, messages, tool_use), add_special=False,
-                                  parse_special=True)
+    return model.tokenizer.encode(render_chat(model, messages, tool_use, extra),
+                                  add_special=False, parse_special=True)
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -336,7 +358,7 @@ class Completion:
             raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         messages = chat_messages(body)
         tool_use = ToolUse.of(body, model)
-        prompt_ids = chat_prompt_ids(model, messages, tool_use)
+        prompt_ids = chat_prompt_ids(model, messages, tool_use, template_kwargs(body))
         params = _sampling(body, ("max_completion_tokens", "max_tokens"), logprobs,
                            constraint=constraint_of(body, model, tool_use),
                            skip_special_tokens=not tool_use.keeps_special_tokens(
@@ -514,7 +536,7 @@ def tokenize(body, model, names, context):
     if "messages" in body:
         check_model(body, names)
         tool_use = ToolUse.of(body, model)
-        text = render_chat(model, chat_messages(body), tool_use)
+        text = render_chat(model, chat_messages(body), tool_use, template_kwargs(body))
         ids = model.tokenizer.encode(text, add_special=False, parse_special=True)
     else:
         prompt = body.get("prompt")

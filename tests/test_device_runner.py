@@ -863,6 +863,25 @@ def test_qwen_variants_match_reference(tmp_path, device, arch):
     assert kinds.count("store_kv") == len(model.config.nope_layers) == (arch == "smollm3")
 
 
+def test_yarn_scaled_rope_matches_reference(tmp_path, device):
+    """A GGUF with YaRN scaling (rope.scaling.* keys): its frequencies and the factor on the
+    rotated dims, in the fused rope and store."""
+    from poot.formats.gguf import GGUFFile, write_gguf
+    source = GGUFFile(tiny_model(tmp_path, dtype="F16"))
+    meta = dict(source.metadata, **{"llama.rope.scaling.type": "yarn",
+                                    "llama.rope.scaling.factor": 4.0,
+                                    "llama.rope.scaling.original_context_length": 64})
+    path = tmp_path / "yarn.gguf"
+    write_gguf(path, meta, [(n, t.dtype, source.array(n)) for n, t in source.tensors.items()])
+    model = poot.load(path)
+    assert model.config.rope_scale > 1
+    table = list(np.random.default_rng().permutation(32))
+    want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
+    got_ids, got = greedy(model.runner(device, num_blocks=32), [5, 80, 9, 41], 12, table)
+    assert got_ids == want_ids
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
 def test_a_llama_layer_is_six_launches(tmp_path, device):
     """attn_norm folded into one q/k/v matmul, rope with store_kv, attention, the output
     projection with its residual, ffn_norm folded into gate/up with SwiGLU, down with its

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from poot.engine.batch import SamplingRows, StepBatch
+from poot.errors import ModelFileError
 from poot.formats import open_model
 from poot.formats.gguf import GGUFFile, write_gguf
 from poot.ir.reference import ReferenceInterpreter
@@ -97,6 +98,11 @@ VARIANTS = [
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
                "tie_word_embeddings": True}),
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("qwen3", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 64}}),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16,
+                                "original_max_position_embeddings": 32, "mscale": 0.8,
+                                "mscale_all_dim": 0.5, "truncate": False}}),
     ("mistral", {"sliding_window": None}),
     ("qwen2", {}),
     ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),    # the last has no rope
@@ -141,11 +147,16 @@ def permute_for_gguf(w, n_heads):
         w.shape)
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 24.0}
+
+
 @pytest.mark.parametrize("arch,extra", [("llama", {}),
-                                        ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None})])
+                                        ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),
+                                        ("llama", {"rope_scaling": YARN})])
 def test_gguf_llama_layout_matches_transformers(tmp_path, arch, extra):
     """As llama.cpp's converter writes them: q/k rows permuted, SmolLM3's layers without rope
-    known by the architecture (every fourth)."""
+    known by the architecture (every fourth), YaRN's scaling in rope.scaling.* keys."""
     model, folder = hf_model(tmp_path, arch, **extra)
     f = open_model(folder)
     cfg = llama.config_from_hf(folder, f.config)
@@ -162,6 +173,10 @@ def test_gguf_llama_layout_matches_transformers(tmp_path, arch, extra):
         "feed_forward_length": cfg.d_ff, "attention.head_count": cfg.n_heads,
         "attention.head_count_kv": cfg.n_kv_heads, "vocab_size": 97,
         "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0}.items()}}
+    if "rope_scaling" in extra:
+        meta.update({f"{arch}.rope.scaling.type": "yarn", f"{arch}.rope.scaling.factor": 4.0,
+                     f"{arch}.rope.scaling.original_context_length": 64,
+                     f"{arch}.rope.scaling.yarn_beta_fast": 24.0})
     write_gguf(tmp_path / "m.gguf", meta, tensors)
     gguf = GGUFFile(tmp_path / "m.gguf")
     gcfg = llama.config_from_gguf(gguf.path, gguf.metadata, gguf.tensors)
@@ -171,6 +186,15 @@ def test_gguf_llama_layout_matches_transformers(tmp_path, arch, extra):
     ids = np.random.default_rng().integers(0, 97, 30).tolist()
     ours = Harness(gcfg, shapes, gguf.array).run([(0, 0, ids)])
     assert rel_err(ours, hf_logits(model, ids)) < 1e-4
+
+
+def test_yarn_keys_poot_does_not_read_are_refused(tmp_path):
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64,
+            "llama.attention.head_count": 4, "llama.rope.scaling.type": "yarn",
+            "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 64,
+            "llama.rope.scaling.yarn_log_multiplier": 0.1}
+    with pytest.raises(ModelFileError, match="yarn_log_multiplier is not supported"):
+        llama.config_from_gguf(tmp_path / "m.gguf", meta, {})
 
 
 def test_llama3_scaling_keeps_short_and_slows_long_wavelengths():

@@ -2,8 +2,9 @@
 and the mixtures of experts Mixtral and Qwen3-MoE.
 
 `forward` reads top to bottom as the model's forward pass; the variants are small named switches
-in `LlamaConfig` (q/k/v bias for Qwen2, q/k norm for Qwen3, rope layout and frequency scaling,
-layers without rope for SmolLM3, tied embeddings, a feed-forward block of routed experts).
+in `LlamaConfig` (q/k/v bias for Qwen2, q/k norm for Qwen3, rope layout and frequency scaling:
+linear, Llama 3.1's, YaRN's; layers without rope for SmolLM3, tied embeddings, a feed-forward
+block of routed experts).
 Weights are named as in GGUF files; Hugging Face names are mapped onto those, each expert's
 matrix onto its row of the stacked one.
 """
@@ -40,7 +41,9 @@ class LlamaConfig:
     rope_theta: float
     rope_dim: int
     rope_style: str              # "normal" (GGUF llama layout) or "neox" (HF, GGUF qwen)
-    rope_scaling: tuple = ()     # () | ("linear", factor) | ("llama3", factor, low, high, orig)
+    # () | ("linear", factor) | ("llama3", factor, low, high, orig)
+    #    | ("yarn", factor, orig, beta_fast, beta_slow, attention_factor, truncate)
+    rope_scaling: tuple = ()
     qkv_bias: bool = False       # Qwen2
     qk_norm: bool = False        # Qwen3
     nope_layers: frozenset = frozenset()     # layers whose q and k get no rope (SmolLM3)
@@ -60,7 +63,16 @@ class LlamaConfig:
             inv = inv / self.rope_scaling[1]
         elif self.rope_scaling and self.rope_scaling[0] == "llama3":
             inv = llama3_scaled(inv, *self.rope_scaling[1:])
+        elif self.rope_scaling and self.rope_scaling[0] == "yarn":
+            factor, original, fast, slow, _, truncate = self.rope_scaling[1:]
+            inv = yarn_scaled(inv, self.rope_theta, self.rope_dim, factor, original, fast, slow,
+                              truncate)
         return inv.astype(np.float32)
+
+    @property
+    def rope_scale(self):
+        """What the rotated dims are multiplied by: YaRN's attention factor, else 1."""
+        return self.rope_scaling[5] if self.rope_scaling[:1] == ("yarn",) else 1.0
 
 
 def rope_frequencies(theta, rope_dim):
@@ -77,6 +89,35 @@ def llama3_scaled(inv, factor, low_factor, high_factor, original_context):
     blended = (1 - smooth) * inv / factor + smooth * inv
     return np.where(wavelen < high_wavelen, inv, np.where(wavelen > low_wavelen, inv / factor,
                                                           blended))
+
+
+def yarn_scaled(inv, theta, rope_dim, factor, original_context, beta_fast, beta_slow,
+                truncate=True):
+    """YaRN (Peng et al. 2023): the pairs that turn fewer than beta_slow times over the original
+    context are interpolated (slowed by `factor`), those that turn more than beta_fast times
+    kept, a linear ramp between."""
+    def pair_of(turns):         # the pair index that turns `turns` times over the context
+        return rope_dim * math.log(original_context / (turns * 2 * math.pi)) / (
+            2 * math.log(theta))
+    low, high = pair_of(beta_fast), pair_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    ramp = np.clip((np.arange(len(inv)) - low) / max(high - low, 0.001), 0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def yarn_attention_factor(factor, mscale=None, mscale_all_dim=None):
+    """YaRN's factor on the rotated dims where a config gives none: 0.1 ln(factor) + 1, or the
+    ratio of two such with their multipliers (DeepSeek's mscale, mscale_all_dim)."""
+    def get(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    return get(mscale) / get(mscale_all_dim) if mscale and mscale_all_dim else get(1.0)
+
+
+# GGUF rope scaling keys a Llama-family file may hold (after "{arch}.rope.scaling.")
+GGUF_ROPE_SCALING = ("type", "factor", "original_context_length", "yarn_beta_fast",
+                     "yarn_beta_slow", "finetuned")
 
 
 def config_from_gguf(path, metadata, tensor_names):
@@ -98,6 +139,16 @@ def config_from_gguf(path, metadata, tensor_names):
     kind = metadata.get(f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
         scaling = ("linear", float(key("rope.scaling.factor")))
+    elif kind == "yarn":
+        unknown = [k for k in metadata if k.startswith(f"{arch}.rope.scaling.")
+                   and k[len(f"{arch}.rope.scaling."):] not in GGUF_ROPE_SCALING]
+        if unknown:
+            raise ModelFileError(path, f"YaRN scaling with {unknown[0]} is not supported")
+        factor = float(key("rope.scaling.factor"))
+        scaling = ("yarn", factor, float(key("rope.scaling.original_context_length")),
+                   float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                   float(key("rope.scaling.yarn_beta_slow", 1.0)),
+                   yarn_attention_factor(factor), True)
     elif kind not in ("none", None):
         raise ModelFileError(path, f"rope scaling {kind!r} is not supported")
     vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
@@ -148,6 +199,16 @@ def config_from_hf(path, config):
             scaling = ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
                        float(rope["high_freq_factor"]),
                        float(rope["original_max_position_embeddings"]))
+        elif kind == "yarn":
+            original = float(rope.get("original_max_position_embeddings")
+                             or config["max_position_embeddings"])
+            factor = float(rope.get("factor") or config["max_position_embeddings"] / original)
+            attention = rope.get("attention_factor") or yarn_attention_factor(
+                factor, rope.get("mscale"), rope.get("mscale_all_dim"))
+            scaling = ("yarn", factor, original, float(rope.get("beta_fast") or 32),
+                       float(rope.get("beta_slow") or 1), float(attention),
+                       bool(rope.get("truncate", True)))
+            context = max(context, int(original * factor))     # what the scaling reaches
         else:
             raise ModelFileError(path, f"rope scaling {kind!r} is not supported")
         n_experts, d_ff = hf_experts(path, arch, config)
@@ -307,8 +368,8 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
             q = g.rms_norm(q, w(p + "attn_q_norm.weight", D), cfg.norm_eps)
             k = g.rms_norm(k, w(p + "attn_k_norm.weight", D), cfg.norm_eps)
         if i not in cfg.nope_layers:
-            q = g.rope(q, positions, inv_freq, cfg.rope_style)
-            k = g.rope(k, positions, inv_freq, cfg.rope_style)
+            q = g.rope(q, positions, inv_freq, cfg.rope_style, cfg.rope_scale)
+            k = g.rope(k, positions, inv_freq, cfg.rope_style, cfg.rope_scale)
         k_cache = g.state_tensor(p + "k_cache", (num_blocks, block_size, Hkvs, D))
         v_cache = g.state_tensor(p + "v_cache", (num_blocks, block_size, Hkvs, D))
         g.store_kv(k, v, k_cache, v_cache, positions, seq_rows, block_tables)

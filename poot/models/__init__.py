@@ -12,12 +12,12 @@ turn of its chat format (`END_OF_TURN`), which end generation too. The loader as
 registry for a file's family and knows nothing of any one of them.
 """
 from ..errors import ModelFileError
-from . import gemma, llama, phi3
+from . import gemma, llama, olmo, phi3
 from .family import MissingWeight, WrongShape
 
 __all__ = ["FAMILIES", "gguf_family", "hf_family", "MissingWeight", "WrongShape"]
 
-FAMILIES = (llama, phi3, gemma)
+FAMILIES = (llama, phi3, gemma, olmo)
 
 
 def gguf_family(path, metadata):

@@ -179,8 +179,10 @@ def config_from_gguf(path, metadata, tensor_names):
         norm_topk=bool(key("expert_weights_norm", True)))
 
 
-def config_from_hf(path, config):
-    arch = next(HF_ARCHS[a] for a in config["architectures"] if a in HF_ARCHS)
+def config_from_hf(path, config, archs=HF_ARCHS):
+    """The LlamaConfig of a config.json (`archs`: its family's HF_ARCHS, for the families that
+    share this config: olmo.py)."""
+    arch = next(archs[a] for a in config["architectures"] if a in archs)
     try:
         d_model, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or d_model // n_heads)

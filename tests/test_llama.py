@@ -32,7 +32,8 @@ def hf_model(tmp_path, arch, **extra):
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM)}[arch]
+           "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+           "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM)}[arch]
     model = cls[1](cls[0](**common)).eval()
     with torch.no_grad():                     # norms away from 1 and biases away from 0
         for name, p in model.named_parameters():
@@ -107,6 +108,7 @@ VARIANTS = [
     ("qwen2", {}),
     ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),    # the last has no rope
     ("smollm3", {"no_rope_layers": [0, 1], "pad_token_id": None}),   # the first
+    ("ernie4_5", {"head_dim": 16, "tie_word_embeddings": True}),     # interleaved pairs
     ("qwen3", {"head_dim": 32}),
 ]
 
@@ -153,19 +155,21 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 @pytest.mark.parametrize("arch,extra", [("llama", {}),
                                         ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),
-                                        ("llama", {"rope_scaling": YARN})])
+                                        ("llama", {"rope_scaling": YARN}),
+                                        ("ernie4_5", {"head_dim": 16})])
 def test_gguf_llama_layout_matches_transformers(tmp_path, arch, extra):
-    """As llama.cpp's converter writes them: q/k rows permuted, SmolLM3's layers without rope
-    known by the architecture (every fourth), YaRN's scaling in rope.scaling.* keys."""
+    """As llama.cpp's converter writes them: q/k rows permuted (not ERNIE 4.5's, whose pairs
+    are neighbours already), SmolLM3's layers without rope known by the architecture (every
+    fourth), YaRN's scaling in rope.scaling.* keys."""
     model, folder = hf_model(tmp_path, arch, **extra)
     f = open_model(folder)
     cfg = llama.config_from_hf(folder, f.config)
     tensors = []
     for name in f.tensors:
         g, w = llama.gguf_name(name), f.array(name)
-        if g.endswith("attn_q.weight"):
+        if g.endswith("attn_q.weight") and arch != "ernie4_5":
             w = permute_for_gguf(w, cfg.n_heads)
-        elif g.endswith("attn_k.weight"):
+        elif g.endswith("attn_k.weight") and arch != "ernie4_5":
             w = permute_for_gguf(w, cfg.n_kv_heads)
         tensors.append((g, "F32", w))
     meta = {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in {

@@ -1,5 +1,5 @@
 """The Llama family in the graph IR: Llama 2/3/3.x, Mistral, SmolLM2 and 3, Qwen2/2.5, Qwen3,
-and the mixtures of experts Mixtral and Qwen3-MoE.
+ERNIE 4.5 (its dense models), and the mixtures of experts Mixtral and Qwen3-MoE.
 
 `forward` reads top to bottom as the model's forward pass; the variants are small named switches
 in `LlamaConfig` (q/k/v bias for Qwen2, q/k norm for Qwen3, rope layout and frequency scaling:
@@ -18,11 +18,12 @@ from ..engine.placement import Part
 from ..ir.graph import Graph
 from .family import gguf_name_by, layer_tensor, weight_reader
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3", "ernie4_5")
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
             "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
-            "SmolLM3ForCausalLM": "smollm3"}
+            "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5"}
+INTERLEAVED = ("llama", "smollm3", "ernie4_5")  # GGUF archs whose rope pairs neighbouring dims
 NOPE_INTERVAL = 4           # SmolLM3: every fourth layer has no rope (llama.cpp's, not in GGUF)
 
 
@@ -169,7 +170,7 @@ def config_from_gguf(path, metadata, tensor_names):
         norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_dim=int(key("rope.dimension_count", head_dim)),
-        rope_style="normal" if arch in ("llama", "smollm3") else "neox", rope_scaling=scaling,
+        rope_style="normal" if arch in INTERLEAVED else "neox", rope_scaling=scaling,
         nope_layers=nope_every(NOPE_INTERVAL if arch == "smollm3" else 0,
                                int(key("block_count"))),
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
@@ -214,6 +215,8 @@ def config_from_hf(path, config, archs=HF_ARCHS):
         else:
             raise ModelFileError(path, f"rope scaling {kind!r} is not supported")
         n_experts, d_ff = hf_experts(path, arch, config)
+        if arch == "ernie4_5" and config.get("use_bias"):
+            raise ModelFileError(path, "ERNIE 4.5 with biases (use_bias) is not supported")
         n_layers = int(config["num_hidden_layers"])
         nope = frozenset()
         if arch == "smollm3":
@@ -231,7 +234,9 @@ def config_from_hf(path, config, archs=HF_ARCHS):
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_dim=int(head_dim * config.get("partial_rotary_factor", 1.0)),
-            rope_style="neox", rope_scaling=scaling, nope_layers=nope,
+            # ERNIE 4.5's checkpoints pair neighbouring dims, as GGUF llama files do
+            rope_style="normal" if arch == "ernie4_5" else "neox", rope_scaling=scaling,
+            nope_layers=nope,
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias")),
             qk_norm=arch in ("qwen3", "qwen3moe"),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),

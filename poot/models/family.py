@@ -41,6 +41,14 @@ def weight_reader(g, weights):
     return w
 
 
+def step_inputs(g):
+    """The inputs every family's step graph reads, declared on `g`: tokens, positions and
+    seq_rows [T], block_tables [S, B] and sample_tokens [R]."""
+    return (g.input("tokens", ("T",)), g.input("positions", ("T",)),
+            g.input("seq_rows", ("T",)), g.input("block_tables", ("S", "B")),
+            g.input("sample_tokens", ("R",)))
+
+
 # The Hugging Face names of the tensors outside the layers: the same in every family here.
 HF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
             "output_norm.weight", "lm_head.weight": "output.weight"}

@@ -16,7 +16,7 @@ import numpy as np
 from ..engine.placement import Part
 from ..errors import ModelFileError
 from ..ir.graph import Graph
-from .family import gguf_name_by, weight_reader
+from .family import gguf_name_by, step_inputs, weight_reader
 from .llama import embedding  # noqa: F401  (the same rule: the last token's final hidden state)
 
 GGUF_ARCHS = ("gemma2", "gemma3")
@@ -218,11 +218,7 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None, 
     read and written through the step input `window_tables` (engine/kvcache.py: Ring)."""
     g = Graph()
     part = part or Part((0, cfg.n_layers))
-    tokens = g.input("tokens", ("T",))
-    positions = g.input("positions", ("T",))
-    seq_rows = g.input("seq_rows", ("T",))
-    block_tables = g.input("block_tables", ("S", "B"))
-    sample_tokens = g.input("sample_tokens", ("R",))
+    tokens, positions, seq_rows, block_tables, sample_tokens = step_inputs(g)
     ringed = ring_blocks and any(cfg.sliding[i] for i in range(*part.layers))
     window_tables = g.input("window_tables", ("S", "B")) if ringed else block_tables
     inv_freq = {local: g.const(f"rope_inv_freq.{'local' if local else 'global'}",

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import ModelFileError
 from ..engine.placement import Part
 from ..ir.graph import Graph
-from .family import gguf_name_by, layer_tensor, weight_reader
+from .family import gguf_name_by, layer_tensor, step_inputs, weight_reader
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3", "ernie4_5")
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
@@ -319,11 +319,7 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     output is "hidden"), and its rows of the head: the group's slices of the logits are
     gathered, and only rank 0 outputs them. Without one, the whole model."""
     g = Graph()
-    tokens = g.input("tokens", ("T",))
-    positions = g.input("positions", ("T",))
-    seq_rows = g.input("seq_rows", ("T",))
-    block_tables = g.input("block_tables", ("S", "B"))
-    sample_tokens = g.input("sample_tokens", ("R",))
+    tokens, positions, seq_rows, block_tables, sample_tokens = step_inputs(g)
     inv_freq = g.const("rope_inv_freq", cfg.rope_inv_freq(freq_factors))
 
     w = weight_reader(g, weights)

@@ -8,7 +8,7 @@ are named as in GGUF files, the Hugging Face names mapped onto those.
 from ..engine.placement import Part
 from ..ir.graph import Graph
 from . import llama
-from .family import gguf_name_by, weight_reader
+from .family import gguf_name_by, step_inputs, weight_reader
 
 GGUF_ARCHS = ("olmo2",)
 HF_ARCHS = {"Olmo2ForCausalLM": "olmo2"}
@@ -16,7 +16,8 @@ HF_ARCHS = {"Olmo2ForCausalLM": "olmo2"}
 HF_LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
@@ -45,11 +46,7 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
         raise ValueError("OLMo 2 is not split over a tensor group: its q and k norms span "
                          "every head")
     g = Graph()
-    tokens = g.input("tokens", ("T",))
-    positions = g.input("positions", ("T",))
-    seq_rows = g.input("seq_rows", ("T",))
-    block_tables = g.input("block_tables", ("S", "B"))
-    sample_tokens = g.input("sample_tokens", ("R",))
+    tokens, positions, seq_rows, block_tables, sample_tokens = step_inputs(g)
     inv_freq = g.const("rope_inv_freq", cfg.rope_inv_freq(freq_factors))
     w = weight_reader(g, weights)
     H, Hkv, D, E, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff

@@ -18,7 +18,7 @@ from ..engine.placement import Part
 from ..errors import ModelFileError
 from ..ir.graph import Graph
 from . import llama
-from .family import WrongShape, gguf_name_by, weight_reader
+from .family import WrongShape, gguf_name_by, step_inputs, weight_reader
 from .llama import rope_frequencies
 
 GGUF_ARCHS = ("phi3",)
@@ -179,11 +179,7 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     rows of q, of k and of v) and feed-forward columns (its rows of gate and of up), whether
     it embeds and computes the head."""
     g = Graph()
-    tokens = g.input("tokens", ("T",))
-    positions = g.input("positions", ("T",))
-    seq_rows = g.input("seq_rows", ("T",))
-    block_tables = g.input("block_tables", ("S", "B"))
-    sample_tokens = g.input("sample_tokens", ("R",))
+    tokens, positions, seq_rows, block_tables, sample_tokens = step_inputs(g)
     if freq_factors is not None and np.shape(freq_factors) != (cfg.rope_dim // 2,):
         raise WrongShape(cfg.rope_factors_tensor, (cfg.rope_dim // 2,), np.shape(freq_factors))
     inv_freq = g.const("rope_inv_freq", cfg.rope_inv_freq(freq_factors))

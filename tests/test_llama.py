@@ -81,10 +81,11 @@ class Harness:
                                 "sample_tokens": batch.sample_tokens})["logits"]
 
 
-def from_folder(folder):
+def from_folder(folder, family=llama):
+    """(config, weight shapes, weight reader) of a Hugging Face folder, by GGUF name."""
     f = open_model(folder)
-    names = {llama.gguf_name(n): n for n in f.tensors if llama.gguf_name(n)}
-    cfg = llama.config_from_hf(folder, f.config)
+    names = {family.gguf_name(n): n for n in f.tensors if family.gguf_name(n)}
+    cfg = family.config_from_hf(folder, f.config)
     shapes = {g: (f.tensors[n].shape, f.tensors[n].dtype) for g, n in names.items()}
     return cfg, shapes, lambda g: f.array(names[g])
 

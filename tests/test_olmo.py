@@ -11,7 +11,7 @@ from poot.formats import open_model
 from poot.formats.gguf import GGUFFile, write_gguf
 from poot.models import olmo
 from poot.models.random_weights import CHATML, SPECIALS, byte_level_metadata
-from tests.test_llama import Harness, hf_logits, rel_err
+from tests.test_llama import Harness, from_folder, hf_logits, rel_err
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -33,18 +33,10 @@ def hf_olmo(tmp_path, vocab=97, **extra):
     return model, tmp_path / "olmo2"
 
 
-def from_folder(folder):
-    f = open_model(folder)
-    names = {olmo.gguf_name(n): n for n in f.tensors if olmo.gguf_name(n)}
-    cfg = olmo.config_from_hf(folder, f.config)
-    shapes = {g: (f.tensors[n].shape, f.tensors[n].dtype) for g, n in names.items()}
-    return cfg, shapes, lambda g: f.array(names[g])
-
-
 @pytest.mark.parametrize("extra", [{}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}])
 def test_prompts_chunks_and_decode_match_transformers(tmp_path, extra):
     model, folder = hf_olmo(tmp_path, **extra)
-    cfg, shapes, weight = from_folder(folder)
+    cfg, shapes, weight = from_folder(folder, olmo)
     rng = np.random.default_rng()
     a, b = rng.integers(0, 97, 23).tolist(), rng.integers(0, 97, 17).tolist()
     assert rel_err(Harness(cfg, shapes, weight, family=olmo).run([(0, 0, a)]),

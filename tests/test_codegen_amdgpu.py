@@ -41,7 +41,8 @@ def runner_kernels(wavefront):
     kernels = runner_matvecs(wavefront)
     kernels += [ops.embedding(dtype) for dtype in DEVICE_DTYPES]
     kernels += [ops.rms_norm(wavefront), ops.elementwise("add"), ops.elementwise("glu", "silu"),
-                ops.gather_rows(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
+                ops.gather_rows(), ops.scale(), ops.rope("normal"), ops.rope("neox"),
+                ops.store_kv(),
                 ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
                 ops.attention(wavefront, 64), ops.attention(wavefront, 128),
                 ops.attention_split(wavefront, 64), ops.attention_split(wavefront, 128),

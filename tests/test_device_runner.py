@@ -863,18 +863,22 @@ def test_qwen_variants_match_reference(tmp_path, device, arch):
     assert kinds.count("store_kv") == len(model.config.nope_layers) == (arch == "smollm3")
 
 
-def test_yarn_scaled_rope_matches_reference(tmp_path, device):
-    """A GGUF with YaRN scaling (rope.scaling.* keys): its frequencies and the factor on the
-    rotated dims, in the fused rope and store."""
+@pytest.mark.parametrize("arch, keys", [
+    ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+               "rope.scaling.original_context_length": 64}),
+    ("granite", {"embedding_scale": 6.0, "residual_scale": 0.3, "attention.scale": 0.09,
+                 "logit_scale": 4.0})])
+def test_llama_variants_of_metadata_match_reference(tmp_path, device, arch, keys):
+    """GGUF keys that change the graph, not the tensors: YaRN's scaling (its frequencies and
+    the factor on the rotated dims, in the fused rope and store), Granite's multipliers (the
+    scaled embeddings, residual adds and logits, the attention scale)."""
     from poot.formats.gguf import GGUFFile, write_gguf
-    source = GGUFFile(tiny_model(tmp_path, dtype="F16"))
-    meta = dict(source.metadata, **{"llama.rope.scaling.type": "yarn",
-                                    "llama.rope.scaling.factor": 4.0,
-                                    "llama.rope.scaling.original_context_length": 64})
-    path = tmp_path / "yarn.gguf"
+    source = GGUFFile(tiny_model(tmp_path, dtype="F16", arch=arch))
+    meta = dict(source.metadata, **{f"{arch}.{k}": v for k, v in keys.items()})
+    path = tmp_path / f"{arch}-variant.gguf"
     write_gguf(path, meta, [(n, t.dtype, source.array(n)) for n, t in source.tensors.items()])
     model = poot.load(path)
-    assert model.config.rope_scale > 1
+    assert model.config.rope_scale > 1 or model.config.residual_scale != 1
     table = list(np.random.default_rng().permutation(32))
     want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
     got_ids, got = greedy(model.runner(device, num_blocks=32), [5, 80, 9, 41], 12, table)

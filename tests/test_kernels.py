@@ -683,6 +683,13 @@ def test_rms_norm(device, n):
     assert rel_err(got, ref.rms_norm(x, w, 1e-5)) < 1e-5
 
 
+def test_scale(device):
+    x = rng.standard_normal((7, 333)).astype(np.float32)
+    got = run(device, ops.scale(), (-(-x.size // ops.WG),), x,
+              np.full_like(x, np.nan), x.size, 0.37)["out"]
+    assert np.array_equal(got, x * np.float32(0.37))
+
+
 def test_add_and_bias(device):
     a = rng.standard_normal((5, 300)).astype(np.float32)
     for b in (rng.standard_normal((5, 300)).astype(np.float32),

@@ -33,7 +33,8 @@ def hf_model(tmp_path, arch, **extra):
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
-           "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM)}[arch]
+           "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
+           "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM)}[arch]
     model = cls[1](cls[0](**common)).eval()
     with torch.no_grad():                     # norms away from 1 and biases away from 0
         for name, p in model.named_parameters():
@@ -94,6 +95,8 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+GRANITE = {"embedding_multiplier": 6.0, "residual_multiplier": 0.3,
+           "attention_multiplier": 0.09, "logits_scaling": 4.0}
 VARIANTS = [
     ("llama", {}),
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -110,6 +113,7 @@ VARIANTS = [
     ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),    # the last has no rope
     ("smollm3", {"no_rope_layers": [0, 1], "pad_token_id": None}),   # the first
     ("ernie4_5", {"head_dim": 16, "tie_word_embeddings": True}),     # interleaved pairs
+    ("granite", GRANITE),
     ("qwen3", {"head_dim": 32}),
 ]
 
@@ -157,7 +161,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 @pytest.mark.parametrize("arch,extra", [("llama", {}),
                                         ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),
                                         ("llama", {"rope_scaling": YARN}),
-                                        ("ernie4_5", {"head_dim": 16})])
+                                        ("ernie4_5", {"head_dim": 16}), ("granite", GRANITE)])
 def test_gguf_llama_layout_matches_transformers(tmp_path, arch, extra):
     """As llama.cpp's converter writes them: q/k rows permuted (not ERNIE 4.5's, whose pairs
     are neighbours already), SmolLM3's layers without rope known by the architecture (every
@@ -178,6 +182,9 @@ def test_gguf_llama_layout_matches_transformers(tmp_path, arch, extra):
         "feed_forward_length": cfg.d_ff, "attention.head_count": cfg.n_heads,
         "attention.head_count_kv": cfg.n_kv_heads, "vocab_size": 97,
         "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0}.items()}}
+    if arch == "granite":
+        meta.update({"granite.embedding_scale": 6.0, "granite.residual_scale": 0.3,
+                     "granite.attention.scale": 0.09, "granite.logit_scale": 4.0})
     if "rope_scaling" in extra:
         meta.update({f"{arch}.rope.scaling.type": "yarn", f"{arch}.rope.scaling.factor": 4.0,
                      f"{arch}.rope.scaling.original_context_length": 64,

@@ -381,6 +381,11 @@ class DeviceRunner(DeviceChoice, StepRunner):
         self._launch(softcap.softcap(op.attrs["cap"]), (-(-n // ops.WG),),
                      self._buffer(op.inputs[0]), self._buffer(op.output), n)
 
+    def _scale(self, op, T, R, i, long):
+        n = int(np.prod(self._shape(op.output, T, R)))
+        self._launch(ops.scale(), (-(-n // ops.WG),), self._buffer(op.inputs[0]),
+                     self._buffer(op.output), n, op.attrs["scale"])
+
     def _rms_norm(self, op, T, R, i, long):
         shape = self._shape(op.inputs[0], T, R)
         B = self._buffer
@@ -761,6 +766,7 @@ STEPS = {
     "matmul": StepKind(lambda r, steps, i, long: r.choice.matmul_kernels(
         steps[i], long, next_matmul(steps, i)), DeviceRunner._matmul),
     "add": StepKind(_one(lambda r, op: ops.elementwise("add")), DeviceRunner._elementwise),
+    "scale": StepKind(_one(lambda r, op: ops.scale()), DeviceRunner._scale),
     "glu": StepKind(_one(lambda r, op: ops.elementwise("glu", op.attrs["activation"])),
                     DeviceRunner._elementwise),
     "rope": StepKind(_one(lambda r, op: ops.rope(op.attrs["style"], op.attrs["scale"])),

@@ -34,6 +34,7 @@ OPS = {
                      "[T, k, K]: then x[t, j, k]; w [experts, M, K] in its storage dtype)",
     "expert_sum": "out[t] = sum_j weights[t, j] * y[t, j]",
     "softcap":    "out = tanh(x / cap) * cap   (Gemma 2's final logits)",
+    "scale":      "out = x * scale   (Granite's residual and logit multipliers)",
     "all_reduce": "out = the sum of x over the devices of a group (each holds a partial sum)",
     "all_gather": "out = the concatenation along the last axis of x over the devices of a group, "
                   "in the group's order (each holds a slice, the slices' lengths may differ)",
@@ -228,6 +229,9 @@ class Graph:
         return self._op("expert_sum", (y, weights), (y.shape[0], y.shape[2]))
     def softcap(self, x, cap):
         return self._op("softcap", (x,), x.shape, {"cap": float(cap)})
+
+    def scale(self, x, scale):
+        return self._op("scale", (x,), x.shape, {"scale": float(scale)})
 
     def all_reduce(self, x, world):
         return self._op("all_reduce", (x,), x.shape, {"world": int(world)})

@@ -227,9 +227,13 @@ def capped(x, cap):
     return (np.tanh(x / cap) * cap).astype(np.float32)
 
 
+def scaled(x, scale):
+    return (x * np.float32(scale)).astype(np.float32)
+
+
 KERNELS = {
     "embedding": embedding, "rms_norm": rms_norm, "matmul": matmul, "add": add,
     "reshape": reshape, "rope": rope, "store_kv": store_kv, "attention": attention,
-    "glu": glu, "gather": gather, "softcap": capped, "top_k": top_k,
+    "glu": glu, "gather": gather, "softcap": capped, "scale": scaled, "top_k": top_k,
     "route_weights": route_weights, "expert_matmul": expert_matmul, "expert_sum": expert_sum,
 }

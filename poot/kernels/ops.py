@@ -80,6 +80,18 @@ def elementwise(op, activation=None):
 
 
 @cache
+def scale():
+    """out[i] = x[i] * s; grid (ceil(n/WG))."""
+    k = KernelBuilder("scale", (WG,))
+    x, out = k.buffer("x", F32), k.buffer("out", F32, "w")
+    n, s = k.scalar("n", I32), k.scalar("s", F32)
+    i = k.block_id() * WG + k.thread_id()
+    with k.if_(i < n):
+        out[i] = x[i] * s
+    return k.build()
+
+
+@cache
 def gather_rows():
     """out[r, :] = x[index[r], :]; grid (R)."""
     k = KernelBuilder("gather_rows", (WG,))

@@ -1,10 +1,10 @@
 """The Llama family in the graph IR: Llama 2/3/3.x, Mistral, SmolLM2 and 3, Qwen2/2.5, Qwen3,
-ERNIE 4.5 (its dense models), and the mixtures of experts Mixtral and Qwen3-MoE.
+ERNIE 4.5 and Granite 3 (their dense models), and the mixtures of experts Mixtral and Qwen3-MoE.
 
 `forward` reads top to bottom as the model's forward pass; the variants are small named switches
 in `LlamaConfig` (q/k/v bias for Qwen2, q/k norm for Qwen3, rope layout and frequency scaling:
-linear, Llama 3.1's, YaRN's; layers without rope for SmolLM3, tied embeddings, a feed-forward
-block of routed experts).
+linear, Llama 3.1's, YaRN's; layers without rope for SmolLM3, Granite's multipliers, tied
+embeddings, a feed-forward block of routed experts).
 Weights are named as in GGUF files; Hugging Face names are mapped onto those, each expert's
 matrix onto its row of the stacked one.
 """
@@ -18,12 +18,14 @@ from ..engine.placement import Part
 from ..ir.graph import Graph
 from .family import gguf_name_by, layer_tensor, step_inputs, weight_reader
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3", "ernie4_5")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3", "ernie4_5", "granite")
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
             "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
-            "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5"}
-INTERLEAVED = ("llama", "smollm3", "ernie4_5")  # GGUF archs whose rope pairs neighbouring dims
+            "SmolLM3ForCausalLM": "smollm3", "Ernie4_5ForCausalLM": "ernie4_5",
+            "GraniteForCausalLM": "granite"}
+# GGUF archs whose rope pairs neighbouring dims
+INTERLEAVED = ("llama", "smollm3", "ernie4_5", "granite")
 NOPE_INTERVAL = 4           # SmolLM3: every fourth layer has no rope (llama.cpp's, not in GGUF)
 
 
@@ -48,6 +50,13 @@ class LlamaConfig:
     qkv_bias: bool = False       # Qwen2
     qk_norm: bool = False        # Qwen3
     nope_layers: frozenset = frozenset()     # layers whose q and k get no rope (SmolLM3)
+    # Granite's multipliers: of the embeddings, of each block's output before it is added to
+    # the residual stream, of the attention scores (instead of head_dim ** -0.5), and the
+    # divisor of the logits
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    attention_scale: float = 0.0         # 0: head_dim ** -0.5
+    logit_scale: float = 1.0
     tied_embeddings: bool = False
     # mixture of experts (Mixtral, Qwen3-MoE): each token's feed-forward block is the weighted
     # sum of experts_used of n_experts SwiGLU blocks (d_ff wide each), chosen by a router
@@ -177,7 +186,11 @@ def config_from_gguf(path, metadata, tensor_names):
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         tied_embeddings="output.weight" not in tensor_names,
         n_experts=n_experts, experts_used=int(key("expert_used_count", 0)) if n_experts else 0,
-        norm_topk=bool(key("expert_weights_norm", True)))
+        norm_topk=bool(key("expert_weights_norm", True)),
+        embedding_scale=float(key("embedding_scale", 1.0)),
+        residual_scale=float(key("residual_scale", 1.0)),
+        attention_scale=float(key("attention.scale", 0.0)),
+        logit_scale=float(key("logit_scale", 1.0)))
 
 
 def config_from_hf(path, config, archs=HF_ARCHS):
@@ -242,7 +255,11 @@ def config_from_hf(path, config, archs=HF_ARCHS):
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             n_experts=n_experts,
             experts_used=int(config["num_experts_per_tok"]) if n_experts else 0,
-            norm_topk=bool(config.get("norm_topk_prob", True)))
+            norm_topk=bool(config.get("norm_topk_prob", True)),
+            embedding_scale=float(config.get("embedding_multiplier", 1.0)),
+            residual_scale=float(config.get("residual_multiplier", 1.0)),
+            attention_scale=float(config.get("attention_multiplier", 0.0)),
+            logit_scale=float(config.get("logits_scaling", 1.0)))
     except KeyError as missing:
         raise ModelFileError(path, f"config.json lacks {missing}") from None
 
@@ -329,7 +346,10 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
         return g.add(y, w(f"{name}.bias", n_out, rows=rows)) if cfg.qkv_bias else y
 
     def reduced(partial):
-        return g.all_reduce(partial, part.world) if part.world > 1 else partial
+        """A block's output as the residual stream takes it: summed over a tensor group,
+        times Granite's multiplier."""
+        whole = g.all_reduce(partial, part.world) if part.world > 1 else partial
+        return whole if cfg.residual_scale == 1 else g.scale(whole, cfg.residual_scale)
 
     def experts(h, p):
         """The router's softmax chooses experts_used experts of each token; the block is the
@@ -357,7 +377,7 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     if whole:
         q_rows = kv_rows = None
     if part.first:
-        x = g.embedding(w("token_embd.weight", cfg.vocab_size, E), tokens)
+        x = g.embedding(w("token_embd.weight", cfg.vocab_size, E), tokens, cfg.embedding_scale)
     else:
         x = g.input("hidden", ("T", E), "f32")
     for i in range(*part.layers):
@@ -376,14 +396,15 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
         k_cache = g.state_tensor(p + "k_cache", (num_blocks, block_size, Hkvs, D))
         v_cache = g.state_tensor(p + "v_cache", (num_blocks, block_size, Hkvs, D))
         g.store_kv(k, v, k_cache, v_cache, positions, seq_rows, block_tables)
-        a = g.attention(q, k_cache, v_cache, positions, seq_rows, block_tables, D ** -0.5)
+        a = g.attention(q, k_cache, v_cache, positions, seq_rows, block_tables,
+                        cfg.attention_scale or D ** -0.5)
         o = g.matmul(g.reshape(a, ("T", Hs * D)),
                      w(p + "attn_output.weight", E, H * D, cols=q_rows))
         x = g.add(x, reduced(o))
         # feed-forward block
         h = g.rms_norm(x, w(p + "ffn_norm.weight", E), cfg.norm_eps)
         if cfg.n_experts:
-            x = g.add(x, experts(h, p))
+            x = g.add(x, reduced(experts(h, p)))
             continue
         ff = None if whole else (f0, f1)
         gate = g.matmul(h, w(p + "ffn_gate.weight", F, E, rows=ff))
@@ -400,6 +421,8 @@ def forward(cfg, weights, num_blocks, block_size, freq_factors=None, part=None):
     x = g.rms_norm(last, w("output_norm.weight", E), cfg.norm_eps)
     output = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     logits = g.matmul(x, w(output, cfg.vocab_size, E, rows=part.vocab))
+    if cfg.logit_scale != 1:
+        logits = g.scale(logits, 1 / cfg.logit_scale)
     if part.vocab is not None:
         logits = g.all_gather(logits, part.world, cfg.vocab_size)
     if part.logits:

@@ -2,6 +2,7 @@
 clock both read, the tiny random model, and devices opened the way poot-serve opens them
 (backends/select.py), or a skip that says why one cannot open here."""
 import datetime
+import gc
 import json
 
 import pytest
@@ -59,3 +60,10 @@ def hf_jinja():
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: NOW.strftime(fmt)
     return env
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Freezes what the session made (kernels' statement trees, models, devices) so that the
+    interpreter's finalization, which collects garbage again and again, skips it: exit is then
+    seconds, not minutes over a heap of many GB."""
+    gc.freeze()

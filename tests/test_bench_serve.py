@@ -87,12 +87,15 @@ def test_bench_serve_on_the_reference_backend(tmp_path):
                 assert t["cached_tokens"] == 0, row
 
 
-@pytest.mark.parametrize("backend", ["vulkan", "wgpu"])
-def test_bench_serve_on_the_vulkan_device(tmp_path, backend):
+@pytest.mark.parametrize("backend, temperature", [("vulkan", 0), ("wgpu", 0), ("vulkan", 0.8)])
+def test_bench_serve_on_the_vulkan_device(tmp_path, backend, temperature):
+    """Greedy, and sampled (the device's candidates, the host's choice from them)."""
     open_or_skip(backend)
     rows, out = bench_serve(tmp_path, "--backend", backend, "--clients", "1,2", "--no-warmup",
-                            "--memory-limit", "1GiB", "--prefill-chunk", "128")
+                            "--memory-limit", "1GiB", "--prefill-chunk", "128",
+                            "--temperature", str(temperature), "--top-p", "0.9")
     assert sorted(rows) == [("on", "plain", 1, "yes"), ("on", "plain", 2, "yes")], out
+    assert f"requests at temperature {temperature:g}, top-p 0.9;" in out
     for row in rows.values():
         check_figures(row)
 

@@ -132,46 +132,162 @@ def choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, mi
     the candidates with choose()'s arithmetic. Otherwise the row's total mass comes from the
     sums, and a top-p cut or the draw over the whole mass is taken only where every total within
     the margin gives the same answer; a min-p cut and a draw inside a known cut need no total."""
-    keep = values.shape[1]
-    full = ids[:, -1] < vocab                       # chunks that may hold more than their keep
-    floor = values[full, -1].max() if full.any() else -np.inf
-    real = ids < vocab
-    values, ids = values[real], ids[real]
-    order = np.lexsort((ids, -values))              # highest value first, lower id on ties
-    if temperature <= 0:
-        return int(ids[order[0]])
-    known = int(np.count_nonzero(values > floor))   # the sorted order's first `known` are right
-    if top_k > 0:
-        if top_k > max(keep, known):
-            return None
-        return int(ids[choose_in(order[:top_k], values, temperature, top_p, min_p, u)])
-    if known == 0:                                  # ties at the floor from the best value on
-        return None
-    scaled = values[order[:known]].astype(np.float64) / temperature
-    weights = np.exp(scaled - scaled[0])
-    total = float(np.sum(np.asarray(sums, np.float64)
-                         * np.exp((np.asarray(maxima, np.float64) - values[order[0]])
-                                  / temperature)))
-    bounds = (total * (1 - SUM_MARGIN), total * (1 + SUM_MARGIN))
-    cdf = np.cumsum(weights)
-    kept = None
-    if top_p < 1.0:
-        at = {int(np.searchsorted(cdf, top_p * t)) for t in bounds}
-        if len(at) > 1 or max(at) >= known:
-            return None
-        kept = at.pop() + 1
-    if min_p > 0.0:
-        passing = int(np.count_nonzero(weights[:kept] >= min_p * weights[0]))
-        if kept is None and passing == known:
-            return None
-        kept = passing
-    if kept is not None:
-        index = min(int(np.searchsorted(cdf[:kept], u * cdf[kept - 1], side="right")), kept - 1)
-        return int(ids[order[index]])
-    at = {int(np.searchsorted(cdf, u * t, side="right")) for t in bounds}
-    if len(at) > 1 or max(at) >= known:
-        return None
-    return int(ids[order[at.pop()]])
+    token = choose_among_rows(values[None], ids[None], np.asarray(maxima)[None],
+                              np.asarray(sums)[None], vocab, *(np.array([a]) for a in (
+                                  temperature, top_k, top_p, min_p, u)))[0]
+    return None if token < 0 else int(token)
+
+
+RANKED_FIRST = 16       # the best candidates of each row choose_among ranks first
+UNDECIDED, MORE = -1, -2
+
+
+def choose_among_rows(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u):
+    """choose_among of R rows at once (values, ids [R, chunks, keep], maxima, sums [R, chunks],
+    the rest [R]): their tokens, -1 where a row's candidates cannot decide it. Each row's order
+    is ranked only as far as its cuts and draw read it: its first RANKED_FIRST, then four times
+    more for the rows whose answer lies past them."""
+    R, _, keep = values.shape
+    tokens = np.full(R, UNDECIDED, np.int64)
+    nan = np.isnan(sums).any(axis=1)            # a NaN logit: the definition's order, from the row
+    full = ids[:, :, -1] < vocab                # chunks that may hold more than their keep
+    floor = np.where(full, values[:, :, -1], -np.inf).max(axis=1)
+    greedy = (temperature <= 0) & ~nan          # chunks are in id order, each best first
+    rows = np.flatnonzero(greedy)
+    tokens[rows] = ids[rows, np.argmax(values[rows, :, 0], axis=1), 0]
+    for r in np.flatnonzero(~(greedy | nan) & (top_k > 0)):    # a top-k cut: the definition's
+        k = int(top_k[r])
+        if k > keep and k > _known(values, ids, floor, vocab, [r], keep)[0][0]:
+            continue
+        ranked, ranked_ids = _ranked_rows(values[r:r + 1, :, :k], ids[r:r + 1, :, :k], k)
+        real = ranked_ids[0] < vocab
+        tokens[r] = ranked_ids[0][real][_draw(ranked[0][real], temperature[r], top_p[r],
+                                              min_p[r], u[r])]
+    rows = np.flatnonzero(~(greedy | nan) & (top_k <= 0))
+    peak = values[rows, :, 0].max(axis=1).astype(np.float64)
+    total = np.sum(np.asarray(sums[rows], np.float64) * np.exp(
+        (np.asarray(maxima[rows], np.float64) - peak[:, None]) / temperature[rows, None]), axis=1)
+    bounds = np.stack([total * (1 - SUM_MARGIN), total * (1 + SUM_MARGIN)], axis=1)
+    n = RANKED_FIRST
+    while len(rows):            # the rows whose answer lies past the order ranked so far
+        width = min(n, keep)
+        known, whole = _known(values, ids, floor, vocab, rows, width)
+        known = np.where(whole, known, np.maximum(known, n + 1))    # more past n where not all
+        some = known > 0                        # none known: ties at the floor from the best on
+        rows, bounds, known = rows[some], bounds[some], known[some]
+        if not len(rows):
+            break
+        limit = np.minimum(known, n)
+        ranked, ranked_ids = _ranked_rows(values[rows, :, :width], ids[rows, :, :width],
+                                          int(limit.max()))
+        at = _positions(ranked, temperature[rows], bounds, top_p[rows], min_p[rows], u[rows],
+                        limit, known <= n)
+        picked = at >= 0
+        tokens[rows[picked]] = ranked_ids[picked, at[picked]]
+        again = at == MORE
+        rows, bounds = rows[again], bounds[again]
+        if n == RANKED_FIRST:
+            rows, bounds = _reachable(rows, bounds, values, ids, floor, vocab, temperature, top_p,
+                                      min_p, u)
+        n *= 4
+    return tokens
+
+
+def _reachable(rows, bounds, values, ids, floor, vocab, temperature, top_p, min_p, u):
+    """The rows (and their bounds) whose top-p cut, min-p cut or draw may lie among their
+    candidates above the floor: for the rest, whose reach certainly passes the mass (or, min-p
+    alone, the lowest value) of those, ranking every candidate would only find so. The margin
+    covers the float32 sum here against the exact one that decides the rows kept."""
+    t = temperature[rows, None, None].astype(np.float32)
+    peak = values[rows, :, 0].max(axis=1)
+    above = (values[rows] > floor[rows, None, None]) & (ids[rows] < vocab)
+    weights = np.exp((np.where(above, values[rows], -np.inf) - peak[:, None, None]) / t)
+    mass = weights.sum(axis=(1, 2), dtype=np.float64)
+    lowest = np.where(above, weights, np.float32(np.inf)).min(axis=(1, 2))
+    cut, floor_only = top_p[rows] < 1.0, (top_p[rows] >= 1.0) & (min_p[rows] > 0.0)
+    reach = np.where(cut, top_p[rows], u[rows]) * bounds[:, 1]
+    past = np.where(floor_only, lowest > min_p[rows] * (1 + REACH_MARGIN),
+                    mass < reach * (1 - REACH_MARGIN))
+    return rows[~past], bounds[~past]
+
+
+REACH_MARGIN = 1e-5
+
+
+def _known(values, ids, floor, vocab, rows, width):
+    """For `rows`: how many of their candidates above the floor (the first of the row's
+    order, all known) lie in each chunk's first `width`, and whether that is all of them (no
+    chunk's width-th is above it)."""
+    above = (values[rows, :, :width] > floor[rows, None, None]) & \
+        (ids[rows, :, :width] < vocab)
+    return above.sum(axis=(1, 2)), (width == values.shape[2]) | ~above[:, :, -1].any(axis=1)
+
+
+def _positions(values, temperature, bounds, top_p, min_p, u, limit, whole):
+    """choose_among's position of each row among its first `limit` candidates in order (values
+    [R, n], sorted, highest first; limit <= n): the top-p cut at the totals `bounds` [R, 2]
+    allow, the min-p cut, the draw. UNDECIDED where those totals give different answers or the
+    answer lies past the known order (`whole`: limit is all of it), MORE where it lies past
+    limit and more is known. A count over the first limit is min(count over n, limit): the
+    cumulative weights rise, the weights fall."""
+    scaled = values.astype(np.float64) / temperature[:, None]
+    weights = np.exp(scaled - scaled[:, :1])
+    cdf = np.cumsum(weights, axis=1)
+    columns = np.arange(values.shape[1])
+
+    def count(below):
+        return np.minimum(below.sum(axis=1), limit)
+
+    past = np.where(whole, UNDECIDED, MORE)
+    out = np.full(len(values), UNDECIDED, np.int64)
+    settled = np.zeros(len(values), bool)
+    kept = np.where(top_p < 1.0, 0, -1)
+    cut = top_p < 1.0
+    if cut.any():
+        lo, hi = (count(cdf < (top_p * bounds[:, j])[:, None]) for j in (0, 1))
+        beyond, open_ = cut & (np.maximum(lo, hi) >= limit), cut & (lo != hi)
+        out = np.where(beyond, past, out)
+        settled |= beyond | open_
+        kept = np.where(cut, lo + 1, kept)
+    floor = min_p > 0.0
+    if floor.any():
+        within = columns[None, :] < np.where(kept > 0, kept, limit)[:, None]
+        passing = count(within & (weights >= min_p[:, None] * weights[:, :1]))
+        beyond = floor & ~settled & (kept < 0) & (passing == limit)
+        out = np.where(beyond, past, out)
+        settled |= beyond
+        kept = np.where(floor, passing, kept)
+    has_kept = ~settled & (kept > 0)
+    if has_kept.any():
+        last = cdf[np.arange(len(cdf)), np.clip(kept, 1, len(columns)) - 1]    # settled: any
+        within = columns[None, :] < kept[:, None]
+        drawn = np.minimum((within & (cdf <= (u * last)[:, None])).sum(axis=1), kept - 1)
+        out = np.where(has_kept, drawn, out)
+    free = ~settled & (kept < 0)
+    if free.any():
+        lo, hi = (count(cdf <= (u * bounds[:, j])[:, None]) for j in (0, 1))
+        drawn = np.where(np.maximum(lo, hi) >= limit, past, np.where(lo != hi, UNDECIDED, lo))
+        out = np.where(free, drawn, out)
+    return out
+
+
+def _ranked_rows(values, ids, n):
+    """The values and ids [R, n] of the best n candidates of each row of values, ids
+    [R, chunks, width] (each chunk's first `width`: a row's best n <= width are among them), in
+    choose()'s order (highest value, then lowest id; padding past the vocabulary last), without
+    sorting the rest: a row has thousands, its cuts read a few. One int64 key a candidate
+    orders both ways: the value's bits made to sort as integers, negated, above the id."""
+    R = len(values)
+    values = values.reshape(R, -1) + np.float32(0.0)       # -0.0 ties with 0.0
+    bits = values.view(np.int32)
+    order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)
+    keys = (-order << 32) | ids.reshape(R, -1).astype(np.int64)
+    if n < keys.shape[1]:
+        keys = np.partition(keys, n - 1, axis=1)[:, :n]
+    keys = np.sort(keys, axis=1)
+    order = (-(keys >> 32)).astype(np.int32)
+    ranked = (order ^ ((order >> 31) & 0x7FFFFFFF)).view(np.float32)
+    return ranked, (keys & 0xFFFFFFFF).astype(np.int64)
 
 
 def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u, n,
@@ -194,15 +310,16 @@ def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, 
                              u)
     if token is None:
         return None
-    real = ids < vocab
-    values, ids = values[real].astype(np.float64), ids[real]
-    if not np.any(ids == token):
+    mine = ids == token
+    if not np.any(mine):
         return None
-    order = np.lexsort((ids, -values))[:n]          # best() of the row: lower id on ties
-    peak = values.max()
+    best_values, best_ids = _ranked_rows(values[None, :, :n], ids[None, :, :n], n)  # best()'s
+    real = best_ids[0] < vocab
+    best_values, best_ids = best_values[0][real], best_ids[0][real]
+    peak = np.float64(values[:, 0].max())
     total = np.sum(np.asarray(sums, np.float64) * np.exp(np.asarray(maxima, np.float64) - peak))
     norm = peak + np.log(total)
-    return token, values[ids == token][0] - norm, ids[order], values[order] - norm
+    return token, np.float64(values[mine][0]) - norm, best_ids, best_values.astype(np.float64) - norm
 
 
 def edit_row(logits, rows, r):
@@ -236,6 +353,13 @@ def choice_args(rows, r):
     """choose()'s arguments after the logits for row r of SamplingRows `rows`."""
     return (float(rows.temperature[r]), int(rows.top_k[r]), float(rows.top_p[r]),
             float(rows.min_p[r]), uniform(rows.seed[r], rows.step[r]))
+
+
+def choice_arrays(rows, R):
+    """choice_args of the first R rows of SamplingRows `rows`, each an array [R]."""
+    return (rows.temperature[:R].astype(np.float64), rows.top_k[:R].astype(np.int64),
+            rows.top_p[:R].astype(np.float64), rows.min_p[:R].astype(np.float64),
+            np.array([uniform(rows.seed[r], rows.step[r]) for r in range(R)], np.float64))
 
 
 def token_of(logits, rows, r):

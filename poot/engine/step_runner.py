@@ -11,8 +11,8 @@ decide, or whose edits the device had no room for, are read back and sampled on 
 import numpy as np
 
 from .batch import StepBatch, StepOutput
-from .sampling import (choice_args, choose_among, choose_sorted, edit_row, logprobs_among,
-                       sample, sample_row)
+from .sampling import (choice_args, choice_arrays, choose_among, choose_among_rows,
+                       choose_sorted, edit_row, logprobs_among, sample, sample_row)
 
 
 class StepRunner:
@@ -154,14 +154,11 @@ class StepRunner:
         if not np.any(rows.temperature > 0):
             tokens = np.frombuffer(self._read("argmax", R * 4), np.int32)
             return _tokens_only(tokens.copy())
-        candidates = self._candidates(R, rows.temperature)
-        params = [choice_args(rows, r) for r in range(R)]
-        tokens = [choose_among(*(part[r] for part in candidates), self.vocab_size, *params[r])
-                  for r in range(R)]
-        undecided = [r for r, token in enumerate(tokens) if token is None]
-        for r, logits in self._logit_rows(undecided).items():   # the candidates could not tell
-            tokens[r] = choose_sorted(logits, *params[r])
-        return _tokens_only(np.array(tokens, np.int32))
+        tokens = choose_among_rows(*self._candidates(R, rows.temperature), self.vocab_size,
+                                   *choice_arrays(rows, R))
+        for r, logits in self._logit_rows(np.flatnonzero(tokens < 0)).items():  # not decided
+            tokens[r] = choose_sorted(logits, *choice_args(rows, r))
+        return _tokens_only(tokens.astype(np.int32))
 
     def _step_with_logprobs(self, R, rows):
         """The tokens and log probabilities (of the edited logits) of the last step's R rows,

@@ -22,7 +22,8 @@ BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "min": np.minim
 COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
            "eq": np.equal, "ne": np.not_equal}
 UNARY = {"not": np.invert, "neg": np.negative, "abs": np.abs, "exp": np.exp, "exp2": np.exp2,
-         "log": np.log, "log2": np.log2, "sqrt": np.sqrt, "tanh": np.tanh, "floor": np.floor}
+         "log": np.log, "log2": np.log2, "sqrt": np.sqrt, "tanh": np.tanh, "floor": np.floor,
+         "rsqrt": lambda x: 1 / np.sqrt(x), "sin": np.sin, "cos": np.cos}
 REDUCE = {"subgroup_add": np.sum, "subgroup_min": np.min, "subgroup_max": np.max}
 NO_OP = (CopyCommit, CopyWait, AsyncProxyFence)
 LANE = np.arange(32)

@@ -849,13 +849,14 @@ def test_no_partials_without_matrix_instructions(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "smollm3"])
 def test_qwen_variants_match_reference(tmp_path, device, arch):
-    """q/k/v biases (qwen2) and q/k norms (qwen3) around the fused q/k/v matmul and rope; a
-    layer without rope (SmolLM3's fourth) stores its keys as they are."""
+    """q/k/v biases (qwen2) and q/k norms (qwen3: folded into rope_store_kv) around the fused
+    q/k/v matmul and rope; a layer without rope (SmolLM3's fourth) stores its keys as they are."""
     shape = "tiny-deep" if arch == "smollm3" else None
     model = poot.load(tiny_model(tmp_path, dtype="F16", arch=arch, shape=shape))
     table = list(np.random.default_rng().permutation(32))
     want_ids, want = greedy(model.runner(None, num_blocks=32), [5, 80, 9, 41], 12, table)
     runner = model.runner(device, num_blocks=32)
+    assert "rms_norm" not in {s.kind for s in runner.steps}
     got_ids, got = greedy(runner, [5, 80, 9, 41], 12, table)
     assert got_ids == want_ids
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3

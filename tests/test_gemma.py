@@ -252,7 +252,11 @@ def test_tiny_gemma_on_the_device_gives_the_reference_tokens(tmp_path, device, a
     table = list(np.random.default_rng().permutation(32))
     prompt = model.tokenizer.encode("The quick brown fox")
     want_ids, want = greedy(model.runner(None, num_blocks=32), prompt, 20, table)
-    got_ids, got = greedy(model.runner(device, num_blocks=32), prompt, 20, table)
+    runner = model.runner(device, num_blocks=32)
+    # the post-norms' adds and Gemma 3's q/k norms fold into other launches
+    assert not {"add", "rms_norm"} & {s.kind for s in runner.steps if s.kind != "rms_norm" or
+                                     not s.attrs.get("residual")}
+    got_ids, got = greedy(runner, prompt, 20, table)
     assert got_ids == want_ids
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3   # f16 KV cache
 

@@ -14,6 +14,7 @@ from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
 from poot.kernels import choice, matmul, matvec, mma_vec, ops
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
+from tests import lockstep
 from tests.conftest import open_or_skip
 
 rng = np.random.default_rng()
@@ -690,6 +691,17 @@ def test_scale(device):
     assert np.array_equal(got, x * np.float32(0.37))
 
 
+@pytest.mark.parametrize("n", [64, 1000])
+def test_rms_norm_with_residual(device, n):
+    """Gemma's norm after attention or the feed-forward, added to the residual stream."""
+    x = rng.standard_normal((7, n)).astype(np.float32) * 3
+    w, res = rng.standard_normal(n).astype(np.float32), rng.standard_normal((7, n)).astype(
+        np.float32)
+    got = run(device, ops.rms_norm(device.subgroup_size, residual=True), (7,), x, w, res,
+              np.zeros_like(x), n, 1e-6)["out"]
+    assert rel_err(got, res + ref.rms_norm(x, w, 1e-6)) < 1e-5
+
+
 def test_add_and_bias(device):
     a = rng.standard_normal((5, 300)).astype(np.float32)
     for b in (rng.standard_normal((5, 300)).astype(np.float32),
@@ -799,6 +811,68 @@ def test_rope_store_kv(device, style, pairs, scale):                       # Lon
     got_v = out["v_cache"].view(np.float16).astype(np.float32)
     assert rel_err(got_k[written], want_k[written]) < 1e-3            # f16: 2^-11 per value
     assert np.array_equal(got_v[written], want_v[written].astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("style", ["normal", "neox"])
+@pytest.mark.parametrize("D,pairs,scale", [(64, 32, 1.0), (128, 48, 1.0), (128, 64, 1.19)])
+def test_norm_rope_store_kv(device, style, D, pairs, scale):
+    """Each head's RMSNorm (q's weight, k's weight) before the rope and the store, as Qwen3's
+    graph has them: the dims past the rotated pairs are scaled too."""
+    H, n_kv, bs, nb, eps = 5, 2, 16, 64, 1e-6
+    tables, positions, seq_rows, k, v = paged_case(n_kv, D, [37, 5, 16], bs, nb)
+    T = len(positions)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    q_w, k_w = (rng.uniform(0.5, 1.5, D).astype(np.float32) for _ in range(2))
+    inv_freq = (1.0 / 10000 ** (np.arange(pairs) / pairs)).astype(np.float32)
+    cache = np.zeros((nb, bs, n_kv, D // 2), np.uint32)
+    heads_a_group = ops.WG // device.subgroup_size
+    out = run(device, ops.norm_rope_store_kv(style, device.subgroup_size, scale),
+              (-(-T * (H + n_kv) // heads_a_group),), q.copy(), k, v, cache, cache, positions,
+              seq_rows, tables, inv_freq, q_w, k_w, T, H, n_kv, D, pairs, tables.shape[1], bs,
+              eps)
+    want_q = ref.rope(ref.rms_norm(q, q_w, eps), positions, inv_freq, style, scale)
+    assert rel_err(out["q"], want_q) < 1e-5
+    want_k, want_v = (np.full((nb, bs, n_kv, D), np.nan, np.float32) for _ in range(2))
+    ref.store_kv(ref.rope(ref.rms_norm(k, k_w, eps), positions, inv_freq, style, scale), v,
+                 want_k, want_v, positions, seq_rows, tables)
+    written = ~np.isnan(want_k)
+    got_k = out["k_cache"].view(np.float16).astype(np.float32)
+    got_v = out["v_cache"].view(np.float16).astype(np.float32)
+    assert rel_err(got_k[written], want_k[written]) < 1e-3            # f16: 2^-11 per value
+    assert np.array_equal(got_v[written], want_v[written].astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("style", ["normal", "neox"])
+def test_head_norm_kernels_in_lockstep_at_32_lanes(style):
+    """norm_rope_store_kv and the residual rms_norm at NVIDIA's subgroup size, which no device
+    here has, run by numpy (tests/lockstep.py) against the reference, every cache word they do
+    not write left as it was."""
+    H, n_kv, D, pairs, bs, nb, eps = 5, 2, 128, 48, 16, 64, 1e-6
+    tables, positions, seq_rows, k, v = paged_case(n_kv, D, [37, 5, 16], bs, nb)
+    T = len(positions)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    q_w, k_w = (rng.uniform(0.5, 1.5, D).astype(np.float32) for _ in range(2))
+    inv_freq = (1.0 / 10000 ** (np.arange(pairs) / pairs)).astype(np.float32)
+    k_cache, v_cache = (np.full((nb, bs, n_kv, D // 2), 0x7E007E00, np.uint32) for _ in range(2))
+    got_q = q.copy()
+    lockstep.run(ops.norm_rope_store_kv(style, 32), (-(-T * (H + n_kv) // (ops.WG // 32)),),
+                 got_q, k, v, k_cache, v_cache, positions, seq_rows, tables, inv_freq, q_w, k_w,
+                 T, H, n_kv, D, pairs, tables.shape[1], bs, eps)
+    assert rel_err(got_q, ref.rope(ref.rms_norm(q, q_w, eps), positions, inv_freq, style)) < 1e-5
+    want_k, want_v = (np.full((nb, bs, n_kv, D), np.nan, np.float32) for _ in range(2))
+    ref.store_kv(ref.rope(ref.rms_norm(k, k_w, eps), positions, inv_freq, style), v, want_k,
+                 want_v, positions, seq_rows, tables)
+    written = ~np.isnan(want_k)
+    got_k, got_v = (c.view(np.float16).astype(np.float32) for c in (k_cache, v_cache))
+    assert rel_err(got_k[written], want_k[written]) < 1e-3
+    assert np.array_equal(got_v[written], want_v[written].astype(np.float16).astype(np.float32))
+    assert np.isnan(got_k[~written]).all() and np.isnan(got_v[~written]).all()
+    x = rng.standard_normal((7, 1000)).astype(np.float32) * 3
+    w, res = rng.standard_normal(1000).astype(np.float32), rng.standard_normal((7, 1000))
+    out = np.full_like(x, np.nan)
+    lockstep.run(ops.rms_norm(32, residual=True), (7,), x, w, res.astype(np.float32), out,
+                 1000, 1e-6)
+    assert rel_err(out, res + ref.rms_norm(x, w, 1e-6)) < 1e-5
 
 
 @pytest.mark.parametrize("head_dim,n_heads,n_kv,shared", [(64, 9, 3, 1), (64, 9, 3, 3),

@@ -34,6 +34,20 @@ def test_a_llama_layer_lowers_to_six_steps(graph):
                             if isinstance(s, Matvec) and "+" in s.weight.name}
 
 
+def test_qwen3_head_norms_fold_into_rope_store_kv(tmp_path):
+    """Qwen3's q and k norms (over each head) go into the rope_store_kv step: q's pre-norm
+    input, rotated in place, k's read; the norms' weights its last inputs, their eps an
+    attribute."""
+    model = poot.load(tiny_model(tmp_path, dtype="F16", arch="qwen3"))
+    steps, _ = lower(model.step_graph(num_blocks=32, block_size=16))
+    assert "rms_norm" not in launched(steps)
+    fused = [s for s in steps if s.kind == "rope_store_kv"]
+    assert len(fused) == model.config.n_layers
+    assert [t.name for t in fused[0].inputs[-2:]] == ["blk.0.attn_q_norm.weight",
+                                                     "blk.0.attn_k_norm.weight"]
+    assert fused[0].attrs["eps"] == model.config.norm_eps
+
+
 def test_stacking_the_swiglu_makes_gate_and_up_one_weight(graph):
     steps, stacked = lower(graph, stack_glu=True)
     whole, parts = stacked["blk.0.ffn_gate.weight+blk.0.ffn_up.weight"]

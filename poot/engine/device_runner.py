@@ -389,8 +389,8 @@ class DeviceRunner(DeviceChoice, StepRunner):
     def _rms_norm(self, op, T, R, i, long):
         shape = self._shape(op.inputs[0], T, R)
         B = self._buffer
-        self._launch(ops.rms_norm(self.device.subgroup_size), (int(np.prod(shape[:-1])),),
-                     B(op.inputs[0]), B(op.inputs[1]), B(op.output), shape[-1], op.attrs["eps"])
+        self._launch(rms_norm_kernel(self, op), (int(np.prod(shape[:-1])),),
+                     *map(B, op.inputs), B(op.output), shape[-1], op.attrs["eps"])
 
     def _matmul(self, op, T, R, i, long):
         """On the tensor cores in a long step where the weight runs there (_launch_tiled),
@@ -439,17 +439,22 @@ class DeviceRunner(DeviceChoice, StepRunner):
                      self.block_size)
 
     def _rope_store_kv(self, op, T, R, i, long):
+        """One thread a word of two dims; with the heads' norms, one subgroup a head."""
         B = self._buffer
-        q, k, v, kc, vc, positions, seq_rows, tables_t, inv_freq = op.inputs
+        q, k, v, kc, vc, positions, seq_rows, tables_t, inv_freq = op.inputs[:9]
         if self._uses[q.name] != 1 or B(q) != B(op.output):
             raise RuntimeError("rope_store_kv rotates q in place: q is used only by it")
         _, heads, hd = q.shape
         kv_heads = k.shape[1]
-        self._launch(ops.rope_store_kv(op.attrs["style"], op.attrs["scale"]),
-                     (-(-T * (heads + kv_heads) * hd // 2 // ops.WG),), B(q), B(k), B(v),
-                     B(kc), B(vc), B(positions), B(seq_rows), B(tables_t), B(inv_freq),
-                     T, heads, kv_heads, hd, inv_freq.shape[0], self.table_width,
-                     self.block_size)
+        kernel = rope_store_kv_kernel(self, op)
+        if "eps" in op.attrs:
+            grid = -(-T * (heads + kv_heads) // (ops.WG // self.device.subgroup_size))
+            norms, eps = [B(w) for w in op.inputs[9:]], [op.attrs["eps"]]
+        else:
+            grid, norms, eps = -(-T * (heads + kv_heads) * hd // 2 // ops.WG), [], []
+        self._launch(kernel, (grid,), B(q), B(k), B(v), B(kc), B(vc), B(positions),
+                     B(seq_rows), B(tables_t), B(inv_freq), *norms, T, heads, kv_heads, hd,
+                     inv_freq.shape[0], self.table_width, self.block_size, *eps)
 
     def _attention(self, op, T, R, i, long):
         """Split along the context for a long decode (_splits_attention); in a step with
@@ -750,6 +755,19 @@ def _reduce_kernels(runner, steps, i, long):
     return out
 
 
+def rms_norm_kernel(runner, op):
+    """An rms_norm step's kernel: with a residual add where the lowering folded one in."""
+    return ops.rms_norm(runner.device.subgroup_size, op.attrs.get("residual", False))
+
+
+def rope_store_kv_kernel(runner, op):
+    """A rope_store_kv step's kernel: with the heads' norms folded in where it has them."""
+    style, scale = op.attrs["style"], op.attrs["scale"]
+    if "eps" in op.attrs:
+        return ops.norm_rope_store_kv(style, runner.device.subgroup_size, scale)
+    return ops.rope_store_kv(style, scale)
+
+
 def _one(make):
     """The kernels entry of a step kind that launches one kernel, made from the step."""
     return lambda runner, steps, i, long: [make(runner, steps[i])]
@@ -761,8 +779,7 @@ STEPS = {
                           DeviceRunner._embedding),
     "softcap": StepKind(_one(lambda r, op: softcap.softcap(op.attrs["cap"])),
                         DeviceRunner._softcap),
-    "rms_norm": StepKind(_one(lambda r, op: ops.rms_norm(r.device.subgroup_size)),
-                         DeviceRunner._rms_norm),
+    "rms_norm": StepKind(_one(rms_norm_kernel), DeviceRunner._rms_norm),
     "matmul": StepKind(lambda r, steps, i, long: r.choice.matmul_kernels(
         steps[i], long, next_matmul(steps, i)), DeviceRunner._matmul),
     "add": StepKind(_one(lambda r, op: ops.elementwise("add")), DeviceRunner._elementwise),
@@ -772,9 +789,7 @@ STEPS = {
     "rope": StepKind(_one(lambda r, op: ops.rope(op.attrs["style"], op.attrs["scale"])),
                      DeviceRunner._rope),
     "store_kv": StepKind(_one(lambda r, op: ops.store_kv()), DeviceRunner._store_kv),
-    "rope_store_kv": StepKind(_one(lambda r, op: ops.rope_store_kv(op.attrs["style"],
-                                                                   op.attrs["scale"])),
-                              DeviceRunner._rope_store_kv),
+    "rope_store_kv": StepKind(_one(rope_store_kv_kernel), DeviceRunner._rope_store_kv),
     "attention": StepKind(lambda r, steps, i, long: r.choice.attention_kernels(
         steps[i], r.attention_splits > 1), DeviceRunner._attention),
     "gather": StepKind(_one(lambda r, op: ops.gather_rows()), DeviceRunner._gather),

@@ -110,7 +110,9 @@ def lower(graph, stack_glu=False):
     - a route_weights of a top_k's choice over the same logits becomes one Route with it; a
       glu of two expert_matmuls of one input and routing one ExpertMatvec over both (the
       others are one each), and an add of an expert_sum used only there the sum's epilogue;
-    - an add of an all_reduce's sum (a tensor group's) becomes the reduction's epilogue.
+    - an add of an all_reduce's sum (a tensor group's) becomes the reduction's epilogue, and
+      an add of an rms_norm used only there (Gemma's norms after attention and the
+      feed-forward) the norm's.
     With stack_glu (a device that runs the tensor-core matmul) a gated unit's gate and up
     weights are stacked too, so that mma_tiled reads them in one launch (twice the rows, a
     wave of workgroups where each alone would split); the matvecs read each part.
@@ -140,6 +142,13 @@ def lower(graph, stack_glu=False):
                 if reduce is not None and op.inputs[other].kind == "value":
                     place[id(reduce)] = Op("all_reduce", (reduce.inputs[0], op.inputs[other]),
                                              op.output, dict(reduce.attrs, residual=True))
+                    place[id(op)] = None
+                    break
+                norm = made_once(op.inputs[mine], "rms_norm")
+                if norm is not None and op.inputs[other].kind == "value" and \
+                        op.inputs[other].shape == norm.output.shape:
+                    place[id(norm)] = Op("rms_norm", (*norm.inputs, op.inputs[other]),
+                                         op.output, dict(norm.attrs, residual=True))
                     place[id(op)] = None
                     break
                 total = made_once(op.inputs[mine], "expert_sum")
@@ -257,7 +266,10 @@ def lower(graph, stack_glu=False):
 
 def _fuse_rope_store_kv(store, users, order, made_once, place):
     """rope(q), rope(k), store_kv(k, v) -> one rope_store_kv step in store_kv's place,
-    when the roped q is read only by the attention over the cache store_kv writes."""
+    when the roped q is read only by the attention over the cache store_kv writes; and where
+    q and k come from rms_norms of one eps over their heads (Qwen3's, Gemma 3's), read only
+    there, with q's input read only by its norm, the norms too (their weights the step's last
+    two inputs, `eps` among its attributes)."""
     k_rope = made_once(store.inputs[0], "rope")
     attention = next((u for u in users.get(store.output.name, ())
                       if u.kind == "attention" and order[id(u)] > order[id(store)]), None)
@@ -267,8 +279,15 @@ def _fuse_rope_store_kv(store, users, order, made_once, place):
             k_rope.attrs != q_rope.attrs or len(users.get(q_rope.inputs[0].name, ())) != 1:
         return
     q, k = q_rope.inputs[0], k_rope.inputs[0]
-    place[id(store)] = Op("rope_store_kv", (q, k, *store.inputs[1:], q_rope.inputs[2]),
-                            q_rope.output, q_rope.attrs)
+    inputs, attrs = (q, k, *store.inputs[1:], q_rope.inputs[2]), q_rope.attrs
+    q_norm, k_norm = made_once(q, "rms_norm"), made_once(k, "rms_norm")
+    if q_norm is not None and k_norm is not None and q_norm.attrs == k_norm.attrs and \
+            len(users.get(q_norm.inputs[0].name, ())) == 1:
+        inputs = (q_norm.inputs[0], k_norm.inputs[0], *inputs[2:], q_norm.inputs[1],
+                  k_norm.inputs[1])
+        attrs = dict(attrs, eps=q_norm.attrs["eps"])
+        place[id(q_norm)] = place[id(k_norm)] = None
+    place[id(store)] = Op("rope_store_kv", inputs, q_rope.output, attrs)
     place[id(k_rope)] = place[id(q_rope)] = None
 
 

@@ -44,10 +44,14 @@ def block_reduce(k, value, subgroup_size, scratch, op="add"):
 
 
 @cache
-def rms_norm(subgroup_size):
-    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; one workgroup per row. grid (rows)."""
-    k = KernelBuilder(f"rms_norm_s{subgroup_size}", (WG,))
-    x, w, out = k.buffer("x", F32), k.buffer("w", F32), k.buffer("out", F32, "w")
+def rms_norm(subgroup_size, residual=False):
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, plus res[r] with `residual` (Gemma's norms
+    after attention and the feed-forward, added to the residual stream); one workgroup per
+    row. grid (rows)."""
+    k = KernelBuilder(f"rms_norm_s{subgroup_size}" + "_residual" * residual, (WG,))
+    x, w = k.buffer("x", F32), k.buffer("w", F32)
+    res = k.buffer("res", F32) if residual else None
+    out = k.buffer("out", F32, "w")
     n, eps = k.scalar("n", I32), k.scalar("eps", F32)
     scratch = k.shared("scratch", F32, WG // subgroup_size)
     base, tid = k.block_id() * n, k.thread_id()
@@ -58,7 +62,8 @@ def rms_norm(subgroup_size):
     total = block_reduce(k, acc.get(), subgroup_size, scratch)
     scale = k.rsqrt(total / n.to(F32) + eps)
     with k.for_(tid, n, WG) as i:
-        out[base + i] = x[base + i] * scale * w[i]
+        y = x[base + i] * scale * w[i]
+        out[base + i] = y if res is None else y + res[base + i]
     return k.build()
 
 
@@ -258,8 +263,8 @@ def rope_store_kv(style, scale=1.0):
                 ka = k.select(rotated, a * cos - b * sin, a)
                 kb = k.select(rotated, a * sin + b * cos, b)
             else:                                   # dim i pairs with i +- n_pairs
-                ka, kb = (_neox_dim(k, key, base, i, n_pairs, angle, inv_freq, scale)
-                          for i in (d, d + 1))
+                ka, kb = (_neox_dim(k, lambda j: key[base + j], i, n_pairs, angle, inv_freq,
+                                    scale) for i in (d, d + 1))
             pos = positions[t]
             slot = cache_slot(tables, seq_rows[t], pos, table_width, block_size) * n_kv + kvh
             k_cache[slot * half + word] = k.pack_half2(ka, kb)
@@ -267,15 +272,87 @@ def rope_store_kv(style, scale=1.0):
     return k.build()
 
 
-def _neox_dim(k, x, base, i, n_pairs, angle, inv_freq, scale):
-    """Dim i of the head at `base` after a neox rotation (times `scale`): pair i with
-    i + n_pairs below n_pairs, pair i - n_pairs with i - n_pairs up to 2 n_pairs, unrotated
-    beyond."""
+@cache
+def norm_rope_store_kv(style, subgroup_size, scale=1.0):
+    """rope_store_kv with each head's RMSNorm before its rope (Qwen3's and Gemma 3's q and k
+    norms: one weight of head_dim for q's heads, one for k's): one subgroup per (token, head
+    of q then of k/v), which sums the head's squares over its lanes, then rotates and stores
+    as rope_store_kv does, every dim scaled (those past the rotated pairs too); v is stored as
+    it is. grid (ceil(T * (heads + kv_heads) / (WG / subgroup_size)))."""
+    k = KernelBuilder(_scaled(f"norm_rope_store_kv_{style}_s{subgroup_size}", scale), (WG,))
+    q, key, value = k.buffer("q", F32, "rw"), k.buffer("k", F32), k.buffer("v", F32)
+    k_cache, v_cache = k.buffer("k_cache", U32, "w"), k.buffer("v_cache", U32, "w")
+    positions, seq_rows, tables = k.buffer("positions", I32), k.buffer("seq_rows", I32), \
+        k.buffer("block_tables", I32)
+    inv_freq, q_norm, k_norm = (k.buffer(s, F32) for s in ("inv_freq", "q_norm", "k_norm"))
+    n_tokens, n_heads, n_kv, head_dim, n_pairs, table_width, block_size = (
+        k.scalar(s, I32) for s in ("n_tokens", "n_heads", "n_kv_heads", "head_dim", "n_pairs",
+                                   "table_width", "block_size"))
+    eps = k.scalar("eps", F32)
+    heads, lane = n_heads + n_kv, k.lane_id()
+    th = k.block_id() * (WG // subgroup_size) + k.subgroup_id()    # the subgroup's head
+    with k.if_(th < n_tokens * heads):                  # the same for every lane of it
+        t, h = th / heads, th % heads
+        angle = positions[t].to(F32)
+        with k.if_(h < n_heads) as stmt:
+            base = (t * n_heads + h) * head_dim
+            r = _head_rms(k, q, base, head_dim, eps, lane, subgroup_size)
+
+            def normed(j):
+                return q[base + j] * r * q_norm[j]
+            with k.for_(lane, n_pairs, subgroup_size) as pair:
+                sin, cos = _turn(k, angle * inv_freq[pair], scale)
+                ia, ib = (pair * 2, pair * 2 + 1) if style == "normal" else (pair, pair + n_pairs)
+                a, b = normed(ia), normed(ib)
+                q[base + ia] = a * cos - b * sin
+                q[base + ib] = a * sin + b * cos
+            with k.for_(n_pairs * 2 + lane, head_dim, subgroup_size) as d:     # unrotated
+                q[base + d] = normed(d)
+        with k.else_(stmt):
+            kvh = h - n_heads
+            base = (t * n_kv + kvh) * head_dim
+            r = _head_rms(k, key, base, head_dim, eps, lane, subgroup_size)
+
+            def normed(j):
+                return key[base + j] * r * k_norm[j]
+            slot = cache_slot(tables, seq_rows[t], positions[t], table_width, block_size) * \
+                n_kv + kvh
+            half = head_dim / 2
+            with k.for_(lane, half, subgroup_size) as word:
+                d = word * 2
+                if style == "normal":
+                    rotated = word < n_pairs
+                    sin, cos = _turn(k, angle * inv_freq[k.min(word, n_pairs - 1)], scale)
+                    a, b = normed(d), normed(d + 1)
+                    ka = k.select(rotated, a * cos - b * sin, a)
+                    kb = k.select(rotated, a * sin + b * cos, b)
+                else:
+                    ka, kb = (_neox_dim(k, normed, i, n_pairs, angle, inv_freq, scale)
+                              for i in (d, d + 1))
+                k_cache[slot * half + word] = k.pack_half2(ka, kb)
+                v_cache[slot * half + word] = k.pack_half2(value[base + d], value[base + d + 1])
+    return k.build()
+
+
+def _head_rms(k, x, base, head_dim, eps, lane, subgroup_size):
+    """1 / sqrt(mean of squares + eps) of the head at x[base], in every lane of the subgroup
+    that reads it."""
+    acc = k.var(F32, 0.0)
+    with k.for_(lane, head_dim, subgroup_size) as d:
+        v = x[base + d]
+        acc.set(k.fma(v, v, acc.get()))
+    return k.rsqrt(k.subgroup_add(acc.get()) / head_dim.to(F32) + eps)
+
+
+def _neox_dim(k, load, i, n_pairs, angle, inv_freq, scale):
+    """Dim i of a head (`load(j)` reads its dim j) after a neox rotation (times `scale`): pair
+    i with i + n_pairs below n_pairs, pair i - n_pairs with i - n_pairs up to 2 n_pairs,
+    unrotated beyond."""
     low, rotated = i < n_pairs, i < n_pairs * 2
     pair = k.select(low, i, k.select(rotated, i - n_pairs, 0))
     partner = k.select(low, i + n_pairs, k.select(rotated, i - n_pairs, i))
     sin, cos = _turn(k, angle * inv_freq[pair], scale)
-    mine, other = x[base + i], x[base + partner]
+    mine, other = load(i), load(partner)
     turned = k.select(low, mine * cos - other * sin, other * sin + mine * cos)
     return k.select(rotated, turned, mine)
 

@@ -100,3 +100,13 @@ def test_decode_on_the_tensor_cores_in_lockstep(head_dim, n_heads, n_kv, lengths
     out = np.full(q.shape, np.nan, np.float32)
     lockstep.run(kernel, (len(q) * n_heads // heads,), q, out, *cache[:-1])
     assert rel_err(out, want) < 2e-3, kernel.name
+
+
+def test_decode_on_the_tensor_cores_leaves_the_tiles_in_lockstep():
+    """attention_decode(untiled=True) beside the prompt tiles: the tokens the tiles take are
+    left unwritten (poisoned), the others within the f16 rounding."""
+    tiled, q, want, cache = prompt_attention_case(128, 8, 2)
+    kernel = flash.attention_decode(128, 4, untiled=True)
+    out = np.full(q.shape, np.nan, np.float32)
+    lockstep.run(kernel, (len(q) * 2,), q, out, *cache)
+    assert np.all(np.isnan(out[tiled])) and rel_err(out[~tiled], want[~tiled]) < 2e-3

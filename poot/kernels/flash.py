@@ -229,7 +229,7 @@ DECODE_WARPS = 4        # subgroups of a decode workgroup, each 16 keys of a rou
 
 
 @cache
-def attention_decode(head_dim, heads, warps=DECODE_WARPS):
+def attention_decode(head_dim, heads, untiled=False, warps=DECODE_WARPS):
     """`attention` on the tensor cores for decode tokens (the same parameters and output; no
     window or cap): workgroup b takes token b / (n_heads / heads) and `heads` (at most 16) query
     heads of one KV head as the rows of one 16-row tile, the other rows zero and never stored.
@@ -238,17 +238,19 @@ def attention_decode(head_dim, heads, warps=DECODE_WARPS):
     S = (q * scale * log2(e), rounded to f16) K^T, keeps a running max and sum a row and
     O += P V (P rounded to f16, V by transposed fragment loads); the subgroups' O, max and sum
     are added at the end through shared memory, each weighed by 2^(its max - the largest).
-    head_dim a multiple of 16, at most 256. grid (T * n_heads / heads)."""
+    head_dim a multiple of 16, at most 256. grid (T * n_heads / heads). `untiled`: the tokens
+    the prompt tiles take (tiled_token_tile; a further scalar n_tokens) are left to them."""
     if head_dim % 16 or head_dim > 256 or not 1 <= heads <= 16:
         raise ValueError(f"attention_decode: head_dim {head_dim} (a multiple of 16 up to 256), "
                          f"heads {heads} (1 to 16)")
     keys, threads = 16 * warps, 32 * warps
     half, row_words = head_dim // 2, head_dim // 2 + 4     # rows padded: ldmatrix's 8 rows
     stage = keys * row_words
-    k = KernelBuilder(f"attention_decode_d{head_dim}_h{heads}" + f"_g{warps}" *
-                      (warps != DECODE_WARPS), (threads,))
+    k = KernelBuilder(f"attention_decode_d{head_dim}_h{heads}" + "_untiled" * untiled +
+                      f"_g{warps}" * (warps != DECODE_WARPS), (threads,))
     q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
         block_size, scale = _attention_params(k, "out")
+    n_tokens = k.scalar("n_tokens", I32) if untiled else None
     ks = k.shared("keys", U32, 2 * stage)
     vs = k.shared("values", U32, 2 * stage)
     sums = k.shared("sums", F32, warps * heads * (head_dim + 2))
@@ -257,6 +259,9 @@ def attention_decode(head_dim, heads, warps=DECODE_WARPS):
     per_token = n_heads / heads
     t, h0 = k.block_id() / per_token, k.block_id() % per_token * heads
     kvh = h0 / (n_heads / n_kv)
+    if untiled:                 # the prompt tiles took this token
+        with k.if_(tiled_token_tile(k, seq_rows, n_tokens, t - t % ATTENTION_TILE)):
+            k.return_()
     row, hi = seq_rows[t], positions[t]                 # the sequence, its last key
 
     # the A fragments of the tile: row r is head h0 + r's q * scale * log2(e) (zero past heads)

@@ -811,6 +811,34 @@ def test_prompt_steps_take_attention_tiles_where_a_tile_is_one_sequence(tmp_path
         assert layers == model.config.n_layers * len(launched)
 
 
+def test_one_by_one_tokens_take_the_tensor_cores_where_they_fill_the_device(tmp_path):
+    """On the host: where a step's tokens times KV heads give every multiprocessor a workgroup,
+    its decode tokens run flash.attention_decode (grid: a workgroup a token and KV head), and
+    beside prompt tiles its untiled form; fewer workgroups, or a device without the matrix
+    instructions, keep the one-pass kernel."""
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    kv_heads = model.config.n_kv_heads
+    for matrix, sms, rows, R, want in (
+            (True, 8, [0] * 16, 16, {"attention_decode"}),
+            (True, 8, [0] * 3 + [1] * 17, 2, {"attention_flash", "attention_decode_untiled"}),
+            (True, 200, [0] * 16, 16, {"attention"}), (False, 8, [0] * 16, 16, {"attention"})):
+        log = LaunchLog(matrix=matrix, multiprocessors=sms)
+        runner = DeviceRunner(model, log, num_blocks=16, max_tokens=64, max_seqs=16)
+        runner.programs = {k.name: k for k in runner._kernels()}
+        runner.buffers = {a.name: a for a in runner.allocations()}
+        runner._step_rows, runner._step_tiles = np.array(rows), None
+        log.launched.clear()
+        for _ in runner.launches(len(rows), R):
+            pass
+        names = {next(kind for kind in ("attention_decode", "attention_flash", "attention")
+                      if k.name.startswith(kind)) + "_untiled" * k.name.endswith("_untiled")
+                 for k, _, _ in log.launched if k.name.startswith("attention")}
+        assert names == want, (matrix, sms, rows)
+        for kernel, grid, _ in log.launched:
+            if kernel.name.startswith("attention_decode"):
+                assert tuple(grid) == (len(rows) * kv_heads,)
+
+
 def test_long_steps_decode_block_quants_first_on_wgmma(tmp_path):
     """On the host, a device with wgmma: steps of more than DEQUANT_PAST_TOKENS decode each
     block-quant weight to f16 (dequant_f16 into the dequant_f16 arena, sized for the largest)

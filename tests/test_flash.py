@@ -83,3 +83,30 @@ def test_flash_workgroups_take_128_rows_longest_first():
     lockstep.run(kernel, flash.flash_grid(40, 2, 2, warps=2), q, out, *cache,
                  only={(0, 0, 0)})
     assert np.all(np.isnan(out[:32])) and rel_err(out[32:], want[32:]) < 2e-3
+
+
+@pytest.mark.parametrize("head_dim,n_heads,n_kv,lengths", [
+    (128, 8, 2, [1, 17, 64, 65, 200]),          # rounds whole, cut, one key
+    (64, 12, 3, [130, 5]),
+    (128, 32, 2, [40]),                         # sixteen heads a tile
+    (256, 8, 4, [100, 3]),
+])
+def test_decode_on_the_tensor_cores_in_lockstep(head_dim, n_heads, n_kv, lengths):
+    """flash.attention_decode: one token of each sequence after the others, every workgroup's
+    heads as the rows of a tile, within the f16 rounding of q and the probabilities."""
+    tiled, q, want, cache = attention_step(head_dim, n_heads, n_kv, [(n - 1, 1) for n in lengths])
+    heads = n_heads // n_kv
+    kernel = flash.attention_decode(head_dim, heads)
+    out = np.full(q.shape, np.nan, np.float32)
+    lockstep.run(kernel, (len(q) * n_heads // heads,), q, out, *cache[:-1])
+    assert rel_err(out, want) < 2e-3, kernel.name
+
+
+def test_decode_on_the_tensor_cores_leaves_the_tiles_in_lockstep():
+    """attention_decode(untiled=True) beside the prompt tiles: the tokens the tiles take are
+    left unwritten (poisoned), the others within the f16 rounding."""
+    tiled, q, want, cache = prompt_attention_case(128, 8, 2)
+    kernel = flash.attention_decode(128, 4, untiled=True)
+    out = np.full(q.shape, np.nan, np.float32)
+    lockstep.run(kernel, (len(q) * 2,), q, out, *cache)
+    assert np.all(np.isnan(out[tiled])) and rel_err(out[~tiled], want[~tiled]) < 2e-3

@@ -901,6 +901,31 @@ def test_attention(device, head_dim, n_heads, n_kv, shared):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 32, 8), (64, 9, 3), (128, 32, 2),
+                                                   (256, 8, 4)])
+def test_attention_decode_on_the_tensor_cores(cuda_device, head_dim, n_heads, n_kv):
+    """flash.attention_decode: the last token of sequences of 1 to 700 keys, within the f16
+    rounding of q and of the probabilities of numpy's attention; every output written."""
+    from poot.kernels import flash
+    bs, nb = 16, 256
+    lengths = [1, 300, 57, 700, 64, 65, 1000]
+    tables, positions, seq_rows, k, v = paged_case(n_kv, head_dim, lengths, bs, nb)
+    cache_k, cache_v = (np.zeros((nb, bs, n_kv, head_dim), np.float32) for _ in range(2))
+    ref.store_kv(k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32),
+                 cache_k, cache_v, positions, seq_rows, tables)
+    pick = np.array([np.nonzero(seq_rows == s)[0][-1] for s in range(len(lengths))])
+    q = rng.standard_normal((len(pick), n_heads, head_dim)).astype(np.float32)
+    qpos, qrows = positions[pick], seq_rows[pick]
+    scale = head_dim ** -0.5
+    want = ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale)
+    got = run(cuda_device, flash.attention_decode(head_dim, n_heads // n_kv),
+              (len(pick) * n_kv,), q, np.full_like(q, np.nan),
+              cache_k.astype(np.float16).view(np.uint32),
+              cache_v.astype(np.float16).view(np.uint32), qpos, qrows, tables, n_heads, n_kv,
+              tables.shape[1], bs, scale)["out"]
+    assert rel_err(got, want) < 2e-3
+
+
 def prompt_attention_case(head_dim, n_heads, n_kv, window=0, cap=0.0):
     """A step with prompt tokens: whose 16-token tiles attention_tiles takes (the first two of
     A's 37 new tokens after 40 cached, C's full tile and G's last, partial tile) and which it

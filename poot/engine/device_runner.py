@@ -460,7 +460,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
         """Split along the context for a long decode (_splits_attention); in a step with
         prompt tokens, the tiles of one sequence's tokens on the tensor cores and the other
         tokens (if any) one by one; else one workgroup a token and head (or heads sharing a
-        KV head)."""
+        KV head), or a token and KV head on the tensor cores (choice.attention_decode)."""
         B, sg, head_dim = self._buffer, self.device.subgroup_size, self.model.config.head_dim
         q, kc, vc, positions, seq_rows, tables_t = op.inputs
         out = op.output
@@ -479,11 +479,14 @@ class DeviceRunner(DeviceChoice, StepRunner):
             self._launch(tiles, self.choice.attention_tiles_grid(T, heads, kv_heads),
                          B(q), B(out), *cache, T)
             if not all(taken):
-                self._launch(ops.attention(sg, head_dim, shared, untiled=True, **mods),
-                             (T * heads // shared,), B(q), B(out), *cache, T)
+                decode = self.choice.attention_decode(T, heads, kv_heads, True, **mods)
+                self._launch(decode or ops.attention(sg, head_dim, shared, untiled=True, **mods),
+                             (T * (kv_heads if decode else heads // shared),), B(q), B(out),
+                             *cache, T)
         else:
-            self._launch(ops.attention(sg, head_dim, shared, **mods), (T * heads // shared,),
-                         B(q), B(out), *cache)
+            decode = self.choice.attention_decode(T, heads, kv_heads, **mods)
+            self._launch(decode or ops.attention(sg, head_dim, shared, **mods),
+                         (T * (kv_heads if decode else heads // shared),), B(q), B(out), *cache)
 
     def _gather(self, op, T, R, i, long):
         """The sampled rows' hidden states (indices count from the step's first token)."""

@@ -377,6 +377,19 @@ class KernelChoice:
         return ops.attention_heads(heads, kv_heads, self.model.config.head_dim,
                                    self.device.subgroup_size)
 
+    def attention_decode(self, T, heads, kv_heads, untiled=False, **mods):
+        """The tensor cores' attention for a step's one-by-one tokens (flash.attention_decode:
+        a KV head's query heads the rows of a tile), or None: where the device lacks the
+        matrix instructions, the head size or group does not suit it, the op has a window or
+        a cap (which it does not take), or T * kv_heads workgroups would leave multiprocessors
+        idle (then the one-pass kernel's head shares or the split spread the work wider)."""
+        head_dim, group = self.model.config.head_dim, heads // kv_heads
+        if mods or head_dim % 16 or head_dim > 256 or group > 16 or \
+                T * kv_heads < self.multiprocessors:
+            return None
+        kernel = flash.attention_decode(head_dim, group, untiled)
+        return kernel if kernel.caps <= self.device.caps else None
+
     def attention_kernels(self, op, split):
         """Every kernel an attention step may launch: the one-pass kernel for each share of
         heads a step can take, the untiled one beside the tiles, the split ones where the
@@ -390,4 +403,6 @@ class KernelChoice:
             [ops.attention(sg, head_dim, shared, **mods)]
             + ([ops.attention(sg, head_dim, shared, untiled=True, **mods)] if tiles else [])
             + ([ops.attention_split(sg, head_dim, shared, **mods)] if split else []))] + \
-            ([ops.attention_combine(head_dim)] if split else []) + ([tiles] if tiles else [])
+            ([ops.attention_combine(head_dim)] if split else []) + ([tiles] if tiles else []) + \
+            [kernel for untiled in (False, bool(tiles)) for kernel in
+             [self.attention_decode(self.max_tokens, heads, kv_heads, untiled, **mods)] if kernel]

@@ -223,3 +223,162 @@ def attention_flash(head_dim, heads, window=0, softcap=0.0, warps=FLASH_WARPS):
                     out[(t * n_heads + h) * head_dim + 8 * n + 2 * quad + e % 2] = \
                         v.get() / running_sum[e // 2].get()
     return k.build()
+
+
+DECODE_WARPS = 4        # subgroups of a decode workgroup, each 16 keys of a round
+
+
+@cache
+def attention_decode(head_dim, heads, untiled=False, warps=DECODE_WARPS):
+    """`attention` on the tensor cores for decode tokens (the same parameters and output; no
+    window or cap): workgroup b takes token b / (n_heads / heads) and `heads` (at most 16) query
+    heads of one KV head as the rows of one 16-row tile, the other rows zero and never stored.
+    Rounds of 16 x `warps` keys of the token's sequence up to its position, K and V copied into
+    shared memory two stages deep by every thread; subgroup w scores keys 16 w.. of a round,
+    S = (q * scale * log2(e), rounded to f16) K^T, keeps a running max and sum a row and
+    O += P V (P rounded to f16, V by transposed fragment loads); the subgroups' O, max and sum
+    are added at the end through shared memory, each weighed by 2^(its max - the largest).
+    head_dim a multiple of 16, at most 256. grid (T * n_heads / heads). `untiled`: the tokens
+    the prompt tiles take (tiled_token_tile; a further scalar n_tokens) are left to them."""
+    if head_dim % 16 or head_dim > 256 or not 1 <= heads <= 16:
+        raise ValueError(f"attention_decode: head_dim {head_dim} (a multiple of 16 up to 256), "
+                         f"heads {heads} (1 to 16)")
+    keys, threads = 16 * warps, 32 * warps
+    half, row_words = head_dim // 2, head_dim // 2 + 4     # rows padded: ldmatrix's 8 rows
+    stage = keys * row_words
+    k = KernelBuilder(f"attention_decode_d{head_dim}_h{heads}" + "_untiled" * untiled +
+                      f"_g{warps}" * (warps != DECODE_WARPS), (threads,))
+    q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
+        block_size, scale = _attention_params(k, "out")
+    n_tokens = k.scalar("n_tokens", I32) if untiled else None
+    ks = k.shared("keys", U32, 2 * stage)
+    vs = k.shared("values", U32, 2 * stage)
+    sums = k.shared("sums", F32, warps * heads * (head_dim + 2))
+    tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
+    g, quad = lane >> 2, lane & 3
+    per_token = n_heads / heads
+    t, h0 = k.block_id() / per_token, k.block_id() % per_token * heads
+    kvh = h0 / (n_heads / n_kv)
+    if untiled:                 # the prompt tiles took this token
+        with k.if_(tiled_token_tile(k, seq_rows, n_tokens, t - t % ATTENTION_TILE)):
+            k.return_()
+    row, hi = seq_rows[t], positions[t]                 # the sequence, its last key
+
+    # the A fragments of the tile: row r is head h0 + r's q * scale * log2(e) (zero past heads)
+    qs = scale * LOG2E
+    qa = []
+    for s in range(head_dim // 16):
+        words = []
+        for j in range(4):
+            r = g + 8 * (j % 2)
+            at = (t * n_heads + h0 + k.min(r, heads - 1)) * head_dim + 16 * s + 2 * quad + \
+                8 * (j // 2)
+            pair = [q[at] * qs, q[at + 1] * qs]
+            if heads < 16:
+                pair = [k.select(r < heads, v, 0.0) for v in pair]
+            words.append(k.pack_half2(*pair))
+        qa.append(words)
+    running_max = [k.var(F32, LOWEST) for _ in range(2)]
+    running_sum = [k.var(F32, 0.0) for _ in range(2)]
+    acc = [[k.var(F32, 0.0) for _ in range(4)] for _ in range(head_dim // 8)]
+    k_lane = ((lane & 7) + (lane >> 4) * 8) * row_words + ((lane >> 3) & 1) * 4
+    v_lane = (8 * ((lane >> 3) & 1) + (lane & 7)) * row_words + 4 * (lane >> 4)
+
+    def fetch(j0, base):
+        """Starts copying keys j0.. (clamped to hi) of K and V into the stage at `base`."""
+        parts = keys * half // 4                            # 16-byte parts of a round's rows
+        for p in range(-(-parts // threads)):
+            i = tid + p * threads
+            key, part = i / (half // 4), i % (half // 4)
+            j = k.min(j0 + key, hi)
+            at = (cache_slot(tables, row, j, table_width, block_size) * n_kv + kvh) * half \
+                + part * 4
+            to = base + key * row_words + part * 4
+            with k.if_(i < parts):
+                k.copy_async(ks, to, k_cache, at)
+                k.copy_async(vs, to, v_cache, at)
+
+    def multiply(j0, base, masked):
+        """This subgroup's 16 keys j0.. at `base`: scores, softmax, O += P V."""
+        scores = [[0.0] * 4 for _ in range(2)]
+        for s in range(head_dim // 16):
+            words = k.fragment_load(ks, base + k_lane + s * 8)
+            for n, b in ((0, words[:2]), (1, words[2:])):
+                scores[n] = k.mma(F16, qa[s], b, [k.coerce(v, F32) for v in scores[n]])
+        if masked:      # key j0 + 8 n + 2 quad + e % 2 past the token's position
+            scores = [[k.select(j0 + 8 * n + 2 * quad + e % 2 <= hi, v, LOWEST)
+                       for e, v in enumerate(row_)] for n, row_ in enumerate(scores)]
+        corrections, probs = [], [[None] * 4 for _ in scores]
+        for r in range(2):
+            top = running_max[r].get()
+            for n in range(2):
+                top = k.max(top, k.max(scores[n][2 * r], scores[n][2 * r + 1]))
+            top = k.max(top, k.shuffle_xor(top, 1))
+            top = k.max(top, k.shuffle_xor(top, 2))
+            total = None
+            for n in range(2):
+                for e in (2 * r, 2 * r + 1):
+                    probs[n][e] = k.exp2(scores[n][e] - top)
+                    total = probs[n][e] if total is None else total + probs[n][e]
+            total = total + k.shuffle_xor(total, 1)
+            total = total + k.shuffle_xor(total, 2)
+            correction = k.exp2(running_max[r].get() - top)
+            running_sum[r].set(k.fma(running_sum[r].get(), correction, total))
+            running_max[r].set(top)
+            corrections.append(correction)
+        for n in range(head_dim // 8):
+            for e, v in enumerate(acc[n]):
+                v.set(v.get() * corrections[e // 2])
+        a = [k.pack_half2(probs[j // 2][2 * (j % 2)], probs[j // 2][2 * (j % 2) + 1])
+             for j in range(4)]
+        for dp in range(head_dim // 16):
+            words = k.fragment_load(vs, base + v_lane + 8 * dp, trans=True)
+            for n, b in ((2 * dp, words[:2]), (2 * dp + 1, words[2:])):
+                d = k.mma(F16, a, b, [v.get() for v in acc[n]])
+                for v, value in zip(acc[n], d):
+                    v.set(value)
+
+    rounds = hi / keys + 1
+    fetch(k.const(0, I32), k.const(0, I32))
+    k.copy_commit()
+    with k.for_(0, rounds) as r:
+        j0 = r * keys
+        with k.if_(r + 1 < rounds):
+            fetch(j0 + keys, ((r + 1) & 1) * stage)
+        k.copy_commit()
+        k.copy_wait(1)
+        k.barrier()
+        mine = j0 + 16 * warp
+        base = (r & 1) * stage + 16 * warp * row_words
+        with k.if_(mine + 15 <= hi) as stmt:
+            multiply(mine, base, False)
+        with k.else_(stmt):
+            with k.if_(mine <= hi):
+                multiply(mine, base, True)
+        k.barrier()
+
+    # each subgroup's rows (heads) into shared memory: O, then its max and sum
+    for e2 in range(2):
+        r = g + 8 * e2
+        with k.if_(r < heads):
+            at = (warp * heads + r) * (head_dim + 2)
+            for n in range(head_dim // 8):
+                for e in (2 * e2, 2 * e2 + 1):
+                    sums[at + 8 * n + 2 * quad + e % 2] = acc[n][e].get()
+            with k.if_(quad.eq(0)):
+                sums[at + head_dim] = running_max[e2].get()
+                sums[at + head_dim + 1] = running_sum[e2].get()
+    k.barrier()
+    with k.for_(tid, heads * head_dim, threads) as i:
+        hh, d = i / head_dim, i % head_dim
+        top = k.var(F32, LOWEST)
+        for w in range(warps):
+            top.set(k.max(top.get(), sums[(w * heads + hh) * (head_dim + 2) + head_dim]))
+        num, den = k.var(F32, 0.0), k.var(F32, 0.0)
+        for w in range(warps):
+            at = (w * heads + hh) * (head_dim + 2)
+            weight = k.exp2(sums[at + head_dim] - top.get())
+            num.set(k.fma(weight, sums[at + d], num.get()))
+            den.set(k.fma(weight, sums[at + head_dim + 1], den.get()))
+        out[(t * n_heads + h0 + hh) * head_dim + d] = num.get() / den.get()
+    return k.build()

@@ -40,10 +40,12 @@ def runner_kernels(wavefront):
     """Every kernel engine/device_runner.py launches, for a subgroup of `wavefront` lanes."""
     kernels = runner_matvecs(wavefront)
     kernels += [ops.embedding(dtype) for dtype in DEVICE_DTYPES]
-    kernels += [ops.rms_norm(wavefront), ops.rms_norm(wavefront, residual=True), ops.elementwise("add"), ops.elementwise("glu", "silu"),
-                ops.gather_rows(), ops.scale(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
-                ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
-                ops.norm_rope_store_kv("normal", wavefront), ops.norm_rope_store_kv("neox", wavefront),
+    kernels += [ops.rms_norm(wavefront), ops.rms_norm(wavefront, residual=True),
+                ops.elementwise("add"), ops.elementwise("glu", "silu"),
+                ops.gather_rows(), ops.scale(), ops.rope("normal"), ops.rope("neox"),
+                ops.store_kv(), ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
+                ops.norm_rope_store_kv("normal", wavefront),
+                ops.norm_rope_store_kv("neox", wavefront),
                 ops.attention(wavefront, 64), ops.attention(wavefront, 128),
                 ops.attention_split(wavefront, 64), ops.attention_split(wavefront, 128),
             ops.attention(wavefront, 128, 4), ops.attention_split(wavefront, 128, 4),

@@ -44,7 +44,8 @@ def runner_kernels(subgroup_size):
     out += [matmul.split_sum(r) for r in (False, True)]
     out += [matmul.split_sum(outputs=n) for n in (2, 3)] + [matmul.split_sum(glu=a) for a in ACTIVATIONS]
     out += [ops.embedding(d) for d in DEVICE_DTYPES]
-    out += [ops.rms_norm(subgroup_size), ops.rms_norm(subgroup_size, residual=True), ops.elementwise("add"), *(ops.elementwise("glu", a) for a in ACTIVATIONS),
+    out += [ops.rms_norm(subgroup_size), ops.rms_norm(subgroup_size, residual=True),
+            ops.elementwise("add"), *(ops.elementwise("glu", a) for a in ACTIVATIONS),
             ops.gather_rows(), ops.scale(), ops.rope("normal"), ops.rope("neox"), ops.store_kv(),
             ops.rope_store_kv("normal"), ops.rope_store_kv("neox"),
             ops.rope("neox", 1.19), ops.rope_store_kv("neox", 1.19),     # LongRoPE's factor

@@ -88,6 +88,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
             self._check_supported()
         self.buffers, self.graphs = {}, {}
         self._host = {}             # staged: step input or output -> its host_array int32s
+        self._idle = True           # the device has done every launch (waited for since)
         self._edited = False        # the uploaded step has logit edits on the device
         self._host_edits = []       # ... and rows whose edits did not fit, edited on the host
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
@@ -314,8 +315,9 @@ class DeviceRunner(DeviceChoice, StepRunner):
         self._step_rows, self._step_tiles = batch.seq_rows, None
         self._upload_edits(batch.sampling)
         dev, staged = self.device, self._staged()
-        if staged:      # the previous step's copies read this memory: done before it is rewritten
+        if staged and not self._idle:   # the last step's copies read this memory: done first
             dev.synchronize()
+        self._idle = False
         for name in ("tokens", "positions", "seq_rows", "sample_tokens"):
             values = np.ascontiguousarray(getattr(batch, name), np.int32)
             if staged:
@@ -712,6 +714,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
 
     def _synchronize(self):
         self.device.synchronize()
+        self._idle = True
 
     def _replay(self, graph):
         self.device.replay(graph)
@@ -720,6 +723,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
         """Bytes of a buffer of the runner that computes the logits."""
         if name in self._host:                  # staged: the step copied them out
             self.device.synchronize()
+            self._idle = True
             return self._host[name][offset // 4:(offset + nbytes) // 4].tobytes()
         return self.device.read(self.buffers[name], nbytes, offset)
 

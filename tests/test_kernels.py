@@ -803,14 +803,8 @@ def test_rope_store_kv(device, style, pairs, scale):                       # Lon
               (-(-T * (H + n_kv) * D // 2 // ops.WG),), q.copy(), k, v, cache, cache,
               positions, seq_rows, tables, inv_freq, T, H, n_kv, D, pairs, tables.shape[1], bs)
     assert rel_err(out["q"], ref.rope(q, positions, inv_freq, style, scale)) < 1e-5
-    want_k, want_v = (np.full((nb, bs, n_kv, D), np.nan, np.float32) for _ in range(2))
-    ref.store_kv(ref.rope(k, positions, inv_freq, style, scale), v, want_k, want_v, positions,
-                 seq_rows, tables)
-    written = ~np.isnan(want_k)
-    got_k = out["k_cache"].view(np.float16).astype(np.float32)
-    got_v = out["v_cache"].view(np.float16).astype(np.float32)
-    assert rel_err(got_k[written], want_k[written]) < 1e-3            # f16: 2^-11 per value
-    assert np.array_equal(got_v[written], want_v[written].astype(np.float16).astype(np.float32))
+    assert_stored(out, ref.rope(k, positions, inv_freq, style, scale), v, positions, seq_rows,
+                  tables, nb)
 
 
 @pytest.mark.parametrize("style", ["normal", "neox"])
@@ -832,9 +826,16 @@ def test_norm_rope_store_kv(device, style, D, pairs, scale):
               eps)
     want_q = ref.rope(ref.rms_norm(q, q_w, eps), positions, inv_freq, style, scale)
     assert rel_err(out["q"], want_q) < 1e-5
-    want_k, want_v = (np.full((nb, bs, n_kv, D), np.nan, np.float32) for _ in range(2))
-    ref.store_kv(ref.rope(ref.rms_norm(k, k_w, eps), positions, inv_freq, style, scale), v,
-                 want_k, want_v, positions, seq_rows, tables)
+    assert_stored(out, ref.rope(ref.rms_norm(k, k_w, eps), positions, inv_freq, style, scale),
+                  v, positions, seq_rows, tables, nb)
+
+
+def assert_stored(out, k, v, positions, seq_rows, tables, nb):
+    """The paged f16 cache a kernel wrote holds keys k (to 2^-11 a value) and values v (exactly
+    as f16) where the reference stores them."""
+    want_k, want_v = (np.full((nb,) + out["k_cache"].shape[1:-1] + (k.shape[-1],), np.nan,
+                              np.float32) for _ in range(2))
+    ref.store_kv(k, v, want_k, want_v, positions, seq_rows, tables)
     written = ~np.isnan(want_k)
     got_k = out["k_cache"].view(np.float16).astype(np.float32)
     got_v = out["v_cache"].view(np.float16).astype(np.float32)

@@ -149,29 +149,7 @@ def attention_flash(head_dim, heads, window=0, softcap=0.0, warps=FLASH_WARPS):
             scores = [[k.select(sees(j0 + 8 * n + 2 * quad + e % 2, limits[e // 2], window), v,
                                 LOWEST) for e, v in enumerate(row)]
                       for n, row in enumerate(scores)]
-        corrections, probs = [], [[None] * 4 for _ in scores]
-        for r in range(2):
-            top = running_max[r].get()
-            for n in range(keys // 8):
-                top = k.max(top, k.max(scores[n][2 * r], scores[n][2 * r + 1]))
-            top = k.max(top, k.shuffle_xor(top, 1))
-            top = k.max(top, k.shuffle_xor(top, 2))
-            # a masked score (lowest) gives 0, also in a row that has seen no key yet
-            floor = k.select(top.eq(LOWEST), 0.0, top) if masked else top
-            total = None
-            for n in range(keys // 8):
-                for e in (2 * r, 2 * r + 1):
-                    probs[n][e] = k.exp2(scores[n][e] - floor)
-                    total = probs[n][e] if total is None else total + probs[n][e]
-            total = total + k.shuffle_xor(total, 1)
-            total = total + k.shuffle_xor(total, 2)
-            correction = k.exp2(running_max[r].get() - top)
-            running_sum[r].set(k.fma(running_sum[r].get(), correction, total))
-            running_max[r].set(top)
-            corrections.append(correction)
-        for n in range(head_dim // 8):
-            for e, v in enumerate(acc[n]):
-                v.set(v.get() * corrections[e // 2])
+        probs = online_softmax(k, scores, running_max, running_sum, acc, masked)
         for kk in range(keys // 16):
             a = [k.pack_half2(probs[2 * kk + j // 2][2 * (j % 2)],
                               probs[2 * kk + j // 2][2 * (j % 2) + 1]) for j in range(4)]
@@ -226,6 +204,37 @@ def attention_flash(head_dim, heads, window=0, softcap=0.0, warps=FLASH_WARPS):
 
 
 DECODE_WARPS = 4        # subgroups of a decode workgroup, each 16 keys of a round
+
+
+def online_softmax(k, scores, running_max, running_sum, acc, masked):
+    """One tile's step of the running softmax of a subgroup's two rows (scores [n][e]: row
+    e // 2, the quad's four lanes holding a row's keys): each row's new maximum, its keys'
+    exp2 weights (returned, [n][e]), its running sum, and the accumulator acc [d][e] scaled by
+    how far the maximum moved. `masked`: a row whose scores are all masked (lowest) weighs
+    them 0, also before it has seen a key."""
+    corrections, probs = [], [[None] * 4 for _ in scores]
+    for r in range(2):
+        top = running_max[r].get()
+        for row in scores:
+            top = k.max(top, k.max(row[2 * r], row[2 * r + 1]))
+        top = k.max(top, k.shuffle_xor(top, 1))
+        top = k.max(top, k.shuffle_xor(top, 2))
+        floor = k.select(top.eq(LOWEST), 0.0, top) if masked else top
+        total = None
+        for n, row in enumerate(scores):
+            for e in (2 * r, 2 * r + 1):
+                probs[n][e] = k.exp2(row[e] - floor)
+                total = probs[n][e] if total is None else total + probs[n][e]
+        total = total + k.shuffle_xor(total, 1)
+        total = total + k.shuffle_xor(total, 2)
+        correction = k.exp2(running_max[r].get() - top)
+        running_sum[r].set(k.fma(running_sum[r].get(), correction, total))
+        running_max[r].set(top)
+        corrections.append(correction)
+    for row in acc:
+        for e, v in enumerate(row):
+            v.set(v.get() * corrections[e // 2])
+    return probs
 
 
 @cache
@@ -308,27 +317,7 @@ def attention_decode(head_dim, heads, untiled=False, warps=DECODE_WARPS):
         if masked:      # key j0 + 8 n + 2 quad + e % 2 past the token's position
             scores = [[k.select(j0 + 8 * n + 2 * quad + e % 2 <= hi, v, LOWEST)
                        for e, v in enumerate(row_)] for n, row_ in enumerate(scores)]
-        corrections, probs = [], [[None] * 4 for _ in scores]
-        for r in range(2):
-            top = running_max[r].get()
-            for n in range(2):
-                top = k.max(top, k.max(scores[n][2 * r], scores[n][2 * r + 1]))
-            top = k.max(top, k.shuffle_xor(top, 1))
-            top = k.max(top, k.shuffle_xor(top, 2))
-            total = None
-            for n in range(2):
-                for e in (2 * r, 2 * r + 1):
-                    probs[n][e] = k.exp2(scores[n][e] - top)
-                    total = probs[n][e] if total is None else total + probs[n][e]
-            total = total + k.shuffle_xor(total, 1)
-            total = total + k.shuffle_xor(total, 2)
-            correction = k.exp2(running_max[r].get() - top)
-            running_sum[r].set(k.fma(running_sum[r].get(), correction, total))
-            running_max[r].set(top)
-            corrections.append(correction)
-        for n in range(head_dim // 8):
-            for e, v in enumerate(acc[n]):
-                v.set(v.get() * corrections[e // 2])
+        probs = online_softmax(k, scores, running_max, running_sum, acc, False)
         a = [k.pack_half2(probs[j // 2][2 * (j % 2)], probs[j // 2][2 * (j % 2) + 1])
              for j in range(4)]
         for dp in range(head_dim // 16):

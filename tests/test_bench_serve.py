@@ -100,7 +100,9 @@ def test_bench_serve_on_the_vulkan_device(tmp_path, backend, temperature):
     # token after a request's first, and the host's time between under a second
     for row in json.loads((tmp_path / "out.json").read_text())["rows"]:
         assert row["steps"] >= 11 and 0 < row["launch_gap"] < 1, row
-    assert "# plain, 2 clients, stream yes: " in out and "ms between on average" in out
+        assert 0 < row["launch_gap_cpu"] < 1, row
+    assert "# plain, 2 clients, stream yes: " in out and "ms between on average" in out \
+        and "ms of it the engine thread's CPU time" in out
     for row in rows.values():
         check_figures(row)
 

@@ -489,7 +489,8 @@ def test_tokenize_and_detokenize_round_trip(server, tiny):
 
 
 def test_metrics_count_requests_tokens_and_latencies(server, client, tiny):
-    gaps = ("poot_engine_launch_gaps_total", "poot_engine_launch_gap_seconds_total")
+    gaps = ("poot_engine_launch_gaps_total", "poot_engine_launch_gap_seconds_total",
+            "poot_engine_launch_gap_cpu_seconds_total")
     before, gaps_before = metric(server, "poot_generation_tokens_total"), [
         metric(server, name) for name in gaps]
     client.completions.create(model=tiny.name, prompt="Count", max_tokens=3, temperature=0,
@@ -498,8 +499,8 @@ def test_metrics_count_requests_tokens_and_latencies(server, client, tiny):
     assert response.getheader("Content-Type").startswith("text/plain; version=0.0.4")
     assert metric(server, "poot_generation_tokens_total") == before + 3
     # the prefill's step launched with nothing landed before it; each decode step after one
-    launched, seconds = (metric(server, name) - b for name, b in zip(gaps, gaps_before))
-    assert launched == 2 and 0 < seconds < 1
+    launched, seconds, cpu = (metric(server, name) - b for name, b in zip(gaps, gaps_before))
+    assert launched == 2 and 0 < seconds < 1 and 0 < cpu < 1
     assert re.search(r'^poot_requests_total\{route="/v1/completions",status="200"\} [1-9]',
                      text, re.MULTILINE)
     assert metric(server, "poot_time_to_first_token_seconds_count") >= 1

@@ -58,6 +58,7 @@ class EngineStats:
     kv_blocks_cached: int = 0                   # blocks no sequence holds that keep a prefix
     launch_gaps_total: int = 0                  # steps launched right after one landed ...
     launch_gap_seconds_total: float = 0.0       # ... and the seconds from the landing to it
+    launch_gap_cpu_seconds_total: float = 0.0   # ... of which the engine thread ran (not waited)
 
 
 def _snapshot(kernel_times):
@@ -199,6 +200,9 @@ class Engine:
         self._step_failures_total = 0
         self._gaps = 0              # launches that followed a landing in the same step() ...
         self._gap_seconds = 0.0     # ... and their host time between: the device idles there
+        self._gap_cpu = 0.0         # ... of it, the engine thread's own CPU time (the rest it
+                                    # waited: for the interpreter's lock, or the CPU)
+        self._landed_cpu = 0.0      # the engine thread's CPU time when its last step landed
 
     @property
     def kv(self):
@@ -334,7 +338,8 @@ class Engine:
             prefix_cache_hit_tokens_total=s.kv.hit_tokens,
             prefix_cache_query_tokens_total=s.kv.query_tokens,
             prefix_cache_evictions_total=s.kv.evictions, kv_blocks_cached=s.kv.num_cached,
-            launch_gaps_total=self._gaps, launch_gap_seconds_total=self._gap_seconds)
+            launch_gaps_total=self._gaps, launch_gap_seconds_total=self._gap_seconds,
+            launch_gap_cpu_seconds_total=self._gap_cpu)
 
     def _cancel(self, seq_ids):
         with self._wake:
@@ -379,6 +384,7 @@ class Engine:
             if plan and self._launch(lane, plan) and landed is not None:
                 self._gaps += 1
                 self._gap_seconds += time.monotonic() - landed[2]
+                self._gap_cpu += time.thread_time() - self._landed_cpu
             if landed is not None:
                 self._deliver(*landed)
             return self.error is None and bool(landed or plan or any(self._flight))
@@ -419,7 +425,7 @@ class Engine:
             self.scheduler.released(plan)
             self._step_failed(lane, plan, exc)
             return None
-        now = time.monotonic()
+        now, self._landed_cpu = time.monotonic(), time.thread_time()
         self.scheduler.computed(plan)
         tokens = out.tokens.tolist()
         taken = []

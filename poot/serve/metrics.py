@@ -124,7 +124,11 @@ class Metrics:
                     ("poot_engine_launch_gap_seconds_total", "counter",
                      "Host seconds from those landings to the launches (the device waits "
                      "meanwhile, but for a pipeline's other lanes).",
-                     _number(float(stats.launch_gap_seconds_total)))):
+                     _number(float(stats.launch_gap_seconds_total))),
+                    ("poot_engine_launch_gap_cpu_seconds_total", "counter",
+                     "Of those seconds, the engine thread's own CPU time (the rest it waited "
+                     "for the interpreter's lock or a core).",
+                     _number(float(stats.launch_gap_cpu_seconds_total)))):
                 family(name, kind, help_, [f"{name} {value}"])
             if stats.kernel_times is not None:
                 times = sorted(stats.kernel_times.items())

@@ -30,7 +30,7 @@ REFERENCE_STEP_TOKENS = 256
 REFERENCE_MAX_SEQS = 8
 REFERENCE_CONTEXT = 4096
 SHUTDOWN_GRACE_S = 10.0
-SWITCH_INTERVAL_S = 0.0005     # the interpreter's thread switch interval while serving
+SWITCH_INTERVAL_S = 0.0001     # the interpreter's thread switch interval while serving
 FAULTS_ENV = "POOT_INJECT_FAULTS"
 
 log = logging.getLogger("poot.serve")

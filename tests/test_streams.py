@@ -10,6 +10,7 @@ import pytest
 
 import poot
 from poot.engine.engine import Engine
+from poot.engine.request import Output
 from poot.serve import openai, streams
 from poot.serve.metrics import Metrics
 from tests.models import tiny_model
@@ -95,3 +96,30 @@ def test_a_client_that_leaves_ends_its_request(engine, model):
     while engine.kv.num_used and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.kv.num_used == 0
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+@pytest.mark.parametrize("usage", [False, True])
+def test_a_text_chunk_is_the_json_of_its_whole_chunk(model, kind, usage):
+    """A stream's chunk of text alone is encoded from a cut encoding of such a chunk: the bytes
+    equal json.dumps of the chunk built whole, for every choice and any text."""
+    body = {"model": model.name, "max_tokens": 4, "stream": True, "n": 2,
+            "stream_options": {"include_usage": usage}}
+    if kind == "chat":
+        req = openai.Completion.chat(dict(body, messages=[{"role": "user", "content": "hi"}]),
+                                     model, [model.name])
+    else:
+        req = openai.Completion.text(dict(body, prompt="Once"), model, [model.name])
+    texts = [" plain", 'quote " and \\ back', "line\nbreak\ttab\x01", "é ü 中文 🙂", "\0text\0"]
+    for index in (0, 1, 0):
+        for text in texts:
+            got, = req.chunks(Output(token_ids=[5], text=text, index=index))
+            choice = ({"index": index, "delta": {"content": text}, "logprobs": None,
+                       "finish_reason": None} if kind == "chat" else
+                      {"index": index, "text": text, "logprobs": None, "finish_reason": None})
+            whole = {"id": req.id, "object": "chat.completion.chunk" if kind == "chat"
+                     else "text_completion", "created": req.created, "model": model.name,
+                     "choices": [choice]}
+            if usage:
+                whole["usage"] = None
+            assert got == json.dumps(whole).encode()

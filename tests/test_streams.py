@@ -4,6 +4,7 @@ again; one that leaves ends its request; a socket's bytes are all sent before it
 done, and the socket is the handler's again."""
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -96,6 +97,34 @@ def test_a_client_that_leaves_ends_its_request(engine, model):
     while engine.kv.num_used and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.kv.num_used == 0
+
+
+def test_the_writer_waits_while_the_engine_launches(engine, model):
+    """engine.launched is clear from a step's landing to the next launch, and the writer
+    encodes nothing while it is."""
+    lane, seen = engine.lanes[0], []
+    launch = lane.launch
+
+    def noting(batch):
+        seen.append(engine.launched.is_set())
+        return launch(batch)
+    lane.launch = noting
+    writer = streams.Writer()
+    writer.launched = threading.Event()         # held clear here: as if the engine launched
+    server_end, client = pair()
+    stream = start(engine, writer, model, server_end, 8)
+    deadline = time.monotonic() + 10
+    while engine.stats().generation_tokens_total < 8 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    client.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        client.recv(1)
+    writer.launched.set()
+    assert generated(read_all(client)) == 8 and stream.done.wait(10)
+    # the prefill's launch followed no landing; every decode step's did
+    assert seen[0] and not any(seen[1:]) and len(seen) == 8 and engine.launched.is_set()
+    lane.launch = launch
+    writer.close()
 
 
 @pytest.mark.parametrize("kind", ["text", "chat"])

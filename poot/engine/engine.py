@@ -203,6 +203,11 @@ class Engine:
         self._gap_cpu = 0.0         # ... of it, the engine thread's own CPU time (the rest it
                                     # waited: for the interpreter's lock, or the CPU)
         self._landed_cpu = 0.0      # the engine thread's CPU time when its last step landed
+        # clear from a step's landing to the next launch: threads that work per token (the
+        # server's stream writer) wait for it at their loop's head, so as not to take the
+        # interpreter's lock from the engine's thread while the device idles
+        self.launched = threading.Event()
+        self.launched.set()
 
     @property
     def kv(self):
@@ -379,12 +384,15 @@ class Engine:
                 return False
             lane = self._turn
             self._turn = (lane + 1) % len(self.lanes)
-            landed = self._land(lane)
-            plan = self.scheduler.schedule(lane, make_room=lambda: self._drain(but=lane))
-            if plan and self._launch(lane, plan) and landed is not None:
-                self._gaps += 1
-                self._gap_seconds += time.monotonic() - landed[2]
-                self._gap_cpu += time.thread_time() - self._landed_cpu
+            try:
+                landed = self._land(lane)
+                plan = self.scheduler.schedule(lane, make_room=lambda: self._drain(but=lane))
+                if plan and self._launch(lane, plan) and landed is not None:
+                    self._gaps += 1
+                    self._gap_seconds += time.monotonic() - landed[2]
+                    self._gap_cpu += time.thread_time() - self._landed_cpu
+            finally:
+                self.launched.set()
             if landed is not None:
                 self._deliver(*landed)
             return self.error is None and bool(landed or plan or any(self._flight))
@@ -421,6 +429,7 @@ class Engine:
         plan, rows = flight
         try:
             out = self.lanes[lane].collect()
+            self.launched.clear()
         except Exception as exc:
             self.scheduler.released(plan)
             self._step_failed(lane, plan, exc)

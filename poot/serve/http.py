@@ -63,6 +63,7 @@ class Serving:
 
     def ready(self, model, engine, info, names=None):
         self.model, self.engine, self.info = model, engine, info
+        self.writer.launched = engine.launched
         self.names = list(names or [model.name])
         self.status = "serving"
 

@@ -7,8 +7,10 @@ a stream's outputs (RequestHandle.listen) to one writer thread, which encodes th
 every stream's bytes of a batch in one message to the sender process (sender.py), which holds
 each stream's socket (passed to it when the stream starts) and sends, outside this process's
 lock, what each socket takes without blocking; a slow reader keeps its bytes there and holds
-up no one else. The handler thread only waits for its stream's end (all sent, or the client
-gone), looking meanwhile whether the client left.
+up no one else. The writer encodes while the device runs a step: from a step's landing to the
+next launch (the engine's `launched` Event clear) it waits, rather than take the interpreter's
+lock from the engine's thread while the device idles. The handler thread only waits for its
+stream's end (all sent, or the client gone), looking meanwhile whether the client left.
 """
 import json
 import logging
@@ -111,6 +113,7 @@ class Writer:
         self._control = None                # this end of the sender's SOCK_SEQPACKET pair
         self._send_lock = threading.Lock()  # one message at a time into it
         self._process = None
+        self.launched = None                # the engine's Event: set but while it launches
 
     def start(self):
         """Starts the sender process (a fresh interpreter, exec'd at once: nothing of a device
@@ -175,7 +178,10 @@ class Writer:
                     self._wake.wait()
                 ready, self._ready = self._ready, deque()
             touched = {}
+            launched = self.launched
             for stream, item in ready:
+                if launched is not None:
+                    launched.wait()
                 if not stream.gone and not stream.done.is_set():
                     stream.add(item)
                     touched[stream.id] = stream

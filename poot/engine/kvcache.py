@@ -212,13 +212,17 @@ class BlockAllocator:
         self.hit_tokens += len(blocks) * self.block_size
         return blocks, keys
 
-    def register(self, table, tokens, num_computed, keys=()):
+    def register(self, table, tokens, num_computed, keys=(), start=0):
         """Keys the full blocks of `table` whose keys and values are computed (its first
-        num_computed positions), so later prompts may take them; returns the keys computed."""
+        num_computed positions) from the block of position `start` on (those before it were
+        full when `start` positions were computed, and keyed then), so later prompts may take
+        them; returns the keys computed."""
         if not self.caching:
             return keys
-        keys = prefix_keys(tokens, self.block_size, num_computed // self.block_size, keys)
-        for block, key in zip(table, keys):
+        full = num_computed // self.block_size
+        keys = prefix_keys(tokens, self.block_size, full, keys)
+        for i in range(start // self.block_size, full):
+            block, key = table[i], keys[i]
             if block not in self._key_of and key not in self._block_of:
                 self._key_of[block], self._block_of[key] = key, block
         return keys

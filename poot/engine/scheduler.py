@@ -238,7 +238,8 @@ class Scheduler:
         serve later prompts."""
         for seq, n in plan:
             seq.num_computed += n
-            seq.keys = self.kv.register(seq.blocks, seq.tokens, seq.num_computed, seq.keys)
+            seq.keys = self.kv.register(seq.blocks, seq.tokens, seq.num_computed, seq.keys,
+                                        seq.num_computed - n)
             fork = seq.fork
             if fork is not None and fork.first is seq and not fork.primed \
                     and seq.num_computed >= len(seq.prompt):

@@ -7,6 +7,7 @@ says serving), serve until SIGINT/SIGTERM, then stop accepting and give in-fligh
 bounded time to finish. Every PootError ends the program through `exit_status`, the one place
 where errors become a message and a status.
 """
+import gc
 import logging
 import math
 import os
@@ -142,6 +143,10 @@ def serve(args, stop_event):
         else:
             runner, shape = device_runner(model, device, memory, args)
         inject_faults(runner)
+        # The model's, the runner's and the tokenizer's objects live as long as the process:
+        # the collector's full passes, which hold the interpreter's lock throughout, skip them.
+        gc.collect()
+        gc.freeze()
         engine = server.load(model, runner, devices=devices, plan=shape,
                              max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
                              max_context=shape["context"], on_failure=stop_event.set,

@@ -302,3 +302,26 @@ def test_edits_divide_positive_logits_multiply_negative_ones_then_add():
     masked = with_masks(r, [np.array([1, 1, 1, 0, 1, 1], bool), None])
     assert edit_logits(logits, masked)[0].tolist() == [1.0, -4.0, 0.5, BANNED, BANNED, -1.75]
     assert sample(edited, r).tokens[0] != 4 and edited.dtype == np.float32
+
+
+def test_ranked_rows_are_the_best_n_of_every_candidate_in_choose_s_order():
+    """_ranked_rows reads only the chunks whose best reaches the n-th best chunk's, and still
+    gives each row's best n of all its candidates (highest value, then lowest id), ties
+    across chunks and -0.0 included."""
+    from poot.engine.sampling import _ranked_rows
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        R, chunks, width = int(rng.integers(1, 5)), int(rng.integers(1, 70)), int(rng.integers(1, 20))
+        values = rng.standard_normal((R, chunks, width)).astype(np.float32) * 3
+        if trial % 3 == 0:
+            values = np.round(values)           # ties within and across chunks
+        values[values == 0] = np.where(rng.random((values == 0).sum()) < 0.5, -0.0, 0.0)
+        values = -np.sort(-values, axis=2)      # each chunk best first
+        ids = rng.permutation(R * chunks * width).reshape(R, chunks, width).astype(np.int32)
+        n = int(rng.integers(1, chunks * width + 1))
+        got_values, got_ids = _ranked_rows(values, ids, n)
+        for r in range(R):
+            order = sorted(zip(values[r].ravel().tolist(), ids[r].ravel().tolist()),
+                           key=lambda c: (-c[0], c[1]))[:n]
+            assert got_ids[r].tolist() == [i for _, i in order]
+            assert got_values[r].tolist() == [v for v, _ in order]

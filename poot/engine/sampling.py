@@ -338,8 +338,18 @@ def _ranked_rows(values, ids, n):
     [R, chunks, width] (each chunk's first `width`: a row's best n <= width are among them), in
     choose()'s order (highest value, then lowest id; padding past the vocabulary last), without
     sorting the rest: a row has thousands, its cuts read a few. One int64 key a candidate
-    orders both ways: the value's bits made to sort as integers, negated, above the id."""
-    R = len(values)
+    orders both ways: the value's bits made to sort as integers, negated, above the id.
+    Only the chunks whose best reaches the n-th best of the chunks' bests are read: a row's n
+    best candidates reach it (those n bests do), so their chunks' bests do too."""
+    R, chunks, _ = values.shape
+    if 0 < n < chunks and not np.isnan(values).any():     # (a NaN orders no chunk)
+        firsts = values[:, :, 0]
+        reach = np.partition(firsts, chunks - n, axis=1)[:, chunks - n]
+        m = int((firsts >= reach[:, None]).sum(axis=1).max())
+        if m < chunks:
+            kept = np.argpartition(-firsts, m - 1, axis=1)[:, :m, None]
+            values = np.take_along_axis(values, kept, axis=1)
+            ids = np.take_along_axis(ids, kept, axis=1)
     values = values.reshape(R, -1) + np.float32(0.0)       # -0.0 ties with 0.0
     bits = values.view(np.int32)
     order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)

@@ -152,3 +152,16 @@ def test_a_text_chunk_is_the_json_of_its_whole_chunk(model, kind, usage):
             if usage:
                 whole["usage"] = None
             assert got == json.dumps(whole).encode()
+
+
+def test_a_landing_no_launch_follows_leaves_the_writer_free(model):
+    """A step landed to abort a sequence in flight (no launch follows) sets engine.launched
+    again: else the writer would wait until some later step."""
+    engine = Engine(model.runner(num_blocks=64, block_size=4), model.tokenizer, max_seqs=4)
+    req = request(model, 50)
+    handle = engine.submit(req.prompts[0], req.params)
+    engine.step()                   # its prefill in flight
+    assert engine.launched.is_set() and engine._flight[0] is not None
+    handle.cancel()
+    engine._apply_inbox()           # the abort lands that step first
+    assert engine._flight[0] is None and engine.launched.is_set()

@@ -412,7 +412,10 @@ class Engine:
 
     def _collect(self, lane):
         """Lands a lane's step in flight and delivers it; False if it had none."""
-        landed = self._land(lane)
+        try:
+            landed = self._land(lane)
+        finally:
+            self.launched.set()         # no launch follows this landing
         if landed is not None:
             self._deliver(*landed)
         return landed is not None

@@ -325,6 +325,37 @@ def test_staged_steps_give_the_reference_tokens(tmp_path, device, monkeypatch):
     assert got[1] == got[0]
 
 
+def test_staged_tables_as_wide_as_each_step_give_the_reference_tokens(tmp_path, device,
+                                                                      monkeypatch):
+    """An engine over staged steps whose block tables are as wide as the step's longest
+    sequence (their width growing, then shrinking as long sequences end): the reference's
+    greedy tokens, and the staged tables hold nothing past each row's width."""
+    from poot.engine.engine import Engine
+    from poot.engine.request import SamplingParams
+    if not hasattr(device, "host_array"):
+        pytest.skip(f"{device.backend}: no host_array")
+    monkeypatch.setattr(device, "step_staging", True)
+    model = poot.load(tiny_model(tmp_path, dtype="F16"))
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 300, n).tolist() for n in (70, 5, 33, 2, 51)]
+    lengths = [4, 30, 12, 25, 3]
+    got = []
+    for on in (None, device):
+        runner = model.runner(on, num_blocks=96, block_size=4, max_seqs=4)
+        engine = Engine(runner, model.tokenizer, max_seqs=4, max_context=160)
+        handles = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0,
+                                                   ignore_eos=True))
+                   for p, n in zip(prompts, lengths)]
+        while engine.step():
+            if on is not None:
+                host = runner._host["block_tables"].reshape(runner.max_seqs, -1)
+                for r, width in enumerate(runner._tables_written["block_tables"]):
+                    assert not host[r, width:].any()
+        got.append([[t for o in h for t in o.token_ids] for h in handles])
+    assert got[1] == got[0]
+    assert [len(t) for t in got[1]] == lengths
+
+
 def test_every_backend_refuses_a_launch_of_an_empty_grid(device):
     from poot.backends import EmptyLaunch
     kernel = ops.elementwise("add")

@@ -105,16 +105,19 @@ class StepBatch:
     + pos % block_size, and it attends to positions 0..positions[t] of its own sequence (causal
     by position, so prefill chunks and decode tokens need no separate paths).
     sample_tokens[r] is the index into tokens whose logits row r samples from.
-    window_tables, where the model's sliding-window layers keep a ring (kvcache.Ring), are
-    their block tables, of the same shape (None: those layers use block_tables).
+    block_tables holds a row's blocks in its first columns: as many columns as its longest
+    sequence's blocks, or more (a runner's tables hold a context's; past a row's own, none
+    is read). window_tables, where the model's sliding-window layers keep a ring
+    (kvcache.Ring), are their block tables, of the same shape (None: those layers use
+    block_tables).
     """
     tokens: np.ndarray        # int32 [T]
     positions: np.ndarray     # int32 [T]
     seq_rows: np.ndarray      # int32 [T]
-    block_tables: np.ndarray  # int32 [S, max_blocks_per_seq]
+    block_tables: np.ndarray  # int32 [S, blocks of its longest sequence or more]
     sample_tokens: np.ndarray  # int32 [R]
     sampling: SamplingRows
-    window_tables: np.ndarray | None = None     # int32 [S, max_blocks_per_seq]
+    window_tables: np.ndarray | None = None     # int32, block_tables' shape
 
     @property
     def num_tokens(self):

@@ -88,6 +88,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
             self._check_supported()
         self.buffers, self.graphs = {}, {}
         self._host = {}             # staged: step input or output -> its host_array int32s
+        self._tables_written = {}   # staged: table -> per row, the columns it may hold
         self._idle = True           # the device has done every launch (waited for since)
         self._edited = False        # the uploaded step has logit edits on the device
         self._host_edits = []       # ... and rows whose edits did not fit, edited on the host
@@ -232,6 +233,9 @@ class DeviceRunner(DeviceChoice, StepRunner):
                 self._host[name] = self._host_inputs[at:at + n]
                 at += n
             self._host["argmax"] = self.device.host_array(self.max_seqs * 4).view(np.int32)
+            for name in self._table_inputs:
+                self._host[name][:] = 0
+                self._tables_written[name] = np.zeros(self.max_seqs, np.int64)
 
     def _inputs_layout(self):
         """{step input: int32 words}, in the order of the `inputs` buffer (staged): the block
@@ -326,11 +330,19 @@ class DeviceRunner(DeviceChoice, StepRunner):
                 dev.write(self.buffers[name], values)
         for name in self._table_inputs:
             given, (n, width) = getattr(batch, name), getattr(batch, name).shape
-            tables = (self._host[name].reshape(self.max_seqs, self.table_width) if staged
-                      else np.zeros((self.max_seqs, self.table_width), np.int32))
-            tables[:n, :width], tables[:n, width:] = given, 0
             if not staged:
+                tables = np.zeros((self.max_seqs, self.table_width), np.int32)
+                tables[:n, :width] = given
                 dev.write(self.buffers[name], tables)
+                continue
+            # the staged tables keep what earlier steps wrote: only the columns some step may
+            # have written past this one's width are cleared, not a whole context's
+            tables = self._host[name].reshape(self.max_seqs, self.table_width)
+            tables[:n, :width] = given
+            written = self._tables_written[name]
+            for r in np.flatnonzero(written[:n] > width):
+                tables[r, width:written[r]] = 0
+            written[:n] = width
 
     def _issue(self, T, R):
         """Issues every launch of a step of T tokens and R sampled rows, in graph order."""

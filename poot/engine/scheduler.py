@@ -298,9 +298,11 @@ class Scheduler:
     def build(self, plan):
         """(StepBatch, its rows in order) of a plan: each row (sequence, position), position
         None where the row samples the sequence's next token, else the prompt position whose
-        next token's log probability the row reports."""
+        next token's log probability the row reports. Its block tables are as wide as its
+        longest sequence's blocks (a runner's tables are wider: as wide as a context)."""
         tokens, positions, seq_rows, sample_tokens, rows = [], [], [], [], []
-        tables = np.zeros((len(plan), self.table_width), np.int32)
+        width = max([len(seq.blocks) for seq, _ in plan], default=1) or 1
+        tables = np.zeros((len(plan), width), np.int32)
         windows = None if self.ring is None else np.zeros_like(tables)
         for row, (seq, n) in enumerate(plan):
             start = seq.num_computed
@@ -312,7 +314,7 @@ class Scheduler:
             seq_rows += [row] * n
             tables[row, :len(seq.blocks)] = seq.blocks
             if windows is not None:
-                windows[row] = self.ring.table(seq.ring, self.table_width)
+                windows[row] = self.ring.table(seq.ring, width)
             if seq.samples_after(start, n):
                 sample_tokens.append(len(tokens) - 1)
                 rows.append((seq, None))

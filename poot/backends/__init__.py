@@ -16,6 +16,7 @@ FEATURES = {
     "staging": ("host_array", "download"),  # page-locked host memory that steps copy in a recording
     "views": ("view",),                     # a buffer's part from an offset on, as a buffer
     "lanes": ("lane",),                     # the device again, with a stream of its own
+    "marks": ("mark", "wait_mark"),         # a point in the work issued so far, waited for alone
 }
 
 

@@ -43,7 +43,7 @@ class DeviceBuffer:
 
 class PtxDevice(Device):
     backend = "ptx"
-    features = frozenset({"capture", "timing", "staging", "views", "lanes"})
+    features = frozenset({"capture", "timing", "staging", "views", "lanes", "marks"})
     memory_source = "cuMemGetInfo"
     max_buffer = None           # one cuMemAlloc may take any amount the device has
     # a device runner stages its steps' inputs and tokens in page-locked host_array memory,
@@ -89,6 +89,7 @@ class PtxDevice(Device):
         self.allocated = 0
         self._pinned = []           # host_array memory
         self._timed = None
+        self._events = []           # marks' events, free to record again
         self._tensor_maps = {}      # (pointer, cols, rows, box rows) -> CUtensorMap words
 
     def lane(self):
@@ -98,6 +99,7 @@ class PtxDevice(Device):
         self._current()
         other = copy.copy(self)
         other.stream = self.cu.stream_create()
+        other._events = []
         return other
 
     def _current(self):
@@ -252,6 +254,21 @@ class PtxDevice(Device):
     def synchronize(self):
         self._current()
         self.cu.stream_synchronize(self.stream)
+
+    def mark(self):
+        """An event recorded after the work issued to the stream so far (wait_mark waits for
+        it, and then records it again for a later mark)."""
+        self._current()
+        event = self._events.pop() if self._events else \
+            self.cu.event_create(cuda.CU_EVENT_DISABLE_TIMING)
+        self.cu.event_record(event, self.stream)
+        return event
+
+    def wait_mark(self, mark):
+        """Returns once the work issued before `mark` is done (later work may still run)."""
+        self._current()
+        self.cu.event_synchronize(mark)
+        self._events.append(mark)
 
     def capture(self, issue):
         """A CUDA graph of the launches `issue()` makes, to replay as one launch."""

@@ -75,7 +75,7 @@ def _buffer_bytes(nbytes):
 class VulkanDevice(Device):
     backend = "vulkan"
     target = TARGET
-    features = frozenset({"capture", "timing", "staging"})
+    features = frozenset({"capture", "timing", "staging", "marks"})
 
     def __init__(self, ordinal=0):
         super().__init__()
@@ -687,16 +687,36 @@ class VulkanDevice(Device):
         """Submits what is recorded and waits for everything submitted; raises what the
         validation layer reported as an error meanwhile."""
         self._submit()
+        self._retire(len(self._in_flight))
+
+    def mark(self):
+        """The submission of everything issued so far (what is recorded is submitted now):
+        wait_mark waits for it, not for what is submitted after it."""
+        self._not_capturing("mark")
+        self._submit()
+        return self._in_flight[-1] if self._in_flight else None
+
+    def wait_mark(self, mark):
+        """Returns once the work issued before `mark` is done (later work may still run)."""
+        for i, submitted in enumerate(self._in_flight):
+            if submitted is mark:
+                self._retire(i + 1)
+                return              # else it was waited for already
+
+    def _retire(self, n):
+        """Waits for the first n submissions in flight (the queue runs them in order) and
+        recycles their fences and command buffers; the staging ring empties with the last."""
         lib = self.lib
-        for fence, recycle in self._in_flight:
+        for fence, recycle in self._in_flight[:n]:
             self._wait(fence)
             vk.check(lib.vkResetFences(self.device, 1, fence), "vkResetFences")
             self._free_fences.append(fence)
             for commands in recycle:
                 vk.check(lib.vkResetCommandBuffer(commands[0], 0), "vkResetCommandBuffer")
                 self._free_commands.append(commands)
-        self._in_flight = []
-        self._staged = 0
+        del self._in_flight[:n]
+        if not self._in_flight:
+            self._staged = 0
         self._raise_validation_errors()
 
     def _raise_validation_errors(self):

@@ -118,6 +118,9 @@ class StepBatch:
     sample_tokens: np.ndarray  # int32 [R]
     sampling: SamplingRows
     window_tables: np.ndarray | None = None     # int32, block_tables' shape
+    # a step launched before the last one landed (engine.py: ahead): per token, the row of
+    # the last step whose greedy token it is (the device puts it there), -1 where tokens has it
+    feed: np.ndarray | None = None              # int32 [T]
 
     @property
     def num_tokens(self):

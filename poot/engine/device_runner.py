@@ -14,6 +14,7 @@ the same lowering serves every backend; sampling is step_runner.py's.
 """
 import copy
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -86,10 +87,15 @@ class DeviceRunner(DeviceChoice, StepRunner):
         self._x16 = {"mma": None, "norm": None}     # what mma_x16 and norm_x16 hold (launches)
         if check:
             self._check_supported()
-        self.buffers, self.graphs = {}, {}
+        self.buffers, self.graphs, self._launched = {}, {}, deque()
+        # staged: each side's host_array memory (two where steps are fed: a step launched
+        # ahead writes the side the step in flight does not read); _host is the side in use
+        self._sides, self._side = [], 0
         self._host = {}             # staged: step input or output -> its host_array int32s
         self._tables_written = {}   # staged: table -> per row, the columns it may hold
         self._idle = True           # the device has done every launch (waited for since)
+        self._fed = False           # the uploaded step takes tokens of the last (feed_tokens)
+        self._reading = None        # fed steps: the side of the step collect() reads back
         self._edited = False        # the uploaded step has logit edits on the device
         self._host_edits = []       # ... and rows whose edits did not fit, edited on the host
         self.kernel_times = None      # kernel name -> [launches, seconds] under device timing
@@ -101,6 +107,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
         other = copy.copy(self)
         other.base = self
         other.buffers, other.graphs, other._host = {}, {}, {}
+        other._sides, other._launched = [], deque()
         other.kernel_times = None
         return other
 
@@ -131,6 +138,8 @@ class DeviceRunner(DeviceChoice, StepRunner):
             seen.setdefault("argmax_chunks", choice.argmax_chunks(sg))
             seen.setdefault("argmax", choice.argmax(sg))
             seen.setdefault("top_candidates", choice.top_candidates(sg))
+        if self.feeds:
+            seen.setdefault("feed_tokens", choice.feed_tokens())
         return list(seen.values())
 
     # -- the plan ------------------------------------------------------------------------------
@@ -225,17 +234,45 @@ class DeviceRunner(DeviceChoice, StepRunner):
             self.buffers[a.name] = self.device.alloc(a.nbytes)
         if self._staged():
             words = self._inputs_layout()
-            self._host_inputs = self.device.host_array(sum(words.values()) * 4).view(np.int32)
-            at = 0
-            for name, n in words.items():
-                if self._packed():
+            if self._packed():
+                at = 0
+                for name, n in words.items():
                     self.buffers[name] = self.device.view(self.buffers["inputs"], at * 4)
-                self._host[name] = self._host_inputs[at:at + n]
-                at += n
-            self._host["argmax"] = self.device.host_array(self.max_seqs * 4).view(np.int32)
-            for name in self._table_inputs:
-                self._host[name][:] = 0
-                self._tables_written[name] = np.zeros(self.max_seqs, np.int64)
+                    at += n
+            self._sides = [self._side_arrays(words) for _ in range(1 + self.feeds)]
+            self._use_side(0)
+
+    def _side_arrays(self, words):
+        """A side's host_array memory: the step inputs (`words` of each, in one array) and
+        the greedy tokens read back."""
+        inputs = self.device.host_array(sum(words.values()) * 4).view(np.int32)
+        inputs[:] = 0
+        host, at = {}, 0
+        for name, n in words.items():
+            host[name] = inputs[at:at + n]
+            at += n
+        host["argmax"] = self.device.host_array(self.max_seqs * 4).view(np.int32)
+        written = {name: np.zeros(self.max_seqs, np.int64) for name in self._table_inputs}
+        return Side(inputs, host, written)
+
+    def _use_side(self, i):
+        """The side the next step's inputs are written to, once the last step that read it
+        has been waited for."""
+        side = self._sides[i]
+        if side.mark is not None:
+            self.device.wait_mark(side.mark)
+            side.mark = None
+        self._side = i
+        self._host_inputs, self._host, self._tables_written = side.inputs, side.host, side.written
+
+    @property
+    def feeds(self):
+        """Whether a step may be launched before the last one is collected, taking its greedy
+        tokens on the device (StepBatch.feed): where steps are staged and the device waits
+        for one step at a time (marks), on a runner of one whole model (not a group's), its
+        steps not timed kernel by kernel."""
+        return (self._staged() and "marks" in self.device.features and self.has_logits
+                and self.base is None and self.part is None and self.kernel_times is None)
 
     def _inputs_layout(self):
         """{step input: int32 words}, in the order of the `inputs` buffer (staged): the block
@@ -243,6 +280,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
         they have a ring, just before them)."""
         return {"tokens": self.max_tokens, "positions": self.max_tokens,
                 "seq_rows": self.max_tokens, "sample_tokens": self.max_seqs,
+                **({"feed": self.max_tokens} if self.feeds else {}),
                 **{name: self.max_seqs * self.table_width for name in self._table_inputs}}
 
     def _staged(self):
@@ -319,9 +357,17 @@ class DeviceRunner(DeviceChoice, StepRunner):
         self._step_rows, self._step_tiles = batch.seq_rows, None
         self._upload_edits(batch.sampling)
         dev, staged = self.device, self._staged()
-        if staged and not self._idle:   # the last step's copies read this memory: done first
+        if batch.feed is not None and not self.feeds:
+            raise ValueError(f"{self.backend}: this runner launches no step on the last "
+                             "one's tokens")
+        self._fed = batch.feed is not None
+        if len(self._sides) > 1:        # the other side: no step in flight reads it
+            self._use_side(1 - self._side)
+        elif staged and not self._idle:     # the last step's copies read this memory: done first
             dev.synchronize()
         self._idle = False
+        if self._fed:
+            self._host["feed"][:T] = batch.feed
         for name in ("tokens", "positions", "seq_rows", "sample_tokens"):
             values = np.ascontiguousarray(getattr(batch, name), np.int32)
             if staged:
@@ -355,6 +401,9 @@ class DeviceRunner(DeviceChoice, StepRunner):
         a tensor group can put its barrier between the ranks' partial sums or slices and their
         reduction or gathering (group.py)."""
         self._stage_inputs(T)
+        if self._fed:
+            B = self.buffers
+            self._launch(choice.feed_tokens(), (1,), B["argmax"], B["feed"], B["tokens"], T)
         long = self.mma and T >= self.choice.mma_min_tokens
         self._x16 = {"mma": None, "norm": None}
         for i, op in enumerate(self.steps):
@@ -379,7 +428,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
             self.device.write(self.buffers["inputs"], self._host_inputs[:words])
             return
         for name, host in self._host.items():
-            if name != "argmax":
+            if name != "argmax" and (name != "feed" or self._fed):
                 words = rows * self.table_width if name in TABLES else None
                 self.device.write(self.buffers[name], host[:words])
 
@@ -716,8 +765,6 @@ class DeviceRunner(DeviceChoice, StepRunner):
         return self.long
 
     # what StepRunner.run asks of the device
-
-    # what StepRunner.run asks of the device
     def _can_capture(self):
         return "capture" in self.device.features
 
@@ -727,16 +774,43 @@ class DeviceRunner(DeviceChoice, StepRunner):
     def _synchronize(self):
         self.device.synchronize()
         self._idle = True
+        for side in self._sides:        # done with the rest: their marks are spent
+            if side.mark is not None:
+                self.device.wait_mark(side.mark)
+                side.mark = None
 
     def _replay(self, graph):
         self.device.replay(graph)
 
+    def _issued(self, R):
+        """Two sides: the mark of the step just issued, kept by its side until waited for (by
+        collect, or by the step after next, which writes that side again)."""
+        if len(self._sides) > 1:
+            self._sides[self._side].mark = self.device.mark()
+        return R
+
+    def _launched_mark(self):
+        return self._side if len(self._sides) > 1 else None
+
+    def _landing(self, mark):
+        """Fed steps: the collected step's side (`mark`) is read back once its mark is."""
+        if mark is None:
+            self._reading = None
+            return
+        side = self._sides[mark]
+        if side.mark is not None:
+            self.device.wait_mark(side.mark)
+            side.mark = None
+        self._reading = side.host
+
     def _read(self, name, nbytes, offset=0):
         """Bytes of a buffer of the runner that computes the logits."""
         if name in self._host:                  # staged: the step copied them out
-            self.device.synchronize()
-            self._idle = True
-            return self._host[name][offset // 4:(offset + nbytes) // 4].tobytes()
+            host = self._reading
+            if host is None:
+                self.device.synchronize()
+                self._idle, host = True, self._host
+            return host[name][offset // 4:(offset + nbytes) // 4].tobytes()
         return self.device.read(self.buffers[name], nbytes, offset)
 
     def _output_name(self):
@@ -749,6 +823,17 @@ class DeviceRunner(DeviceChoice, StepRunner):
     @property
     def hidden_size(self):
         return self.graph.outputs["last_hidden"].shape[-1]
+
+
+@dataclass
+class Side:
+    """A staged runner's host_array memory for one step in flight: its inputs (one array,
+    `host` views of it by name, and the greedy tokens' own), the columns each table row may
+    hold there, and the mark of the last step launched from it (None: waited for)."""
+    inputs: np.ndarray
+    host: dict
+    written: dict
+    mark: object = None
 
 
 @dataclass(frozen=True)

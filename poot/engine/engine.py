@@ -59,6 +59,7 @@ class EngineStats:
     launch_gaps_total: int = 0                  # steps launched right after one landed ...
     launch_gap_seconds_total: float = 0.0       # ... and the seconds from the landing to it
     launch_gap_cpu_seconds_total: float = 0.0   # ... of which the engine thread ran (not waited)
+    steps_ahead_total: int = 0                  # steps launched on the tokens of one in flight
 
 
 def _snapshot(kernel_times):
@@ -158,7 +159,7 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, runner, tokenizer, *, max_seqs=16, step_tokens=256, max_context=None,
-                 prefix_caching=True):
+                 prefix_caching=True, ahead=True):
         self.runner = runner
         self.tokenizer = tokenizer
         capacity = runner.num_blocks * runner.block_size
@@ -192,11 +193,16 @@ class Engine:
         self._wake = threading.Condition()
         self._step_lock = threading.RLock()
         self._flight = [None] * len(self.lanes)     # per lane: (plan, rows) launched
+        # a step launched on the greedy tokens of the one in flight before it lands
+        # (Scheduler.ahead), where the runner feeds them (StepRunner.feeds): (plan, rows)
+        self._ahead = None
+        self.ahead = ahead and len(self.lanes) == 1 and getattr(runner, "feeds", False)
         self._turn = 0
         self._handles = {}
         self._thread = None
         self._stopping = False
         self._steps_total = 0
+        self._steps_ahead = 0
         self._step_failures_total = 0
         self._gaps = 0              # launches that followed a landing in the same step() ...
         self._gap_seconds = 0.0     # ... and their host time between: the device idles there
@@ -326,7 +332,7 @@ class Engine:
     @property
     def idle(self):
         return not (self._inbox or self.scheduler.waiting or self.scheduler.running
-                    or any(self._flight))
+                    or any(self._flight) or self._ahead)
 
     def stats(self):
         with self._wake:
@@ -344,7 +350,7 @@ class Engine:
             prefix_cache_query_tokens_total=s.kv.query_tokens,
             prefix_cache_evictions_total=s.kv.evictions, kv_blocks_cached=s.kv.num_cached,
             launch_gaps_total=self._gaps, launch_gap_seconds_total=self._gap_seconds,
-            launch_gap_cpu_seconds_total=self._gap_cpu)
+            launch_gap_cpu_seconds_total=self._gap_cpu, steps_ahead_total=self._steps_ahead)
 
     def _cancel(self, seq_ids):
         with self._wake:
@@ -384,13 +390,16 @@ class Engine:
                 return False
             lane = self._turn
             self._turn = (lane + 1) % len(self.lanes)
+            plan = None
             try:
+                went_ahead = self._launch_ahead()
                 landed = self._land(lane)
-                plan = self.scheduler.schedule(lane, make_room=lambda: self._drain(but=lane))
-                if plan and self._launch(lane, plan) and landed is not None:
-                    self._gaps += 1
-                    self._gap_seconds += time.monotonic() - landed[2]
-                    self._gap_cpu += time.thread_time() - self._landed_cpu
+                if not went_ahead:
+                    plan = self.scheduler.schedule(lane, make_room=lambda: self._drain(but=lane))
+                    if plan and self._launch(lane, plan) and landed is not None:
+                        self._gaps += 1
+                        self._gap_seconds += time.monotonic() - landed[2]
+                        self._gap_cpu += time.thread_time() - self._landed_cpu
             finally:
                 self.launched.set()
             if landed is not None:
@@ -410,15 +419,47 @@ class Engine:
         self._flight[lane] = (plan, rows)
         return True
 
-    def _collect(self, lane):
-        """Lands a lane's step in flight and delivers it; False if it had none."""
+    def _launch_ahead(self):
+        """Launches the step that follows the one in flight on its greedy tokens, before that
+        one lands (Scheduler.ahead), so the device goes from one to the next without waiting
+        for the host's landing, scheduling and launch; True if it did. A launch that fails
+        fails the step in flight too (the runner's recovery waits for it) and its requests."""
+        flight = self._flight[0]
+        if not self.ahead or flight is None or self._ahead is not None:
+            return False
+        plan, rows = flight
+        ahead = self.scheduler.ahead(plan, self.context_limit)
+        if not ahead:
+            return False
+        sampled = {seq.seq_id: r for r, (seq, position) in enumerate(rows) if position is None}
+        computes = {seq.seq_id: n for seq, n in plan}
+        fed = {seq.seq_id: (computes[seq.seq_id], sampled[seq.seq_id]) for seq, _ in ahead}
         try:
-            landed = self._land(lane)
-        finally:
-            self.launched.set()         # no launch follows this landing
-        if landed is not None:
-            self._deliver(*landed)
-        return landed is not None
+            batch, ahead_rows = self.scheduler.build(ahead, fed)
+            self.lanes[0].launch(batch)
+        except Exception as exc:
+            self._flight[0] = None
+            self.scheduler.released(plan)
+            self._step_failed(0, plan, exc)
+            return False
+        self._steps_total += 1
+        self._steps_ahead += 1
+        self.scheduler.launched(ahead)
+        self._ahead = (ahead, ahead_rows)
+        return True
+
+    def _collect(self, lane):
+        """Lands a lane's steps in flight and delivers them; False if it had none."""
+        landed_any = False
+        while self._flight[lane] is not None:
+            try:
+                landed = self._land(lane)
+            finally:
+                self.launched.set()         # no launch follows this landing
+            if landed is not None:
+                self._deliver(*landed)
+                landed_any = True
+        return landed_any
 
     def _land(self, lane):
         """Waits for a lane's step in flight and takes what the next step needs of it: each
@@ -428,13 +469,18 @@ class Engine:
         flight = self._flight[lane]
         if flight is None:
             return None
-        self._flight[lane] = None
+        self._flight[lane], self._ahead = self._ahead, None     # the step launched after it
         plan, rows = flight
         try:
             out = self.lanes[lane].collect()
             self.launched.clear()
         except Exception as exc:
             self.scheduler.released(plan)
+            after = self._flight[lane]
+            if after is not None:           # it took this step's tokens: it fails with it
+                self._flight[lane] = None
+                self.scheduler.released(after[0])
+                plan = plan + after[0]
             self._step_failed(lane, plan, exc)
             return None
         now, self._landed_cpu = time.monotonic(), time.thread_time()
@@ -459,7 +505,8 @@ class Engine:
                 self._request_failed(seq, exc)
         for seq, _ in plan:
             if seq.finish_reason is not None:       # ended while its step ran: its token is dropped
-                self.scheduler.remove(seq)
+                if seq.seq_id not in self.scheduler.in_flight:  # (no later step of it is)
+                    self.scheduler.remove(seq)
             elif seq.max_tokens == 0 and seq.num_computed == len(seq.tokens):
                 self._handles.pop(seq.seq_id)._put(self.scheduler.end_at_prompt(seq))
         return out, taken, now
@@ -568,6 +615,7 @@ class Engine:
         self._handles.clear()
         self.scheduler.clear()
         self._flight = [None] * len(self.lanes)
+        self._ahead = None
         if self.on_failure is not None:
             self.on_failure()
 

@@ -29,6 +29,7 @@ never waits between layers or devices.
 """
 import copy
 import math
+from collections import deque
 
 from ..errors import PlacementRefused
 from ..formats.quants import QUANTS
@@ -94,7 +95,7 @@ class GroupRunner(StepRunner):
             lanes = len(self.runners) if kind == "pipeline" else 1
         if lanes > 1 and kind != "pipeline":
             raise ValueError("lanes are a pipeline's")
-        self.graphs = {}
+        self.graphs, self._launched = {}, deque()
         self.lanes = [self] + [self._lane() for _ in range(lanes - 1)]
 
     def _lane(self):
@@ -103,7 +104,7 @@ class GroupRunner(StepRunner):
         lane = copy.copy(self)
         lane.runners = [runner.lane() for runner in self.runners]
         lane.head = lane.runners[self.runners.index(self.head)]
-        lane.graphs = {}
+        lane.graphs, lane._launched = {}, deque()
         return lane
 
     def shares(self):

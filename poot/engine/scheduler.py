@@ -35,6 +35,7 @@ With lanes (a pipeline's, engine/group.py) each running sequence belongs to one:
 the lane whose turn it is, up to its share of the sequences there are.
 """
 import logging
+from collections import Counter
 
 import numpy as np
 
@@ -61,7 +62,9 @@ class Scheduler:
         self.table_width, self.vocab_size, self.lanes = table_width, vocab_size, lanes
         self.waiting = []   # by arrival (seq_id), preempted sequences included
         self.running = []   # by arrival
-        self.in_flight = set()  # ids of the sequences whose steps are launched and not landed
+        # ids of the sequences whose steps are launched and not landed (how many: a step
+        # launched ahead (`ahead`) is in flight beside the one it follows)
+        self.in_flight = Counter()
         self.holds = []     # forks holding their prompt's blocks for their waiting choices
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -121,7 +124,8 @@ class Scheduler:
         def fit(seq, n):
             """Grow seq's blocks for n more tokens, preempting later arrivals; the n that fits."""
             while not self.kv.grow(seq.blocks, seq.num_computed + n):
-                if self._preempt_latest(after=seq.seq_id, keep=scheduled | self.in_flight):
+                if self._preempt_latest(after=seq.seq_id,
+                                        keep=scheduled | self.in_flight.keys()):
                     continue
                 if self._drop_hold(but=seq.fork) or make_room():
                     continue
@@ -251,16 +255,45 @@ class Scheduler:
         self.released(plan)
 
     def released(self, plan):
-        """A step of `plan` has ended, landed or failed: its sequences are in flight no more."""
-        self.in_flight.difference_update(seq.seq_id for seq, _ in plan)
+        """A step of `plan` has ended, landed or failed: its sequences are in flight no more
+        (but in a step launched after it)."""
+        self.in_flight -= Counter(seq.seq_id for seq, _ in plan)
 
     def accept(self, seq, token, context_limit):
         """A sampled sequence's new token (Sequence.take); a sequence it finishes leaves and
-        frees its blocks."""
+        frees its blocks, once no step of it is in flight (that step still writes them)."""
         seq.take(token, context_limit)
         self.generation_tokens_total += 1
-        if seq.finish_reason is not None:
+        if seq.finish_reason is not None and seq.seq_id not in self.in_flight:
             self.remove(seq)
+
+    def ahead(self, plan, context_limit):
+        """The step to launch while `plan`'s is in flight, before it lands (engine.py): a
+        decode token for each of its sequences that the step does not end by length, its
+        input the token the step chooses greedily on the device (build's `fed`). Empty where
+        some sequence of the plan does not sample so (it samples on the host, edits its logits,
+        reports log probabilities, or has a constraint to advance first), where sequences wait
+        to join (the next step must schedule them), where a model keeps window rings, or where
+        a further block is not free. A sequence a stop token ends computes one token more,
+        which is dropped when it lands."""
+        if self.waiting or self.ring is not None or len(plan) > self.step_tokens:
+            return []
+        ahead = []
+        for seq, n in plan:
+            p = seq.params
+            if seq.finish_reason is not None:       # it has ended: no token follows
+                continue
+            if not seq.samples_after(seq.num_computed, n) \
+                    or seq.logprob_positions(seq.num_computed, n) or p.temperature > 0 \
+                    or p.logprobs is not None or p.embed or seq.constraint is not None \
+                    or seq.controls is not None:
+                return []
+            if seq.num_generated + 1 >= seq.max_tokens or len(seq.tokens) + 1 >= context_limit:
+                continue
+            if not self.kv.grow(seq.blocks, seq.num_computed + n + 1):
+                return []
+            ahead.append((seq, 1))
+        return ahead
 
     def end_at_prompt(self, seq):
         """A sequence of max_tokens 0 whose prompt is computed leaves; its Output."""
@@ -295,11 +328,15 @@ class Scheduler:
             i -= 1
         queue_.insert(i, seq)
 
-    def build(self, plan):
+    def build(self, plan, fed=None):
         """(StepBatch, its rows in order) of a plan: each row (sequence, position), position
         None where the row samples the sequence's next token, else the prompt position whose
         next token's log probability the row reports. Its block tables are as wide as its
-        longest sequence's blocks (a runner's tables are wider: as wide as a context)."""
+        longest sequence's blocks (a runner's tables are wider: as wide as a context).
+        `fed` (a plan of `ahead`): sequence id -> (tokens its step in flight computes, the
+        row that samples its next token there), which the device feeds this step."""
+        if fed is not None:
+            return self._build_fed(plan, fed)
         tokens, positions, seq_rows, sample_tokens, rows = [], [], [], [], []
         width = max([len(seq.blocks) for seq, _ in plan], default=1) or 1
         tables = np.zeros((len(plan), width), np.int32)
@@ -347,6 +384,28 @@ class Scheduler:
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,
                           sample_tokens=np.array(sample_tokens, np.int32), sampling=sampling,
                           window_tables=windows)
+        return batch, rows
+
+    def _build_fed(self, plan, fed):
+        """build() of a plan of `ahead`: each sequence's one token after those in flight, its
+        token the device's (StepBatch.feed), its row sampling greedily."""
+        width = max([len(seq.blocks) for seq, _ in plan], default=1) or 1
+        tables = np.zeros((len(plan), width), np.int32)
+        positions, feed = [], []
+        for row, (seq, _) in enumerate(plan):
+            pending, last_row = fed[seq.seq_id]
+            positions.append(seq.num_computed + pending)
+            feed.append(last_row)
+            tables[row, :len(seq.blocks)] = seq.blocks
+        rows = [(seq, None) for seq, _ in plan]
+        T = len(plan)
+        sampling = SamplingRows.greedy(T)
+        sampling.step = np.array([seq.num_generated + 1 for seq, _ in plan], np.int64)
+        sampling.reports = np.zeros(T, bool)
+        index = np.arange(T, dtype=np.int32)
+        batch = StepBatch(tokens=np.zeros(T, np.int32), positions=np.array(positions, np.int32),
+                          seq_rows=index, block_tables=tables, sample_tokens=index,
+                          sampling=sampling, feed=np.array(feed, np.int32))
         return batch, rows
 
     def _masks(self, rows):

@@ -8,6 +8,8 @@ device's greedy choice or its candidates (sampling.choose_among), and only rows 
 decide, or whose edits the device had no room for, are read back and sampled on the host
 (engine/sampling.py, the definition every runner matches).
 """
+from collections import deque
+
 import numpy as np
 
 from .batch import StepBatch, StepOutput
@@ -21,6 +23,8 @@ class StepRunner:
     GroupRunner in engine/group.py for a device group)."""
     kernel_times = None
     faults = None               # engine/faults.py: steps made to fail, for tests
+    feeds = False               # whether a step may be launched on the last one's greedy
+    _side = 0                   # tokens before it lands (StepBatch.feed; DeviceRunner's)
 
     def run(self, batch, record=True):
         """Runs a step on the device, leaving logits (edited) and greedy tokens there.
@@ -49,7 +53,7 @@ class StepRunner:
                 total = self.kernel_times.setdefault(name, [0, 0.0])
                 total[0] += 1
                 total[1] += seconds
-            return R
+            return self._issued(R)
         bucket = 1 << max(T - 1, 0).bit_length()
         if record and T == R and bucket <= self.max_seqs and self._can_capture():
             pad = bucket - T
@@ -57,9 +61,11 @@ class StepRunner:
                 *(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (
                     batch.tokens, batch.positions, batch.seq_rows)), batch.block_tables,
                 np.concatenate([batch.sample_tokens, T - 1 + np.zeros(pad, np.int32)]),
-                batch.sampling, batch.window_tables)
+                batch.sampling, batch.window_tables,
+                None if batch.feed is None else np.concatenate(
+                    [batch.feed, np.repeat(batch.feed[-1:], pad)]))
             self._upload(padded)
-            key = (bucket, long, self._edit_state()[0])
+            key = (bucket, long, self._edit_state()[0], batch.feed is not None, self._side)
             graph = self.graphs.get(key)
             if graph is None:
                 graph = self.graphs[key] = self._capture(lambda: self._issue(bucket, bucket))
@@ -71,6 +77,11 @@ class StepRunner:
             self._issue(T, R)
             if faults is not None:
                 faults.end_step()
+        return self._issued(R)
+
+    def _issued(self, R):
+        """After a step's launches (R: its sampled rows, returned): what a runner marks of it
+        (DeviceRunner: the host memory it reads is in use until it is done)."""
         return R
 
     def recover(self):
@@ -79,7 +90,7 @@ class StepRunner:
         (a capture the error broke was ended where it broke). Raises when the device cannot
         even do that: a sticky driver error (CUDA's illegal address, Vulkan's device lost)
         fails every call after it, so the device is lost."""
-        self._launched = None
+        self._launched.clear()
         if self.faults is not None:
             self.faults.recover()
         self._synchronize()
@@ -114,9 +125,18 @@ class StepRunner:
 
     def launch(self, batch):
         """Issues a step without waiting for it; collect() returns its tokens. A pipeline's
-        lanes (engine/group.py) each have a step in flight this way."""
+        lanes (engine/group.py) each have a step in flight this way; where the runner feeds,
+        a second step may be launched before the first is collected (collect takes them in
+        order)."""
         R = self.run(batch)
-        self._launched = (batch, R, self._edit_state()[1])
+        self._launched.append((batch, R, self._edit_state()[1], self._launched_mark()))
+
+    def _launched_mark(self):
+        """What collect() waits for of the step just run (None: the device, whole)."""
+        return None
+
+    def _landing(self, mark):
+        """Before collect() reads a step back: waits for it where it has a mark."""
 
     def collect(self):
         """The tokens of the step launch() issued, once the device has done it.
@@ -128,8 +148,8 @@ class StepRunner:
         reads the logits and samples on the host (engine/sampling.py). The logits are edited
         on the device (constrained rows too) but for the rows whose edits it had no room for:
         those read their logits back and are edited and sampled on the host."""
-        batch, R, host = self._launched
-        self._launched = None
+        batch, R, host, mark = self._launched.popleft()
+        self._landing(mark)
         out = self._tokens(batch.sampling, R)
         rows = batch.sampling
         for r, logits in self._logit_rows(host).items():

@@ -1,6 +1,7 @@
 """The kernels that read a step's logits: their edits in place (logit_edits: engine/sampling.py's
-edit_logits), the greedy choice (argmax_chunks, then argmax: sampling's greedy choice) and each
-row's best candidates with their sums (top_candidates: what sampling.choose_among chooses from).
+edit_logits), the greedy choice (argmax_chunks, then argmax: sampling's greedy choice), each
+row's best candidates with their sums (top_candidates: what sampling.choose_among chooses from),
+and the greedy tokens fed to a step launched ahead (feed_tokens).
 """
 from functools import cache
 
@@ -110,6 +111,22 @@ def argmax(subgroup_size):
     _, index = _best_of_workgroup(k, bv.get(), bi.get())
     with k.if_(tid.eq(0)):
         token[r] = index
+    return k.build()
+
+
+@cache
+def feed_tokens():
+    """tokens[t] = chosen[feed[t]] where feed[t] >= 0, for t < n: a step launched before the
+    last one landed takes that step's greedy tokens (argmax's) as its input where they are
+    not known on the host yet. grid (1)."""
+    k = KernelBuilder("feed_tokens", (WG,))
+    chosen, feed = k.buffer("chosen", I32), k.buffer("feed", I32)
+    tokens = k.buffer("tokens", I32, "w")
+    n = k.scalar("n", I32)
+    with k.for_(k.thread_id(), n, WG) as t:
+        row = feed[t]
+        with k.if_(row >= 0):
+            tokens[t] = chosen[row]
     return k.build()
 
 

@@ -35,20 +35,24 @@ class Server:
         return self.serving.engine
 
     def load(self, model, runner, *, devices=(), plan=None, max_seqs=16, step_tokens=256,
-             max_context=None, on_failure=None, served_names=None, prefix_caching=True):
+             max_context=None, on_failure=None, served_names=None, prefix_caching=True,
+             ahead=True):
         """Start an engine over `runner` for `model`; /health then reports serving, naming
         `devices` (what the runner runs on, as the program describes them) and `plan` (the
         memory plan and its check, engine/plan.py) beside the shape the engine runs.
         `on_failure` is called once the engine can serve no more (its device lost).
         `served_names`: the names requests may use for the model (default: its file's).
-        `prefix_caching`: whether requests reuse the KV blocks of prompts that began alike."""
+        `prefix_caching`: whether requests reuse the KV blocks of prompts that began alike.
+        `ahead`: whether steps are launched on the greedy tokens of the step in flight, where
+        the runner can (Engine's)."""
         model.tokenizer.encode("Ready.")    # compiles its pre-tokenizer before the first request
         engine = Engine(runner, model.tokenizer, max_seqs=max_seqs, step_tokens=step_tokens,
-                        max_context=max_context, prefix_caching=prefix_caching)
+                        max_context=max_context, prefix_caching=prefix_caching, ahead=ahead)
         engine.on_failure = on_failure
         engine.start()
         plan = dict(plan or {}, max_seqs=engine.max_seqs, context=engine.context_limit,
-                    step_tokens=engine.step_tokens, kv_blocks=runner.num_blocks,
+                    step_tokens=engine.step_tokens, launch_ahead=engine.ahead,
+                    kv_blocks=runner.num_blocks,
                     kv_block_size=runner.block_size)
         names = list(served_names or [model.name])
         self.serving.ready(model, engine, {"model": names[0], "backend": runner.backend,

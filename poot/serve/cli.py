@@ -69,6 +69,10 @@ def build_parser():
                    "serving and write where the time went to PATH at exit")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole, "
                    "never reusing the KV blocks of one that began alike")
+    p.add_argument("--no-launch-ahead", action="store_true", help="launch each step only once "
+                   "the one before has landed, even where every sequence of that one decodes "
+                   "greedily on the device (then the next is launched on its tokens before it "
+                   "lands, so the device does not wait for the host)")
     return p
 
 
@@ -150,7 +154,8 @@ def serve(args, stop_event):
         engine = server.load(model, runner, devices=devices, plan=shape,
                              max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
                              max_context=shape["context"], on_failure=stop_event.set,
-                             served_names=names, prefix_caching=not args.no_prefix_cache)
+                             served_names=names, prefix_caching=not args.no_prefix_cache,
+                             ahead=not args.no_launch_ahead)
     except BaseException:
         server.close(grace=0)
         raise

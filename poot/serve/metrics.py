@@ -94,6 +94,10 @@ class Metrics:
                      stats.preemptions_total),
                     ("poot_engine_steps_total", "counter", "Engine steps run.",
                      stats.steps_total),
+                    ("poot_engine_steps_ahead_total", "counter",
+                     "Engine steps launched on the greedy tokens of the step before them, "
+                     "before it landed (no launch gap).",
+                     stats.steps_ahead_total),
                     ("poot_engine_step_failures_total", "counter",
                      "Engine steps that raised (their requests failed, the rest served on).",
                      stats.step_failures_total),

@@ -227,7 +227,7 @@ def test_poot_serve_launches_ahead_over_http(model, device, monkeypatch):
     staged(device, monkeypatch)
     server = Server(port=0)
     server.load(model, model.runner(device, num_blocks=160, block_size=4, max_seqs=8),
-                max_seqs=8, step_tokens=32, served_names=["tiny"])
+                max_seqs=8, step_tokens=32, served_names=["tiny"], ahead=True)
     try:
         assert server.engine.ahead
         rng = np.random.default_rng()

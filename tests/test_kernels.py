@@ -1101,6 +1101,20 @@ def test_argmax(device, chunks):
     assert got.tolist() == [int(np.argmax(r)) for r in logits]
 
 
+def test_feed_tokens(device):
+    """A step launched ahead takes the greedy tokens of the one before where its feed names a
+    row; its other tokens, and those past n, keep what was there (poisoned here)."""
+    chosen = rng.integers(0, 1 << 30, 300).astype(np.int32)
+    feed = rng.integers(0, 300, 500).astype(np.int32)
+    feed[rng.random(500) < 0.3] = -1
+    n = 437                                         # past the workgroup's width, short of all
+    got = run(device, choice.feed_tokens(), (1,), chosen, feed, np.zeros(500, np.int32),
+              n)["tokens"]
+    want = np.where(feed >= 0, chosen[np.maximum(feed, 0)], -1)
+    want[n:] = -1
+    assert got.tolist() == want.tolist()
+
+
 def test_logit_edits(device):
     """A step's rows edited in place as sampling.edit_logits defines: a row with edits (past a
     workgroup's worth, bans among them), one with a mask, one with both (masked tokens among

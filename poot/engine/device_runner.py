@@ -88,8 +88,8 @@ class DeviceRunner(DeviceChoice, StepRunner):
         if check:
             self._check_supported()
         self.buffers, self.graphs, self._launched = {}, {}, deque()
-        # staged: each side's host_array memory (two where steps are fed: a step launched
-        # ahead writes the side the step in flight does not read); _host is the side in use
+        # staged: each side's host_array memory (a second from the first step fed: a step
+        # launched ahead writes the side the step in flight does not read); _host: in use
         self._sides, self._side = [], 0
         self._host = {}             # staged: step input or output -> its host_array int32s
         self._tables_written = {}   # staged: table -> per row, the columns it may hold
@@ -239,7 +239,7 @@ class DeviceRunner(DeviceChoice, StepRunner):
                 for name, n in words.items():
                     self.buffers[name] = self.device.view(self.buffers["inputs"], at * 4)
                     at += n
-            self._sides = [self._side_arrays(words) for _ in range(1 + self.feeds)]
+            self._sides = [self._side_arrays(words)]
             self._use_side(0)
 
     def _side_arrays(self, words):
@@ -361,6 +361,8 @@ class DeviceRunner(DeviceChoice, StepRunner):
             raise ValueError(f"{self.backend}: this runner launches no step on the last "
                              "one's tokens")
         self._fed = batch.feed is not None
+        if self._fed and len(self._sides) == 1:     # the step in flight reads this side
+            self._sides.append(self._side_arrays(self._inputs_layout()))
         if len(self._sides) > 1:        # the other side: no step in flight reads it
             self._use_side(1 - self._side)
         elif staged and not self._idle:     # the last step's copies read this memory: done first
@@ -790,18 +792,21 @@ class DeviceRunner(DeviceChoice, StepRunner):
         return R
 
     def _launched_mark(self):
-        return self._side if len(self._sides) > 1 else None
+        return self._side if self._sides else None
 
     def _landing(self, mark):
-        """Fed steps: the collected step's side (`mark`) is read back once its mark is."""
-        if mark is None:
-            self._reading = None
-            return
-        side = self._sides[mark]
-        if side.mark is not None:
+        """Staged: the collected step's side (`mark`) is read back once the step is done:
+        waited for by its mark; with none (issued while there was one side), by _read as it
+        reads, unless a later step writes another side by now (the second's first)."""
+        side = None if mark is None else self._sides[mark]
+        self._reading = None
+        if side is not None and side.mark is not None:
             self.device.wait_mark(side.mark)
             side.mark = None
-        self._reading = side.host
+            self._reading = side.host
+        elif side is not None and mark != self._side:
+            self._synchronize()
+            self._reading = side.host
 
     def _read(self, name, nbytes, offset=0):
         """Bytes of a buffer of the runner that computes the logits."""

@@ -180,6 +180,8 @@ def test_ahead_plans_a_decode_token_for_each_sequence_its_step_does_not_end(mode
     assert batch.block_tables.tolist() == [a.blocks] and rows == [(a, None)]
     s.add(sequence(2, [1, 2], greedy(4)))
     assert s.ahead(plan, context_limit=100) == []       # a newcomer waits: no step ahead
+    s.max_seqs = 2                                      # ... unless every row is taken
+    assert [seq for seq, _ in s.ahead(plan, context_limit=100)] == [a]
     s.waiting.clear()
     a.params = SamplingParams(max_tokens=5, temperature=0.5)
     assert s.ahead(plan, context_limit=100) == []

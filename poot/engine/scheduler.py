@@ -273,10 +273,11 @@ class Scheduler:
         input the token the step chooses greedily on the device (build's `fed`). Empty where
         some sequence of the plan does not sample so (it samples on the host, edits its logits,
         reports log probabilities, or has a constraint to advance first), where sequences wait
-        to join (the next step must schedule them), where a model keeps window rings, or where
-        a further block is not free. A sequence a stop token ends computes one token more,
-        which is dropped when it lands."""
-        if self.waiting or self.ring is not None or len(plan) > self.step_tokens:
+        that could join (the next step must schedule them; with every row taken they wait
+        anyway), where a model keeps window rings, or where a further block is not free. A
+        sequence a stop token ends computes one token more, which is dropped when it lands."""
+        if self.waiting and len(self.running) < self.max_seqs or self.ring is not None \
+                or len(plan) > self.step_tokens:
             return []
         ahead = []
         for seq, n in plan:

@@ -69,6 +69,16 @@ def test_vulkan_opens_with_lavapipe_caps(vulkan):
     assert vulkan.limits.maxPushConstantsSize == 128
 
 
+def test_a_cpu_device_stages_its_steps_where_asked(vulkan, monkeypatch):
+    """lavapipe writes a step's inputs straight into mapped memory, unless STAGING_ENV asks it
+    to stage them as a discrete GPU does (how tests and serve-check run that path here)."""
+    if not lavapipe(vulkan):
+        pytest.skip(f"{vulkan.name} is no CPU device")
+    assert not vulkan.step_staging
+    monkeypatch.setenv(vulkan_backend.STAGING_ENV, "1")
+    assert vulkan_backend.VulkanDevice(0).step_staging
+
+
 def test_wgpu_opens_with_lavapipe_caps(wgpu_device):
     assert wgpu_device.backend == "wgpu" and wgpu_device.name.endswith("(wgpu:0)")
     assert not hasattr(wgpu_device, "capture"), "wgpu command buffers cannot be replayed"

@@ -468,7 +468,7 @@ def test_penalties_biases_and_min_tokens_give_the_reference_engines_tokens(tmp_p
     assert [[t for o in h for t in o.token_ids] for h in handles] == want
     assert "logit_edits" in launched
     if "capture" in device.features:      # a bucket's decode steps recorded with and without
-        assert {key[2] for key in runner.graphs} == {False, True}   # (bucket, long, edited, ..)
+        assert {key.edited for key in runner.graphs} == {False, True}
 
 
 def test_prompts_sharing_a_start_read_its_cached_blocks_on_the_device(tmp_path, device):

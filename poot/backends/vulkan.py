@@ -29,6 +29,7 @@ from .vulkan_instance import (BUDGET_EXTENSION, VALIDATION_LAYER, compute_device
 
 ffi = vk.ffi
 VALIDATION_ENV = "POOT_VULKAN_VALIDATION"
+STAGING_ENV = "POOT_VULKAN_STAGING"
 STAGING_BYTES = 64 << 20
 # Poll a fence this long before sleeping in vkWaitForFences. On a GPU the host has nothing else
 # to do while a step runs, and waking from the sleep costs a decode step much of its time; on a
@@ -132,8 +133,10 @@ class VulkanDevice(Device):
                                   else "gpu"]
         # A device runner stages its steps' inputs and tokens in host_array memory (recorded
         # copies) on a discrete GPU. On a CPU or integrated device that memory would come out
-        # of the heap the plan measures, and its buffers are mapped for direct writes anyway.
-        self.step_staging = not self._uma
+        # of the heap the plan measures, and its buffers are mapped for direct writes anyway;
+        # STAGING_ENV=1 stages there too, so that lavapipe runs a discrete GPU's path (tests,
+        # scripts/serve-check)
+        self.step_staging = not self._uma or os.environ.get(STAGING_ENV) == "1"
         v11, v12 = vk.new("VkPhysicalDeviceVulkan11Features"), vk.new(
             "VkPhysicalDeviceVulkan12Features")
         features = vk.chain(vk.new("VkPhysicalDeviceFeatures2"), v11, v12)

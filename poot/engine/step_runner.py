@@ -9,12 +9,24 @@ decide, or whose edits the device had no room for, are read back and sampled on 
 (engine/sampling.py, the definition every runner matches).
 """
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
 from .batch import StepBatch, StepOutput
 from .sampling import (choice_args, choice_arrays, choose_among_rows, choose_sorted, edit_row,
                        logprobs_among, sample, sample_row)
+
+
+class GraphKey(NamedTuple):
+    """Which recording a pure decode step replays: its bucket (rows, padded), whether it
+    splits its attention, edits logits, takes tokens of the step before (StepBatch.feed), and
+    the side of host memory its copies read and write (step_inputs.py)."""
+    bucket: int
+    long: bool
+    edited: bool = False
+    fed: bool = False
+    side: int = 0
 
 
 class StepRunner:
@@ -65,7 +77,8 @@ class StepRunner:
                 None if batch.feed is None else np.concatenate(
                     [batch.feed, np.repeat(batch.feed[-1:], pad)]))
             self._upload(padded)
-            key = (bucket, long, self._edit_state()[0], batch.feed is not None, self._side)
+            key = GraphKey(bucket, long, self._edit_state()[0], batch.feed is not None,
+                           self._side)
             graph = self.graphs.get(key)
             if graph is None:
                 graph = self.graphs[key] = self._capture(lambda: self._issue(bucket, bucket))

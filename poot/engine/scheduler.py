@@ -35,7 +35,6 @@ With lanes (a pipeline's, engine/group.py) each running sequence belongs to one:
 the lane whose turn it is, up to its share of the sequences there are.
 """
 import logging
-from collections import Counter
 
 import numpy as np
 
@@ -62,9 +61,9 @@ class Scheduler:
         self.table_width, self.vocab_size, self.lanes = table_width, vocab_size, lanes
         self.waiting = []   # by arrival (seq_id), preempted sequences included
         self.running = []   # by arrival
-        # ids of the sequences whose steps are launched and not landed (how many: a step
-        # launched ahead (`ahead`) is in flight beside the one it follows)
-        self.in_flight = Counter()
+        # id -> how many steps of the sequence are launched and not landed (a step launched
+        # ahead (`ahead`) is in flight beside the one it follows)
+        self.in_flight = {}
         self.holds = []     # forks holding their prompt's blocks for their waiting choices
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -235,7 +234,8 @@ class Scheduler:
 
     def launched(self, plan):
         """A step of `plan` is in flight: its sequences' blocks are being written."""
-        self.in_flight.update(seq.seq_id for seq, _ in plan)
+        for seq, _ in plan:
+            self.in_flight[seq.seq_id] = self.in_flight.get(seq.seq_id, 0) + 1
 
     def computed(self, plan):
         """A step of `plan` has landed: its tokens are in the cache, and its full blocks may
@@ -257,7 +257,10 @@ class Scheduler:
     def released(self, plan):
         """A step of `plan` has ended, landed or failed: its sequences are in flight no more
         (but in a step launched after it)."""
-        self.in_flight -= Counter(seq.seq_id for seq, _ in plan)
+        for seq, _ in plan:
+            left = self.in_flight.pop(seq.seq_id, 0) - 1
+            if left > 0:
+                self.in_flight[seq.seq_id] = left
 
     def accept(self, seq, token, context_limit):
         """A sampled sequence's new token (Sequence.take); a sequence it finishes leaves and

@@ -222,14 +222,14 @@ def completion(port, prompt, max_tokens, stream, hang_up_after=None):
 
 
 def test_poot_serve_launches_ahead_over_http(model, device, monkeypatch):
-    """poot-serve on a staged device: 8 concurrent greedy completions, streamed and whole,
-    prompts of one to three chunks, and a client that hangs up mid-stream: each answer is
-    the reference engine's for its prompt alone, /metrics counts steps launched ahead, and
-    every block is free afterwards."""
+    """poot-serve on a staged device, as it loads by default: 8 concurrent greedy
+    completions, streamed and whole, prompts of one to three chunks, and a client that hangs
+    up mid-stream: each answer is the reference engine's for its prompt alone, /metrics counts
+    steps launched ahead, and every block is free afterwards."""
     staged(device, monkeypatch)
     server = Server(port=0)
     server.load(model, model.runner(device, num_blocks=160, block_size=4, max_seqs=8),
-                max_seqs=8, step_tokens=32, served_names=["tiny"], ahead=True)
+                max_seqs=8, step_tokens=32, served_names=["tiny"])
     try:
         assert server.engine.ahead
         rng = np.random.default_rng()

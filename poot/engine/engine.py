@@ -159,7 +159,7 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, runner, tokenizer, *, max_seqs=16, step_tokens=256, max_context=None,
-                 prefix_caching=True, ahead=False):
+                 prefix_caching=True, ahead=True):
         self.runner = runner
         self.tokenizer = tokenizer
         capacity = runner.num_blocks * runner.block_size

@@ -36,7 +36,7 @@ class Server:
 
     def load(self, model, runner, *, devices=(), plan=None, max_seqs=16, step_tokens=256,
              max_context=None, on_failure=None, served_names=None, prefix_caching=True,
-             ahead=False):
+             ahead=True):
         """Start an engine over `runner` for `model`; /health then reports serving, naming
         `devices` (what the runner runs on, as the program describes them) and `plan` (the
         memory plan and its check, engine/plan.py) beside the shape the engine runs.

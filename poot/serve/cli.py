@@ -69,10 +69,10 @@ def build_parser():
                    "serving and write where the time went to PATH at exit")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole, "
                    "never reusing the KV blocks of one that began alike")
-    p.add_argument("--launch-ahead", action="store_true", help="where every sequence of the "
-                   "step in flight decodes greedily on the device, launch the next on its "
-                   "tokens before it lands, so the device does not wait for the host (ptx, and "
-                   "vulkan on a discrete GPU; not yet measured on a GPU, so off by default)")
+    p.add_argument("--no-launch-ahead", action="store_true", help="launch each step only "
+                   "after the last one lands (by default, where every sequence of the step in "
+                   "flight decodes greedily on the device, the next is launched on its tokens "
+                   "before it lands: ptx, and vulkan on a discrete GPU)")
     return p
 
 
@@ -155,7 +155,7 @@ def serve(args, stop_event):
                              max_seqs=shape["max_seqs"], step_tokens=shape["step_tokens"],
                              max_context=shape["context"], on_failure=stop_event.set,
                              served_names=names, prefix_caching=not args.no_prefix_cache,
-                             ahead=args.launch_ahead)
+                             ahead=not args.no_launch_ahead)
     except BaseException:
         server.close(grace=0)
         raise

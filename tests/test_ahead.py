@@ -189,6 +189,80 @@ def test_ahead_plans_a_decode_token_for_each_sequence_its_step_does_not_end(mode
     assert s.ahead(plan, context_limit=100) == []
     a.params = greedy(5)
     assert [seq for seq, _ in s.ahead(plan, context_limit=4)] == []   # the context ends a
+    assert s.ahead(plan, context_limit=100, redo={0}) == []    # a's row chose nothing
+    assert s.ahead(plan[1:], context_limit=100) == []   # a running sequence sat the step out
+
+
+def grammar_of(model, schema):
+    from poot.grammar import compiled, schema_grammar
+    return compiled(("ahead", json.dumps(schema)), lambda: schema_grammar(schema),
+                    model.tokenizer)
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                           "tag": {"type": "string", "maxLength": 6}},
+          "required": ["n", "ok", "tag"], "additionalProperties": False}
+
+
+def mixed_requests(model):
+    """Greedy requests of every kind that goes ahead: plain, constrained by a JSON schema,
+    penalised (presence, frequency, repetition, a ban), and min_tokens."""
+    p = prompts([9, 4, 17, 6], 23)
+    return [(p[0], greedy(30)),
+            (p[1], SamplingParams(max_tokens=60, temperature=0,
+                                  constraint=grammar_of(model, SCHEMA))),
+            (p[2], greedy(30, presence_penalty=0.7, frequency_penalty=0.4,
+                          repetition_penalty=1.3, logit_bias={7: -100})),
+            (p[3], SamplingParams(max_tokens=20, temperature=0, min_tokens=12))]
+
+
+def test_constrained_and_edited_rows_go_ahead_with_the_reference_tokens(model, device,
+                                                                        monkeypatch):
+    """A step with constrained or penalised rows is launched ahead too, its choice made once
+    the step before lands (StepRunner.choose: their masks and edits follow its tokens): the
+    reference's tokens, which the masks and edits change."""
+    staged(device, monkeypatch)
+    requests = mixed_requests(model)
+    want = run(make_engine(model, None), requests)
+    free = run(make_engine(model, None), [(p, greedy(n)) for p, n in
+                                         zip([p for p, _ in requests[1:3]], (60, 30))])
+    assert all(w[0] != f[0] for w, f in zip(want[1:3], free))
+    engine = make_engine(model, device)
+    chosen = []
+    choose = Engine._choose_ahead
+    monkeypatch.setattr(Engine, "_choose_ahead",
+                        lambda self, lane: (chosen.append(lane), choose(self, lane)))
+    got = run(engine, requests)
+    assert got == want
+    assert len(chosen) >= 10                    # steps launched ahead with such rows
+    assert model.tokenizer.decode(got[1][0]).lstrip().startswith("{")
+    assert engine.stats().steps_ahead_total >= 10, engine.stats()
+    assert engine.kv.num_used == 0 and not engine.scheduler.in_flight
+
+
+def test_a_mask_not_ready_when_its_step_chooses_is_computed_again(model, device, monkeypatch):
+    """A constrained sequence whose mask is not ready when the step launched ahead of it
+    chooses (a threaded engine's mask thread is still at it) chooses nothing there and is
+    computed again in a later step; the others' steps never wait: the reference's tokens."""
+    staged(device, monkeypatch)
+    requests = mixed_requests(model)
+    want = run(make_engine(model, None), requests)
+    engine = make_engine(model, device)
+    asked, redone = [0], []
+    choose = Engine._choose_ahead
+
+    def not_every_time(seq):
+        asked[0] += 1
+        return asked[0] % 3 != 0
+
+    def recording(self, lane):
+        choose(self, lane)
+        redone.append(len(self._redo))
+    engine.scheduler.mask_ready = not_every_time
+    monkeypatch.setattr(Engine, "_choose_ahead", recording)
+    assert run(engine, requests) == want
+    assert any(redone) and engine.stats().steps_ahead_total >= 5
+    assert engine.kv.num_used == 0 and not engine.scheduler.in_flight
 
 
 def completion(port, prompt, max_tokens, stream, hang_up_after=None):

@@ -60,6 +60,14 @@ class DeviceChoice:
             dev.write(B["edit_masks"], masks)
         self._edited = bool(parts or masked)
 
+    def _choose(self, rows, R):
+        """StepRunner.choose: the step's edits uploaded and applied, its greedy choice made,
+        in stream order after its launches; its side's mark after them."""
+        self._upload_edits(rows)
+        self._edit(R)
+        self._greedy(R)
+        self._issued(R)
+
     def _edit(self, R):
         """The step's logit edits (_upload_edits), in place, before anything reads the logits:
         launched only in steps that have some (StepRunner.run records those apart)."""

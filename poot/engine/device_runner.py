@@ -298,12 +298,12 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
         self._upload_edits(batch.sampling)
         self._upload_inputs(batch)
 
-    def _issue(self, T, R):
+    def _issue(self, T, R, choose=True):
         """Issues every launch of a step of T tokens and R sampled rows, in graph order."""
-        for _ in self.launches(T, R):
+        for _ in self.launches(T, R, choose):
             pass
 
-    def launches(self, T, R):
+    def launches(self, T, R, choose=True):
         """Issues the step's launches in graph order, each step by its kind's entry of STEPS,
         as a generator: it stops before each all_reduce and all_gather (yielding the step), so
         a tensor group can put its barrier between the ranks' partial sums or slices and their
@@ -322,8 +322,9 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
             issued = STEPS[op.kind].issue(self, op, T, R, i, long)
             if issued is not None:
                 yield from issued
-        self._edit(R)
-        self._greedy(R)
+        if choose:
+            self._edit(R)
+            self._greedy(R)
 
     # -- each kind of step: STEPS's issue methods (op, T, R, its index, long) ------------------
     def _embedding(self, op, T, R, i, long):

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from poot.engine.kvcache import blocks_for
 from poot.engine.masks import MaskThread
@@ -196,6 +196,11 @@ class Engine:
         # a step launched on the greedy tokens of the one in flight before it lands
         # (Scheduler.ahead), where the runner feeds them (StepRunner.feeds): (plan, rows)
         self._ahead = None
+        # a step launched ahead whose choice waits for the landing of the one before it
+        # (StepRunner.choose: its masks and edits follow that one's tokens), and the sequences
+        # whose rows in the step in flight choose nothing (their mask was not ready)
+        self._unchosen = None
+        self._redo = set()
         self.ahead = ahead and len(self.lanes) == 1 and getattr(runner, "feeds", False)
         self._turn = 0
         self._handles = {}
@@ -425,18 +430,20 @@ class Engine:
         for the host's landing, scheduling and launch; True if it did. A launch that fails
         fails the step in flight too (the runner's recovery waits for it) and its requests."""
         flight = self._flight[0]
-        if not self.ahead or flight is None or self._ahead is not None:
+        if not self.ahead or flight is None or self._ahead is not None \
+                or not self.lanes[0].chooses_on_device():
             return False
         plan, rows = flight
-        ahead = self.scheduler.ahead(plan, self.context_limit)
+        ahead = self.scheduler.ahead(plan, self.context_limit, self._redo)
         if not ahead:
             return False
+        chooses = all(seq.constraint is None and seq.controls is None for seq, _ in ahead)
         sampled = {seq.seq_id: r for r, (seq, position) in enumerate(rows) if position is None}
         computes = {seq.seq_id: n for seq, n in plan}
         fed = {seq.seq_id: (computes[seq.seq_id], sampled[seq.seq_id]) for seq, _ in ahead}
         try:
             batch, ahead_rows = self.scheduler.build(ahead, fed)
-            self.lanes[0].launch(batch)
+            self.lanes[0].launch(batch, chooses)
         except Exception as exc:
             self._flight[0] = None
             self.scheduler.released(plan)
@@ -446,7 +453,30 @@ class Engine:
         self._steps_ahead += 1
         self.scheduler.launched(ahead)
         self._ahead = (ahead, ahead_rows)
+        if not chooses:
+            self._unchosen = (self._ahead, batch.sampling)
         return True
+
+    def _choose_ahead(self, lane):
+        """The choice of the step launched ahead that is in flight now, once the step before
+        it has landed: its rows' masks and edits follow the tokens just taken. A constrained
+        sequence whose mask is not ready chooses nothing there (it is in `_redo`): its token is
+        computed and its choice dropped, and a later step computes it again and chooses, so
+        no one else's step waits for its mask (engine/masks.py)."""
+        (plan, rows), sampling = self._unchosen
+        self._unchosen = None
+        redo = {seq.seq_id for seq, _ in plan if seq.finish_reason is None
+                and seq.constraint is not None and not self.scheduler.mask_ready(seq)}
+        try:
+            sampling = replace(sampling)
+            self.scheduler.choices(sampling, rows, skip=redo)
+            self.lanes[lane].choose(sampling)
+        except Exception as exc:
+            self._flight[lane] = None
+            self.scheduler.released(plan)
+            self._step_failed(lane, plan, exc)
+            return
+        self._redo = redo
 
     def _collect(self, lane):
         """Lands a lane's steps in flight and delivers them; False if it had none."""
@@ -471,6 +501,7 @@ class Engine:
             return None
         self._flight[lane], self._ahead = self._ahead, None     # the step launched after it
         plan, rows = flight
+        redo, self._redo = self._redo, set()
         try:
             out = self.lanes[lane].collect()
             self.launched.clear()
@@ -478,17 +509,19 @@ class Engine:
             self.scheduler.released(plan)
             after = self._flight[lane]
             if after is not None:           # it took this step's tokens: it fails with it
-                self._flight[lane] = None
+                self._flight[lane], self._unchosen = None, None
                 self.scheduler.released(after[0])
                 plan = plan + after[0]
             self._step_failed(lane, plan, exc)
             return None
         now, self._landed_cpu = time.monotonic(), time.thread_time()
-        self.scheduler.computed(plan)
+        # a sequence that chose nothing here (_choose_ahead) computes this token again
+        self.scheduler.computed([(seq, 0) if seq.seq_id in redo else (seq, n) for seq, n in plan]
+                                if redo else plan)
         tokens = out.tokens.tolist()
         taken = []
         for r, (seq, position) in enumerate(rows):
-            if seq.finish_reason is not None:   # ended while the step ran, or at an earlier row
+            if seq.finish_reason is not None or seq.seq_id in redo:   # (ended, or chose nothing)
                 continue
             try:
                 if position is not None:
@@ -509,6 +542,8 @@ class Engine:
                     self.scheduler.remove(seq)
             elif seq.max_tokens == 0 and seq.num_computed == len(seq.tokens):
                 self._handles.pop(seq.seq_id)._put(self.scheduler.end_at_prompt(seq))
+        if self._unchosen is not None and self._unchosen[0] is self._flight[lane]:
+            self._choose_ahead(lane)
         return out, taken, now
 
     def _deliver(self, out, taken, now):
@@ -615,7 +650,7 @@ class Engine:
         self._handles.clear()
         self.scheduler.clear()
         self._flight = [None] * len(self.lanes)
-        self._ahead = None
+        self._ahead, self._unchosen, self._redo = None, None, set()
         if self.on_failure is not None:
             self.on_failure()
 

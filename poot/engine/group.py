@@ -136,14 +136,14 @@ class GroupRunner(StepRunner):
         for runner in self.runners:
             runner._upload(batch)
 
-    def _issue(self, T, R):
+    def _issue(self, T, R, choose=True):
         if self.placement == "tensor":
-            self._issue_tensor(T, R)
+            self._issue_tensor(T, R, choose)
         else:
-            self._issue_pipeline(T, R)
+            self._issue_pipeline(T, R, choose)
 
-    def _issue_tensor(self, T, R):
-        runs = [runner.launches(T, R) for runner in self.runners]
+    def _issue_tensor(self, T, R, choose):
+        runs = [runner.launches(T, R, choose) for runner in self.runners]
         while True:
             reached = [next(run, None) for run in runs]
             if all(op is None for op in reached):
@@ -153,7 +153,7 @@ class GroupRunner(StepRunner):
                                    "and all_gather ops")
             self.group.barrier()
 
-    def _issue_pipeline(self, T, R):
+    def _issue_pipeline(self, T, R, choose):
         """The stages in turn: each after the last one's event, with its activations pulled
         by a peer copy; the last computes the logits."""
         width = self.model.config.d_model * 4
@@ -163,7 +163,7 @@ class GroupRunner(StepRunner):
                 self.group.wait(s, s - 1)
                 self.group.copy(s, runner._buffer(runner.graph.inputs["hidden"]), s - 1,
                                 before._buffer(before.graph.outputs["hidden"]), T * width)
-            runner._issue(T, R)
+            runner._issue(T, R, choose)
             if s < len(self.runners) - 1:
                 self.group.signal(s)
 

@@ -270,27 +270,32 @@ class Scheduler:
         if seq.finish_reason is not None and seq.seq_id not in self.in_flight:
             self.remove(seq)
 
-    def ahead(self, plan, context_limit):
+    def ahead(self, plan, context_limit, redo=()):
         """The step to launch while `plan`'s is in flight, before it lands (engine.py): a
         decode token for each of its sequences that the step does not end by length, its
         input the token the step chooses greedily on the device (build's `fed`). Empty where
-        some sequence of the plan does not sample so (it samples on the host, edits its logits,
-        reports log probabilities, or has a constraint to advance first), where sequences wait
-        that could join (the next step must schedule them; with every row taken they wait
-        anyway), where a model keeps window rings, or where a further block is not free. A
-        sequence a stop token ends computes one token more, which is dropped when it lands."""
+        some sequence of the plan does not choose so (it samples on the host or reports log
+        probabilities), where a running sequence sits out the plan (it must be scheduled) or
+        sequences wait that could join (with every row taken they wait anyway), where a model
+        keeps window rings, or where a further block is not free. A sequence a stop token ends
+        computes one token more, which is dropped when it lands; so does one in `redo` (its
+        row in the step in flight chooses nothing: Engine._choose_ahead). A constrained or
+        edited sequence goes ahead too: its step's choice waits for its mask and edits, which
+        follow the token the step in flight chooses (StepRunner.choose)."""
         if self.waiting and len(self.running) < self.max_seqs or self.ring is not None \
                 or len(plan) > self.step_tokens:
+            return []
+        planned = {seq.seq_id for seq, _ in plan}
+        if any(seq.seq_id not in planned for seq in self.running):
             return []
         ahead = []
         for seq, n in plan:
             p = seq.params
-            if seq.finish_reason is not None:       # it has ended: no token follows
+            if seq.finish_reason is not None or seq.seq_id in redo:     # no token follows
                 continue
             if not seq.samples_after(seq.num_computed, n) \
                     or seq.logprob_positions(seq.num_computed, n) or p.temperature > 0 \
-                    or p.logprobs is not None or p.embed or seq.constraint is not None \
-                    or seq.controls is not None:
+                    or p.logprobs is not None or p.embed:
                 return []
             if seq.num_generated + 1 >= seq.max_tokens or len(seq.tokens) + 1 >= context_limit:
                 continue
@@ -376,13 +381,9 @@ class Scheduler:
         if any(p is not None for _, p in rows):
             sampling.forced = np.array([-1 if p is None else seq.tokens[p + 1]
                                         for seq, p in rows], np.int32)
-        sampling.masks, sampling.masked = self._masks(rows)
+        self.choices(sampling, rows)
         if any(p is None and seq.params.embed for seq, p in rows):
             sampling.hidden = np.array([p is None and seq.params.embed for seq, p in rows], bool)
-        edits = {r: seq.controls.edits(seq.num_generated) for r, (seq, p) in enumerate(rows)
-                 if p is None and seq.controls is not None}
-        if edits:
-            sampling.edits = LogitEdits.of(len(rows), edits)
         batch = StepBatch(tokens=np.array(tokens, np.int32),
                           positions=np.array(positions, np.int32),
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,
@@ -412,12 +413,23 @@ class Scheduler:
                           sampling=sampling, feed=np.array(feed, np.int32))
         return batch, rows
 
+    def choices(self, sampling, rows, skip=()):
+        """Each sampling row's mask and logit edits (SamplingRows.masks and edits) as its
+        sequence stands now: after the token the step before chose. Rows of a sequence that
+        has ended or is in `skip` get none (what they choose is dropped)."""
+        rows = [(seq, position) if seq.finish_reason is None and seq.seq_id not in skip
+                else (None, position) for seq, position in rows]
+        sampling.masks, sampling.masked = self._masks(rows)
+        edits = {r: seq.controls.edits(seq.num_generated) for r, (seq, p) in enumerate(rows)
+                 if p is None and seq is not None and seq.controls is not None}
+        sampling.edits = LogitEdits.of(len(rows), edits) if edits else None
+
     def _masks(self, rows):
         """(masks, masked) of SamplingRows for a step's rows: each constrained sequence's
         allowed tokens now, on the row that samples; (None, None) where none is constrained."""
         allowed = {}
         for r, (seq, position) in enumerate(rows):
-            if seq.constraint is not None and position is None:
+            if seq is not None and seq.constraint is not None and position is None:
                 try:
                     allowed[r] = seq.constraint.allowed()
                 except Exception as exc:    # its advance() fails it alone, after the step

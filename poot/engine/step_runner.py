@@ -9,6 +9,7 @@ decide, or whose edits the device had no room for, are read back and sampled on 
 (engine/sampling.py, the definition every runner matches).
 """
 from collections import deque
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -21,12 +22,14 @@ from .sampling import (choice_args, choice_arrays, choose_among_rows, choose_sor
 class GraphKey(NamedTuple):
     """Which recording a pure decode step replays: its bucket (rows, padded), whether it
     splits its attention, edits logits, takes tokens of the step before (StepBatch.feed), and
-    the side of host memory its copies read and write (step_inputs.py)."""
+    the side of host memory its copies read and write (step_inputs.py), and whether it
+    chooses its tokens (or leaves that to StepRunner.choose)."""
     bucket: int
     long: bool
     edited: bool = False
     fed: bool = False
     side: int = 0
+    chooses: bool = True
 
 
 class StepRunner:
@@ -38,8 +41,9 @@ class StepRunner:
     feeds = False               # whether a step may be launched on the last one's greedy
     _side = 0                   # tokens before it lands (StepBatch.feed; DeviceRunner's)
 
-    def run(self, batch, record=True):
-        """Runs a step on the device, leaving logits (edited) and greedy tokens there.
+    def run(self, batch, record=True, choose=True):
+        """Runs a step on the device, leaving logits (edited) and greedy tokens there; with
+        choose=False, only its logits (unedited), choose() doing the rest later.
 
         A pure decode step (every token sampled) runs as one replay of the launches recorded
         for its bucket, the next power of two of its size; the batch is padded to the bucket by
@@ -78,19 +82,20 @@ class StepRunner:
                     [batch.feed, np.repeat(batch.feed[-1:], pad)]))
             self._upload(padded)
             key = GraphKey(bucket, long, self._edit_state()[0], batch.feed is not None,
-                           self._side)
+                           self._side, choose)
             graph = self.graphs.get(key)
             if graph is None:
-                graph = self.graphs[key] = self._capture(lambda: self._issue(bucket, bucket))
+                graph = self.graphs[key] = self._capture(
+                    lambda: self._issue(bucket, bucket, choose))
             if faults is not None:
                 faults.end_step()
             self._replay(graph)
         else:
             self._upload(batch)
-            self._issue(T, R)
+            self._issue(T, R, choose)
             if faults is not None:
                 faults.end_step()
-        return self._issued(R)
+        return self._issued(R) if choose else R
 
     def _issued(self, R):
         """After a step's launches (R: its sampled rows, returned): what a runner marks of it
@@ -136,13 +141,27 @@ class StepRunner:
         self.launch(batch)
         return self.collect()
 
-    def launch(self, batch):
+    def launch(self, batch, choose=True):
         """Issues a step without waiting for it; collect() returns its tokens. A pipeline's
         lanes (engine/group.py) each have a step in flight this way; where the runner feeds,
         a second step may be launched before the first is collected (collect takes them in
-        order)."""
-        R = self.run(batch)
+        order). choose=False leaves its choice to choose(), before it is collected."""
+        R = self.run(batch, choose=choose)
         self._launched.append((batch, R, self._edit_state()[1], self._launched_mark()))
+
+    def chooses_on_device(self):
+        """Whether the device chose every row of the last step launched (none was left to the
+        host for edits it had no room for): a step fed its tokens may follow it."""
+        return not self._launched or not self._launched[-1][2]
+
+    def choose(self, sampling):
+        """The choice of the step launched last with choose=False, once its rows' masks and
+        edits are known (SamplingRows: they follow the tokens of the step before, which has
+        landed by then): they are uploaded and applied and the rows chosen on the device,
+        after the step's launches, so the device runs the step meanwhile."""
+        batch, R, _, mark = self._launched[-1]
+        self._choose(sampling, R)
+        self._launched[-1] = (replace(batch, sampling=sampling), R, self._edit_state()[1], mark)
 
     def _launched_mark(self):
         """What collect() waits for of the step just run (None: the device, whole)."""

@@ -2,14 +2,16 @@
 
 These run here, for real, wherever libamd_comgr is installed (Debian's libamd-comgr2; skipped,
 saying so, elsewhere): every kernel the device runner launches is compiled into an executable
-code object for gfx90a and gfx908 (wavefront 64) and gfx1030 (wavefront 32), and the symbol,
-kernel-argument layout and LDS size read back from the object's metadata are checked against the
-kernel. The every-op kernels of tests/test_codegen_ptx.py (every op, dtype, cast, vector width,
+code object for gfx90a and gfx908 (wavefront 64) and gfx1030 (wavefront 32), by as many
+processes as there are cores, and the symbol, kernel-argument layout and LDS size read back from
+the object's metadata are checked against the kernel. The every-op kernels of tests/test_codegen_ptx.py (every op, dtype, cast, vector width,
 control statement) compile for both wavefront sizes, and the disassembly shows the instructions
 the renderer meant. Running kernels needs an AMD GPU: tests/test_kernels.py with "rocm".
 
     python -m pytest tests/test_codegen_amdgpu.py
 """
+import multiprocessing
+import os
 import re
 
 import numpy as np
@@ -69,10 +71,37 @@ def explicit_layout(kernel):
     return layout
 
 
+# (kernel, isa, wavefront) of each build a worker process takes by its index (_built)
+_BUILDS = []
+
+
+def _built(i):
+    """Build i of _BUILDS in a worker process: (the kernel, its code object or the error)."""
+    kernel, isa, wavefront = _BUILDS[i]
+    try:
+        return i, build_code_object(kernel, isa, wavefront)
+    except Exception as error:          # (the parent names the kernel)
+        return i, f"{type(error).__name__}: {error}"
+
+
+def build_all(kernels, isa, wavefront):
+    """Each kernel's code object, built by as many processes as there are cores (comgr's
+    LLVM runs one compile a call): forked, they take the kernels as built here."""
+    _BUILDS[:] = [(kernel, isa, wavefront) for kernel in kernels]
+    try:
+        with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
+            built = dict(pool.imap_unordered(_built, range(len(kernels)), chunksize=4))
+    finally:
+        _BUILDS.clear()
+    failed = [f"{kernels[i].name}: {code}" for i, code in built.items() if isinstance(code, str)]
+    assert not failed, "\n".join(failed)
+    return [built[i] for i in range(len(kernels))]
+
+
 @pytest.mark.parametrize("isa,wavefront", TARGETS)
 def test_every_runner_kernel_builds_with_its_layout_and_lds(isa, wavefront):
-    for kernel in runner_kernels(wavefront):
-        code = build_code_object(kernel, isa, wavefront)
+    kernels = runner_kernels(wavefront)
+    for kernel, code in zip(kernels, build_all(kernels, isa, wavefront)):
         assert code.image[:4] == b"\x7fELF"
         assert code.symbol == f"{kernel.name}.kd"
         assert code.wavefront_size == wavefront

@@ -4,9 +4,10 @@ These run here, for real, wherever libamd_comgr is installed (Debian's libamd-co
 saying so, elsewhere): every kernel the device runner launches is compiled into an executable
 code object for gfx90a and gfx908 (wavefront 64) and gfx1030 (wavefront 32), by as many
 processes as there are cores, and the symbol, kernel-argument layout and LDS size read back from
-the object's metadata are checked against the kernel. The every-op kernels of tests/test_codegen_ptx.py (every op, dtype, cast, vector width,
-control statement) compile for both wavefront sizes, and the disassembly shows the instructions
-the renderer meant. Running kernels needs an AMD GPU: tests/test_kernels.py with "rocm".
+the object's metadata are checked against the kernel. The every-op kernels of
+tests/test_codegen_ptx.py (every op, dtype, cast, vector width, control statement) compile for
+both wavefront sizes, and the disassembly shows the instructions the renderer meant. Running
+kernels needs an AMD GPU: tests/test_kernels.py with "rocm".
 
     python -m pytest tests/test_codegen_amdgpu.py
 """
@@ -76,7 +77,7 @@ _BUILDS = []
 
 
 def _built(i):
-    """Build i of _BUILDS in a worker process: (the kernel, its code object or the error)."""
+    """Build i of _BUILDS in a worker process: (i, its code object or the error's text)."""
     kernel, isa, wavefront = _BUILDS[i]
     try:
         return i, build_code_object(kernel, isa, wavefront)

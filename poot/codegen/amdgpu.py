@@ -524,6 +524,10 @@ class _Renderer:
             expr = f"{self.shuffle(t)}({args[0]}, {self.lane_id()}() ^ {mask})"
         elif op == "shuffle":
             expr = f"{self.shuffle(t)}({args[0]}, (int){args[1]})"
+        elif op == "atomic_add":        # relaxed: the barrier after orders it
+            expr = (f"__opencl_atomic_fetch_add((volatile __local atomic_uint *)&sh_"
+                    f"{let.attr('target')}[{args[0]}], {args[1]}, __ATOMIC_RELAXED, "
+                    f"__OPENCL_MEMORY_SCOPE_WORK_GROUP)")
         elif op == "pack_half2":
             halves = self.vector("half", 2)
             expr = f"__builtin_astype(({halves})((half){args[0]}, (half){args[1]}), uint)"

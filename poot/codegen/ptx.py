@@ -420,6 +420,9 @@ class _Renderer(Instructions):
         d = self.named(let.id, t)
         if op == "shared_address":
             return self.mov(d, self.address(let.attr("target"), True, let.args[0]), t)
+        if op == "atomic_add":
+            address = self.address(let.attr("target"), True, let.args[0])
+            return self.emit(f"atom.shared.add.u32 {d}, [{address}], {self.val(let.args[1])};")
         if op == "extract":
             return self.mov(d, self.vectors[let.args[0].id][let.attr("lane")], t)
         if op == "var_get":

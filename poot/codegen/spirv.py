@@ -376,6 +376,11 @@ class _Renderer(ModuleBuilder):
                 result = self.narrow(result, dtype)
         elif op == "load":
             result = self.load(let, args[0])
+        elif op == "atomic_add":         # relaxed: the barrier after orders it
+            result = self.value(OP["AtomicIAdd"], U32, self.access(let.attr("target"), True,
+                                                                   args[0]),
+                                self.const(SCOPE_WORKGROUP, U32), self.const(0, U32), args[1],
+                                reads=args[1:])
         elif op == "extract":
             result = args[0][let.attr("lane")]
         elif op == "unpack_half2":

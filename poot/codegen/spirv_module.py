@@ -28,7 +28,7 @@ OP = dict(
     FUnordNotEqual=183, FOrdLessThan=184, FOrdGreaterThan=186, FOrdLessThanEqual=188,
     FOrdGreaterThanEqual=190, ShiftRightLogical=194, ShiftRightArithmetic=195,
     ShiftLeftLogical=196, BitwiseOr=197, BitwiseXor=198, BitwiseAnd=199, Not=200,
-    ControlBarrier=224, LoopMerge=246, SelectionMerge=247, Label=248, Branch=249,
+    ControlBarrier=224, AtomicIAdd=234, LoopMerge=246, SelectionMerge=247, Label=248, Branch=249,
     BranchConditional=250, Return=253, Unreachable=255, GroupNonUniformShuffle=345,
     GroupNonUniformShuffleXor=346, GroupNonUniformIAdd=349, GroupNonUniformFAdd=350,
     GroupNonUniformSMin=353, GroupNonUniformUMin=354, GroupNonUniformFMin=355,

@@ -405,6 +405,15 @@ class KernelBuilder:
             raise TypeError(f"store to {name} ({dtype}) of {[v.dtype for v in values]}")
         self.emit(Store(name, shared, self.coerce(index, I32), values))
 
+    def atomic_add(self, array, index, value):
+        """Adds a u32 `value` to element `index` of shared u32 `array` as one indivisible step,
+        whatever other threads add to it at once; the element as it was before (wrapping
+        around 2^32). A barrier orders the additions before it with the reads after it."""
+        if not isinstance(array, SharedArray) or array.param.dtype != U32:
+            raise TypeError("atomic_add: a shared u32 array")
+        return self.let("atomic_add", U32, (self.coerce(index, I32), self.coerce(value, U32)),
+                        target=array.param.name, shared=True)
+
     def barrier(self):
         self.emit(Barrier())
 

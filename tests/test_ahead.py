@@ -106,16 +106,17 @@ def test_without_ahead_the_same_runner_gives_the_same_tokens(model, device, monk
     assert off.stats().steps_ahead_total == 0
 
 
-def test_a_step_that_samples_on_the_host_is_not_followed_ahead(model, device, monkeypatch):
-    """A sampled (seeded) row is chosen on the host: while one runs, no step is launched
-    ahead, and its tokens are those the runner gives with no step ever launched ahead (the
-    reference's may differ where two candidates' logits nearly tie)."""
+def test_sampled_rows_are_drawn_on_the_device_and_go_ahead(model, device, monkeypatch):
+    """A sampled (seeded) row is drawn on the device (choice.draw), so steps go ahead of it as
+    of greedy ones, the drawn token their input, and its tokens are those the runner gives with
+    no step ever launched ahead (the reference's may differ where its logits differ)."""
     staged(device, monkeypatch)
-    requests = [(p, SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True))
-                for p in prompts([6, 11], 3)]
+    requests = [(p, SamplingParams(max_tokens=10, temperature=t, top_p=top_p, seed=5,
+                                   ignore_eos=True))
+                for p, t, top_p in zip(prompts([6, 11, 9], 3), (0.8, 1.0, 0.0), (1.0, 0.9, 1.0))]
     engine = make_engine(model, device)
     assert run(engine, requests) == run(make_engine(model, device, ahead=False), requests)
-    assert engine.stats().steps_ahead_total == 0
+    assert engine.stats().steps_ahead_total > 0
 
 
 def test_a_request_cancelled_between_steps_launched_ahead_frees_its_blocks(model, device,
@@ -183,8 +184,11 @@ def test_ahead_plans_a_decode_token_for_each_sequence_its_step_does_not_end(mode
     s.max_seqs = 2                                      # ... unless every row is taken
     assert [seq for seq, _ in s.ahead(plan, context_limit=100)] == [a]
     s.waiting.clear()
-    a.params = SamplingParams(max_tokens=5, temperature=0.5)
-    assert s.ahead(plan, context_limit=100) == []
+    a.params = SamplingParams(max_tokens=5, temperature=0.5, seed=3)
+    ahead = s.ahead(plan, context_limit=100)            # a sampled row is drawn on the device
+    batch, rows = s.build(ahead, {0: (3, 0)})
+    assert batch.sampling.temperature.tolist() == [0.5] and batch.sampling.seed.tolist() == [a.seed]
+    assert batch.sampling.step.tolist() == [a.num_generated + 1]
     a.params = greedy(5, logprobs=2)
     assert s.ahead(plan, context_limit=100) == []
     a.params = greedy(5)

@@ -54,7 +54,7 @@ def runner_kernels(wavefront):
             ops.attention(wavefront, 128, 4), ops.attention_split(wavefront, 128, 4),
                 ops.attention_combine(64), ops.attention_combine(128), choice.argmax(wavefront),
                 choice.argmax_chunks(wavefront), choice.top_candidates(wavefront),
-                choice.logit_edits(), choice.feed_tokens()]
+                choice.logit_edits(), choice.feed_tokens(), choice.draw(wavefront)]
     kernels += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     kernels += [ops.all_gather(w) for w in (2, 8)]
     return kernels

@@ -57,7 +57,7 @@ def runner_kernels(subgroup_size):
             ops.attention(subgroup_size, 128, 4, untiled=True),
             ops.attention_combine(64), ops.attention_combine(128), choice.argmax(subgroup_size),
             choice.argmax_chunks(subgroup_size), choice.top_candidates(subgroup_size),
-            choice.logit_edits(), choice.feed_tokens()]
+            choice.logit_edits(), choice.feed_tokens(), choice.draw(subgroup_size)]
     out += [ops.all_reduce(w, r) for w in (2, 8) for r in (False, True)]
     out += [ops.all_gather(w) for w in (2, 8)]
     out += gemma_kernels(subgroup_size)

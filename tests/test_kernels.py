@@ -9,6 +9,7 @@ import pytest
 
 from poot.engine.batch import LogitEdits, SamplingRows
 from poot.engine.kernel_choice import PROMPT_TILES
+from poot.engine import sampling
 from poot.engine.sampling import BANNED, edit_logits
 from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
@@ -1083,6 +1084,37 @@ def test_top_candidates(device):
             assert got["maxima"][r, c] == part.max()
             exact = np.exp((part.astype(np.float64) - part.max()) / t).sum()
             assert abs(got["sums"][r, c] - exact) < 1e-5 * exact
+
+
+@pytest.mark.parametrize("vocab", [5, 3001, 128256])
+def test_draw(device, vocab):
+    """Each sampled row's token is the one sampling.choose draws, exactly: flat and peaked rows,
+    ties (a third rounded), banned, NaN and infinite logits, every cut alone and together,
+    tiny and large temperatures; greedy and forced rows keep the token they came with. A
+    large vocabulary puts many tokens in one step (the bins' sums and the span walked)."""
+    R = 16
+    scale = np.where(np.arange(R) % 2, 0.3, rng.choice([3.0, 12.0], R))[:, None]  # odd rows flat
+    x = (rng.standard_normal((R, vocab)) * scale).astype(np.float32)
+    x[::3] = np.round(x[::3])
+    x[1, rng.random(vocab) < 0.3] = BANNED
+    x[2, :3] = [np.nan, np.inf, -np.inf]
+    rows = SamplingRows(
+        temperature=np.array([0.0, 1.0, 0.7, 1.7, 0.01, 1.0, 1.0, 0.9] * 2, np.float32),
+        top_k=np.array([0, 0, 3, 0, 0, 50, 1, 700, 0, 0, 0, 7, 0, 40, 0, 0], np.int32),
+        top_p=np.array([1, 0.9, 1, 0.5, 0.999, 0.95, 1, 0.8, 1, 0, 0.3, 1, 0.99, 0.9, 1, 1],
+                       np.float32),
+        min_p=np.array([0, 0, 0, 0.05, 0, 0, 0, 0, 0.2, 0, 0, 0, 0.01, 0.1, 1.0, 0], np.float32),
+        seed=rng.integers(0, 2**63, R).astype(np.uint64), step=rng.integers(0, 9999, R))
+    rows.forced = np.full(R, -1, np.int32)
+    rows.forced[15] = 3
+    greedy = np.nanargmax(np.where(np.isnan(x), -np.inf, x), axis=1).astype(np.int32)
+    got = run(device, choice.draw(device.subgroup_size), (R,), x, sampling.draw_rows(rows, R),
+              sampling.EXP2, greedy.copy(), vocab)["token"]
+    want = [int(greedy[r]) if rows.forced[r] >= 0 else sampling.choose(
+        x[r], *sampling.choice_args(rows, r)) for r in range(R)]
+    assert got.tolist() == want
+    if vocab > 1000:
+        assert np.count_nonzero(np.array(want) != greedy) >= 3  # rows the draw moved
 
 
 @pytest.mark.parametrize("chunks", [1, 7, 64])

@@ -1,7 +1,8 @@
 """The device's part in choosing a step's tokens (DeviceRunner's): the logits' edits and masks
 uploaded and applied in place after the output head (choice.logit_edits), the greedy choice of
-every row (choice.argmax_chunks, then argmax) and, for sampled rows, each row's candidates
-(choice.top_candidates) read back for step_runner.py to choose from.
+every row (choice.argmax_chunks, then argmax), the draw of the rows that sample (choice.draw,
+which overwrites their greedy tokens) and, for rows that report log probabilities, each row's
+candidates (choice.top_candidates) read back for step_runner.py to score the tokens with.
 """
 import numpy as np
 
@@ -80,15 +81,19 @@ class DeviceChoice:
                      B["edit_mask_of"], B["edit_masks"], self.vocab_size, self._mask_words())
 
     def _greedy(self, R):
-        """The greedy choice of every row, so greedy steps read back tokens, not logits."""
+        """Every row's token: the greedy choice of each, then the draw of those that sample
+        (where the step has any: StepInputs._draws), so a step reads back tokens, not logits."""
         if not (self.has_logits and R):
             return
-        sg, chunks = self.device.subgroup_size, ARGMAX_CHUNKS
-        values, indices = self.buffers["argmax_values"], self.buffers["argmax_indices"]
-        self._launch(choice.argmax_chunks(sg), (R, chunks),
-                     self._buffer(self.graph.outputs["logits"]), values, indices,
+        sg, chunks, B = self.device.subgroup_size, ARGMAX_CHUNKS, self.buffers
+        values, indices = B["argmax_values"], B["argmax_indices"]
+        logits = self._buffer(self.graph.outputs["logits"])
+        self._launch(choice.argmax_chunks(sg), (R, chunks), logits, values, indices,
                      self.vocab_size, -(-self.vocab_size // chunks))
-        self._launch(choice.argmax(sg), (R,), values, indices, self.buffers["argmax"], chunks)
+        self._launch(choice.argmax(sg), (R,), values, indices, B["argmax"], chunks)
+        if self._draws:
+            self._launch(choice.draw(sg), (R,), logits, B["draw_rows"], B["exp2"], B["argmax"],
+                         self.vocab_size)
         if self._staged():
             self.device.download(self._host["argmax"], self.buffers["argmax"], R * 4)
 

@@ -29,6 +29,7 @@ from .kernel_choice import (ARGMAX_CHUNKS, MAX_SPLITS, SPLIT_MIN_CONTEXT, SPLIT_
                             TWO_PHASE_FLOATS, KernelChoice, attention_mods, runs_mma,
                             tiled_norm_x16, tiled_x16_format)
 from .batch import TABLES
+from .sampling import EXP2
 from .kvcache import ring_tensors
 from .lowering import assign_slots, lower, next_matmul, normed_after, shared_buffers
 from . import expert_steps, placement
@@ -125,7 +126,7 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
     def _kernels(self):
         """Every kernel the runner may launch (its programs, built once): each step's by its
         kind's entry of STEPS, for short steps and (on the tensor cores) long ones, and the
-        logits' edits, greedy choice and candidates."""
+        logits' edits, greedy choice, draw and candidates."""
         sg = self.device.subgroup_size
         seen = {}
         for long, steps in ((False, self.steps), (True, self.steps if self.mma else ())):
@@ -140,6 +141,7 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
             seen.setdefault("argmax_chunks", choice.argmax_chunks(sg))
             seen.setdefault("argmax", choice.argmax(sg))
             seen.setdefault("top_candidates", choice.top_candidates(sg))
+            seen.setdefault("draw", choice.draw(sg))
         if self.feeds:
             seen.setdefault("feed_tokens", choice.feed_tokens())
         return list(seen.values())
@@ -191,6 +193,8 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
                 out.append(Allocation(t.name, self.choice.elements(t.shape) * 4, "weights"))
         for name, (t, array) in self.graph.consts.items():
             out.append(Allocation(name, array.nbytes, "weights"))
+        if self.has_logits:                 # the draw's table of weights (sampling.EXP2)
+            out.append(Allocation("exp2", EXP2.nbytes, "weights"))
         for name, t in self.graph.state.items():      # f16 keys / values
             out.append(Allocation(name, math.prod(t.shape) * 2, "state",
                                   per_block=name not in self._ringed))
@@ -252,6 +256,8 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
                 dev.write(self.buffers[t.name], np.ascontiguousarray(array, np.float32))
         for name, (t, array) in self.graph.consts.items():
             dev.write(self.buffers[name], array)
+        if self.has_logits:
+            dev.write(self.buffers["exp2"], EXP2)
         self.programs = {k.name: dev.program(k) for k in self._kernels()}
         dev.synchronize()
 

@@ -194,5 +194,10 @@ class GroupRunner(StepRunner):
     @property
     def hidden_size(self):
         return self.head.hidden_size
+
+    @property
+    def _draws(self):
+        return self.head._draws
+
     def _edit_state(self):
         return self.head._edit_state()

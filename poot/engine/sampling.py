@@ -6,49 +6,80 @@ min_tokens' bans, folded into one edit a token by engine/logit_controls.py) has 
 token's logit x become (x / repeat if x > 0 else x * repeat) + add, never below BANNED (a ban
 adds -inf); then a constrained row (SamplingRows.masks) has every token its mask leaves out
 become BANNED. All that follows sees the edited logits, on every runner (the device runners
-edit them in place, before their greedy choice and candidates): log probabilities too, so
-`logprobs` report how likely each token was under the row's edited logits (where a request has
-no edits, the model's raw logits), before the temperature and the cuts, which shape only the
-choice. Temperature 0 takes the argmax (lowest id on ties). Otherwise the logits are divided by
-the temperature, sorted (highest first, lower id first on ties), cut to the top k, then to the
-smallest prefix whose probability reaches top_p, then to tokens with probability at least
-min_p times the highest; the survivors are renormalised and one is drawn by inverse CDF with
-the row's uniform number u(seed, step). The draw depends only on (seed, step), so a seeded
-request gives the same tokens alone or batched, on any backend that follows this definition. A forced
-row (SamplingRows.forced) samples nothing: its token is the one given, scored as a chosen one
-(a forced row has no edits: it scores the model's own logits).
+edit them in place, before their choice): log probabilities too, so `logprobs` report how
+likely each token was under the row's edited logits (where a request has no edits, the model's
+raw logits), before the temperature and the cuts, which shape only the choice.
 
-`choose` is that choice as written; `sample` takes each row's token from `choose_sorted`,
-which gives the same token from a plain sort of the values instead of a stable argsort of the
-ids, and the top log probabilities from a partial sort (`best`). `choose_among` takes it from a
-row's candidates alone (a device's best few of each chunk of the row, with each chunk's sum),
-where they decide it. `sample`, `sample_row` and the candidates take edited logits: the
-reference runner edits with `edit_logits` first, a device runner reads back rows it edited.
+Temperature 0 takes the argmax (lowest id on ties). Otherwise each token weighs an integer, its
+softmax weight exp((x - max) / temperature) with its distance below the highest truncated to a
+step of 1/STEPS of an octave, held as a fraction of 2^31 (`weights`): sums of integers are
+exact in any order, so a device that sums a row in parallel draws the very token this module
+does. Tokens rank by weight, then by id (the ranking's key is the weight's step q). The row is
+cut to the first top_k, then to the shortest prefix whose weight reaches top_p of what is left,
+then to the tokens weighing at least min_p of the highest; one token of what is kept is then
+drawn, walking the kept tokens in that order to where their running weight passes bits / 2^32
+of the kept weight, with the row's 32 random bits draw_bits(seed, step). The draw depends only on
+(seed, step) and the logits, so a seeded request gives the same tokens alone or batched, on any
+backend, wherever its logits come out the same. A forced row (SamplingRows.forced) samples
+nothing: its token is the one given, scored as a chosen one (a forced row has no edits: it
+scores the model's own logits).
+
+`choose` is that definition as written (a sort of the row); `choose_counted` gives the same
+token from counts of the weights' steps, as the device kernel (kernels/choice.py's `draw`)
+finds it, and is what the host samples with.
 """
+import math
+from decimal import Decimal, localcontext
+from functools import lru_cache
+
 import numpy as np
 
+from ..kernels import choice
 from ..kernels.ops import LOWEST
 from .batch import StepOutput
 
-_MASK64 = (1 << 64) - 1
-# The logit of a banned token: the lowest finite float32. Not -inf: a device's chunk of a row
-# whose tokens are all banned still sums exp(0)s rather than NaNs (choice.top_candidates), and
-# every log probability stays a number; under any token that is not banned its probability is
-# exactly 0 (the exponential underflows).
+# The logit of a banned token: the lowest finite float32. Not -inf: every log probability stays
+# a number, and under any token that is not banned its weight is 0.
 BANNED = np.float32(LOWEST)
+HIGHEST = np.float32(np.finfo(np.float32).max)
+
+# A weight's steps an octave (a weight is the softmax's within 4.2e-5), the highest token's
+# weight (2^WEIGHT_BITS) and the last step (2^-31 of the highest; past it, weights are 0)
+STEPS, WEIGHT_BITS, Q_LAST = choice.STEPS, choice.WEIGHT_BITS, choice.Q_LAST
+
+
+def _exp2_table():
+    """round(2^31 * 2^(-i / STEPS)) for i < STEPS, as uint32, the same on every machine: from
+    float64 powers, which lie within 1e-6 of the exact value, save where one lies that near a
+    half, which exact decimal arithmetic settles (no libm's rounding decides an entry)."""
+    exact = 2.0 ** (WEIGHT_BITS - np.arange(STEPS) / STEPS)
+    table = np.floor(exact + 0.5)
+    with localcontext() as context:
+        context.prec = 40
+        for i in np.flatnonzero(np.abs(exact - np.floor(exact) - 0.5) < 1e-6):
+            table[i] = int((Decimal(2) ** (Decimal(WEIGHT_BITS) - Decimal(int(i)) / STEPS))
+                           .to_integral_value())
+    return table.astype(np.uint32)
+
+
+EXP2 = _exp2_table()
 
 
 def splitmix64(x):
-    """The splitmix64 finaliser on Python ints (64-bit wrap-around)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+    """The splitmix64 finaliser of each of a uint64 array (numpy's arithmetic wraps as 64-bit
+    arithmetic does)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
-def uniform(seed, step):
-    """A number in [0, 1) that is a pure function of (seed, step): 53 bits of splitmix64."""
-    return (splitmix64(splitmix64(int(seed)) ^ int(step)) >> 11) * (1.0 / (1 << 53))
+def draw_bits(seed, step):
+    """The random bits of rows at their steps (uint64 arrays, or one row's ints): a pure
+    function of (seed, step), splitmix64's top 32."""
+    bits = splitmix64(splitmix64(np.atleast_1d(np.asarray(seed, np.uint64)))
+                      ^ np.asarray(step, np.uint64)) >> np.uint64(32)
+    return bits if np.ndim(seed) else int(bits[0])
 
 
 def log_softmax(logits):
@@ -56,14 +87,94 @@ def log_softmax(logits):
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def choose(logits, temperature, top_k, top_p, min_p, u):
-    """The token of one row (logits float32 [V])."""
+def step_scale(temperature):
+    """The float32 the logits' distance below the highest is multiplied by to make its step:
+    STEPS / (temperature * ln 2), at most the largest float32."""
+    return np.float32(min(STEPS / (float(temperature) * math.log(2)), float(HIGHEST)))
+
+
+def weights(logits, temperature):
+    """(q, w) of each token of a row at a temperature > 0: q its step below the highest,
+    min((max - x) * step_scale, Q_LAST) in float32 arithmetic (each operation rounded as IEEE
+    does everywhere) truncated to an integer, and w = EXP2[q % STEPS] >> (q // STEPS), uint32.
+    A NaN logit counts as BANNED, and infinities as the largest finite floats."""
+    x = np.asarray(logits, np.float32)
+    x = np.where(np.isnan(x), BANNED, np.clip(x, BANNED, HIGHEST)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        scaled = (x.max() - x) * step_scale(temperature)
+    q = np.minimum(scaled, np.float32(Q_LAST)).astype(np.uint32)
+    return q, EXP2[q % STEPS] >> (q // STEPS)
+
+
+STEP_WEIGHTS = EXP2[np.arange(Q_LAST + 1) % STEPS] >> (np.arange(Q_LAST + 1) // STEPS)
+
+
+@lru_cache(maxsize=256)
+def min_p_step(min_p):
+    """The last step a token may be at to weigh at least min_p (at most 1) of the highest:
+    the last q whose weight is at least ceil(min_p * 2^31)."""
+    floor = math.ceil(float(min_p) * 2.0 ** WEIGHT_BITS)
+    return max(int(np.count_nonzero(STEP_WEIGHTS >= floor)) - 1, 0)
+
+
+def top_p_target(top_p, total):
+    """The weight a top-p prefix must reach: ceil(p * total / 2^32), p = floor(top_p * 2^32)."""
+    return -((-int(top_p * 2.0 ** 32) * int(total)) >> 32)
+
+
+def draw_index(running, bits):
+    """The position drawn from running weights (uint64, the kept tokens' in ranking order):
+    the first whose running weight passes bits / 2^32 of the last."""
+    return int(np.searchsorted(running, (int(bits) * int(running[-1])) >> 32, "right"))
+
+
+def choose(logits, temperature, top_k, top_p, min_p, bits):
+    """The token of one row (logits float32 [V]), as the module's first paragraphs define it."""
     if temperature <= 0:
         return int(np.argmax(logits))
-    order = np.argsort(-logits, kind="stable")
-    if top_k > 0:
+    q, w = weights(logits, temperature)
+    order = np.lexsort((np.arange(len(q)), q))          # by step, then id
+    if 0 < top_k < len(order):
         order = order[:top_k]
-    return choose_in(order, logits, temperature, top_p, min_p, u)
+    if top_p < 1.0:
+        running = np.cumsum(w[order], dtype=np.uint64)
+        order = order[:int(np.searchsorted(running, top_p_target(top_p, running[-1]))) + 1]
+    if min_p > 0.0:
+        order = order[q[order] <= min_p_step(min_p)]
+    return int(order[draw_index(np.cumsum(w[order], dtype=np.uint64), bits)])
+
+
+def choose_counted(logits, temperature, top_k, top_p, min_p, bits):
+    """choose()'s token without sorting the row, as the device's `draw` finds it: every cut
+    keeps a prefix of the ranking, (last, n): the tokens at steps below `last` and the first n
+    (in id order) at it, found from the count and weight of the tokens at each step (a step's
+    tokens weigh the same); so is the draw's position, the n-th token of its step."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    q, w = weights(logits, temperature)
+    counts = np.bincount(q, minlength=Q_LAST + 1)
+    mass = np.cumsum(counts.astype(np.uint64) * STEP_WEIGHTS)   # running, step by step
+
+    def prefix(running, target, unit):
+        """(step, its first n) of the shortest prefix, one token at least, whose running count
+        or weight (running: a step's, cumulated) reaches target."""
+        at = int(np.searchsorted(running, target))
+        before = int(running[at - 1]) if at else 0
+        return at, max(1, -(-(target - before) // int(unit[at])))
+
+    def weight_of(last, n):
+        """The weight of the prefix (last, n)."""
+        return (int(mass[last - 1]) if last else 0) + n * int(STEP_WEIGHTS[min(last, Q_LAST)])
+
+    last, n = Q_LAST + 1, 0                             # all of them
+    if 0 < top_k < len(q):
+        last, n = prefix(np.cumsum(counts), top_k, np.ones(Q_LAST + 1, np.int64))
+    if top_p < 1.0:
+        last, n = prefix(mass, top_p_target(top_p, weight_of(last, n)), STEP_WEIGHTS)
+    if min_p > 0.0:
+        last, n = min((last, n), (min_p_step(min_p) + 1, 0))
+    step, nth = prefix(mass, ((int(bits) * weight_of(last, n)) >> 32) + 1, STEP_WEIGHTS)
+    return int(np.flatnonzero(q == step)[nth - 1])
 
 
 def best(values, n):
@@ -75,262 +186,6 @@ def best(values, n):
     above = np.flatnonzero(values > edge)
     index = np.concatenate([above, np.flatnonzero(values == edge)[:n - len(above)]])
     return index[np.lexsort((index, -values[index]))]
-
-
-def choose_sorted(logits, temperature, top_k, top_p, min_p, u):
-    """choose()'s token without its stable argsort: the cuts and the draw depend only on the
-    sorted values (equal values weigh the same), so they run on a plain sort of the values, and
-    the position drawn becomes a token as the stable order would place it: the j-th lowest id
-    of the tokens holding that value. A top-k cut sorts only the best k; a whole row is sorted
-    only where its binned sums cannot place the cuts and the draw (_binned_draw)."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    if np.isnan(logits.max()):                      # NaN sorts differently: the definition
-        return choose(logits, temperature, top_k, top_p, min_p, u)
-    values = None
-    if 0 < top_k < len(logits):                     # only the best k need sorting
-        values = np.sort(np.partition(logits, len(logits) - top_k)[len(logits) - top_k:])[::-1]
-        at = _draw(values, temperature, top_p, min_p, u)
-    else:
-        at, value = _binned_draw(logits, temperature, top_p, min_p, u)
-        if at is None:
-            values = np.sort(logits)[::-1]
-            at = _draw(values, temperature, top_p, min_p, u)
-    if values is not None:
-        value = values[at]
-    ties = np.flatnonzero(logits == value)
-    return int(ties[at - int(np.count_nonzero(logits > value))])
-
-
-BINS = 1024             # _binned_draw's bins of a row's values, spread over ...
-BINNED_SPAN = 40.0      # ... this many units of logit / temperature below the highest
-BINNED_MARGIN = 1e-10   # how near a cut or draw may come to a sum's rounding before a full sort
-
-
-def _binned_draw(logits, temperature, top_p, min_p, u):
-    """_draw()'s position on a whole row (no top-k cut) and the logit there, without sorting
-    the row: each token's weight exp(x / temperature - highest) is summed into bins of the
-    value (highest first, equal values together), and only the bins where the top-p cut and the
-    draw fall are sorted. Sums taken in another order round differently, so (None, None) where
-    a cut or the draw lies within BINNED_MARGIN of the total: the caller sorts the row."""
-    x = logits.astype(np.float64) / temperature
-    top = x.max()
-    if not np.isfinite(top):
-        return None, None
-    weight = np.exp(x - top)                    # the definition's float64 weights, summed
-    total = weight.sum()                        # in another order
-    below = np.maximum(x - top, -BINNED_SPAN).astype(np.float32)
-    bins = np.minimum(below * np.float32(-BINS / BINNED_SPAN), BINS - 1).astype(np.int32).astype(
-        np.intp)                            # (numpy casts floats to intp slowly)
-    ends = np.cumsum(np.bincount(bins, weights=weight, minlength=BINS))
-    eps = BINNED_MARGIN * total
-
-    def walk(mass):
-        """The first position in sorted order whose cumulative weight passes `mass`, its logit
-        and the weight through it; Nones where that lies within the margin of a sum."""
-        b = int(np.searchsorted(ends, mass, side="right"))
-        if b >= BINS:
-            return None, None, None
-        inside = np.sort(logits[bins == b])[::-1]
-        before = ends[b - 1] if b else 0.0
-        cum = before + np.cumsum(np.exp(inside.astype(np.float64) / temperature - top))
-        j = int(np.searchsorted(cum, mass, side="right"))
-        if j == len(inside) or cum[j] - mass <= eps or mass - (cum[j - 1] if j else before) <= eps:
-            return None, None, None
-        return int(np.count_nonzero(bins < b)) + j, inside[j], cum[j]
-
-    cut, cut_mass = len(x), total
-    if top_p < 1.0:             # the first position whose cumulative share reaches top_p
-        at, _, cut_mass = walk(top_p * total)
-        if at is None:
-            return None, None
-        cut = at + 1
-    if min_p > 0.0:             # the tokens weighing at least min_p of the highest one
-        if (np.count_nonzero(weight >= min_p * (1 - BINNED_MARGIN))
-                != np.count_nonzero(weight >= min_p * (1 + BINNED_MARGIN))):
-            return None, None
-        kept = weight >= min_p
-        if np.count_nonzero(kept) < cut:
-            cut, cut_mass = int(np.count_nonzero(kept)), weight[kept].sum()
-    at, value, _ = walk(u * cut_mass)
-    if at is None or at >= cut:
-        return None, None
-    return at, value
-
-
-def choose_in(order, logits, temperature, top_p, min_p, u):
-    """The rest of choose() over tokens in its order, cut to its top-k: the temperature, the
-    top-p and min-p cuts, the draw."""
-    return int(order[_draw(logits[order], temperature, top_p, min_p, u)])
-
-
-def _draw(values, temperature, top_p, min_p, u):
-    """The position drawn among `values` (sorted, highest first): the temperature, the top-p
-    and min-p cuts, then the inverse CDF at u."""
-    scaled = values.astype(np.float64) / temperature
-    probs = np.exp(scaled - scaled[0])
-    probs /= probs.sum()
-    if top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
-        probs = probs[:keep]
-    if min_p > 0.0:
-        probs = probs[probs >= min_p * probs[0]]
-    cdf = np.cumsum(probs)
-    return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(probs) - 1)
-
-
-SUM_MARGIN = 1e-4      # how far a device's float32 sums may be from the exact one, relatively
-
-
-def choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u):
-    """choose()'s token of a row from a device's candidates (choice.top_candidates): for each chunk
-    of the row, values and ids [chunks, keep] of its best `keep` (ids past the vocabulary are
-    padding), its largest logit (maxima) and sum of exp((logit - largest) / temperature) (sums,
-    within SUM_MARGIN). None where they cannot decide it: the caller reads the whole row.
-
-    Every logit above `floor`, the highest keep-th candidate of a chunk whose candidates are all
-    real, is a candidate, so the row's sorted order is known down to it. A top-k cut within that
-    order, or no longer than `keep` (a row's best k are among its chunks' best k), is exact from
-    the candidates with choose()'s arithmetic. Otherwise the row's total mass comes from the
-    sums, and a top-p cut or the draw over the whole mass is taken only where every total within
-    the margin gives the same answer; a min-p cut and a draw inside a known cut need no total."""
-    token = choose_among_rows(values[None], ids[None], np.asarray(maxima)[None],
-                              np.asarray(sums)[None], vocab, *(np.array([a]) for a in (
-                                  temperature, top_k, top_p, min_p, u)))[0]
-    return None if token < 0 else int(token)
-
-
-RANKED_FIRST = 16       # the best candidates of each row choose_among ranks first
-UNDECIDED, MORE = -1, -2
-
-
-def choose_among_rows(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u):
-    """choose_among of R rows at once (values, ids [R, chunks, keep], maxima, sums [R, chunks],
-    the rest [R]): their tokens, -1 where a row's candidates cannot decide it. Each row's order
-    is ranked only as far as its cuts and draw read it: its first RANKED_FIRST, then four times
-    more for the rows whose answer lies past them."""
-    R, _, keep = values.shape
-    tokens = np.full(R, UNDECIDED, np.int64)
-    nan = np.isnan(sums).any(axis=1)            # a NaN logit: the definition's order, from the row
-    full = ids[:, :, -1] < vocab                # chunks that may hold more than their keep
-    floor = np.where(full, values[:, :, -1], -np.inf).max(axis=1)
-    greedy = (temperature <= 0) & ~nan          # chunks are in id order, each best first
-    rows = np.flatnonzero(greedy)
-    tokens[rows] = ids[rows, np.argmax(values[rows, :, 0], axis=1), 0]
-    for r in np.flatnonzero(~(greedy | nan) & (top_k > 0)):    # a top-k cut: the definition's
-        k = int(top_k[r])
-        if k > keep and k > _known(values, ids, floor, vocab, [r], keep)[0][0]:
-            continue
-        ranked, ranked_ids = _ranked_rows(values[r:r + 1, :, :k], ids[r:r + 1, :, :k], k)
-        real = ranked_ids[0] < vocab
-        tokens[r] = ranked_ids[0][real][_draw(ranked[0][real], temperature[r], top_p[r],
-                                              min_p[r], u[r])]
-    rows = np.flatnonzero(~(greedy | nan) & (top_k <= 0))
-    peak = values[rows, :, 0].max(axis=1).astype(np.float64)
-    total = np.sum(np.asarray(sums[rows], np.float64) * np.exp(
-        (np.asarray(maxima[rows], np.float64) - peak[:, None]) / temperature[rows, None]), axis=1)
-    bounds = np.stack([total * (1 - SUM_MARGIN), total * (1 + SUM_MARGIN)], axis=1)
-    n = RANKED_FIRST
-    while len(rows):            # the rows whose answer lies past the order ranked so far
-        width = min(n, keep)
-        known, whole = _known(values, ids, floor, vocab, rows, width)
-        known = np.where(whole, known, np.maximum(known, n + 1))    # more past n where not all
-        some = known > 0                        # none known: ties at the floor from the best on
-        rows, bounds, known = rows[some], bounds[some], known[some]
-        if not len(rows):
-            break
-        limit = np.minimum(known, n)
-        ranked, ranked_ids = _ranked_rows(values[rows, :, :width], ids[rows, :, :width],
-                                          int(limit.max()))
-        at = _positions(ranked, temperature[rows], bounds, top_p[rows], min_p[rows], u[rows],
-                        limit, known <= n)
-        picked = at >= 0
-        tokens[rows[picked]] = ranked_ids[picked, at[picked]]
-        again = at == MORE
-        rows, bounds = rows[again], bounds[again]
-        if n == RANKED_FIRST:
-            rows, bounds = _reachable(rows, bounds, values, ids, floor, vocab, temperature, top_p,
-                                      min_p, u)
-        n *= 4
-    return tokens
-
-
-def _reachable(rows, bounds, values, ids, floor, vocab, temperature, top_p, min_p, u):
-    """The rows (and their bounds) whose top-p cut, min-p cut or draw may lie among their
-    candidates above the floor: for the rest, whose reach certainly passes the mass (or, min-p
-    alone, the lowest value) of those, ranking every candidate would only find so. The margin
-    covers the float32 sum here against the exact one that decides the rows kept."""
-    t = temperature[rows, None, None].astype(np.float32)
-    peak = values[rows, :, 0].max(axis=1)
-    above = (values[rows] > floor[rows, None, None]) & (ids[rows] < vocab)
-    weights = np.exp((np.where(above, values[rows], -np.inf) - peak[:, None, None]) / t)
-    mass = weights.sum(axis=(1, 2), dtype=np.float64)
-    lowest = np.where(above, weights, np.float32(np.inf)).min(axis=(1, 2))
-    cut, floor_only = top_p[rows] < 1.0, (top_p[rows] >= 1.0) & (min_p[rows] > 0.0)
-    reach = np.where(cut, top_p[rows], u[rows]) * bounds[:, 1]
-    past = np.where(floor_only, lowest > min_p[rows] * (1 + REACH_MARGIN),
-                    mass < reach * (1 - REACH_MARGIN))
-    return rows[~past], bounds[~past]
-
-
-REACH_MARGIN = 1e-5
-
-
-def _known(values, ids, floor, vocab, rows, width):
-    """For `rows`: how many of their candidates above the floor (the first of the row's
-    order, all known) lie in each chunk's first `width`, and whether that is all of them (no
-    chunk's width-th is above it)."""
-    above = (values[rows, :, :width] > floor[rows, None, None]) & \
-        (ids[rows, :, :width] < vocab)
-    return above.sum(axis=(1, 2)), (width == values.shape[2]) | ~above[:, :, -1].any(axis=1)
-
-
-def _positions(values, temperature, bounds, top_p, min_p, u, limit, whole):
-    """choose_among's position of each row among its first `limit` candidates in order (values
-    [R, n], sorted, highest first; limit <= n): the top-p cut at the totals `bounds` [R, 2]
-    allow, the min-p cut, the draw. UNDECIDED where those totals give different answers or the
-    answer lies past the known order (`whole`: limit is all of it), MORE where it lies past
-    limit and more is known. A count over the first limit is min(count over n, limit): the
-    cumulative weights rise, the weights fall."""
-    scaled = values.astype(np.float64) / temperature[:, None]
-    weights = np.exp(scaled - scaled[:, :1])
-    cdf = np.cumsum(weights, axis=1)
-    columns = np.arange(values.shape[1])
-
-    def count(below):
-        return np.minimum(below.sum(axis=1), limit)
-
-    past = np.where(whole, UNDECIDED, MORE)
-    out = np.full(len(values), UNDECIDED, np.int64)
-    settled = np.zeros(len(values), bool)
-    kept = np.where(top_p < 1.0, 0, -1)
-    cut = top_p < 1.0
-    if cut.any():
-        lo, hi = (count(cdf < (top_p * bounds[:, j])[:, None]) for j in (0, 1))
-        beyond, open_ = cut & (np.maximum(lo, hi) >= limit), cut & (lo != hi)
-        out = np.where(beyond, past, out)
-        settled |= beyond | open_
-        kept = np.where(cut, lo + 1, kept)
-    floor = min_p > 0.0
-    if floor.any():
-        within = columns[None, :] < np.where(kept > 0, kept, limit)[:, None]
-        passing = count(within & (weights >= min_p[:, None] * weights[:, :1]))
-        beyond = floor & ~settled & (kept < 0) & (passing == limit)
-        out = np.where(beyond, past, out)
-        settled |= beyond
-        kept = np.where(floor, passing, kept)
-    has_kept = ~settled & (kept > 0)
-    if has_kept.any():
-        last = cdf[np.arange(len(cdf)), np.clip(kept, 1, len(columns)) - 1]    # settled: any
-        within = columns[None, :] < kept[:, None]
-        drawn = np.minimum((within & (cdf <= (u * last)[:, None])).sum(axis=1), kept - 1)
-        out = np.where(has_kept, drawn, out)
-    free = ~settled & (kept < 0)
-    if free.any():
-        lo, hi = (count(cdf <= (u * bounds[:, j])[:, None]) for j in (0, 1))
-        drawn = np.where(np.maximum(lo, hi) >= limit, past, np.where(lo != hi, UNDECIDED, lo))
-        out = np.where(free, drawn, out)
-    return out
 
 
 def _ranked_rows(values, ids, n):
@@ -362,28 +217,19 @@ def _ranked_rows(values, ids, n):
     return ranked, (keys & 0xFFFFFFFF).astype(np.int64)
 
 
-def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p, u, n,
-                   forced=-1):
-    """sample()'s row from a device's candidates (choose_among's arguments, sums at temperature
-    1): (token, its log probability, the n best ids and theirs), the log probabilities those of
-    the (edited) logits, log(sum of exp) from the chunks' sums. None where choose_among cannot
-    decide the token, where the row samples at another temperature (its sums would be
-    another's), or where n is more than a chunk keeps (a row's best n are among its chunks' best
-    n). A forced row's token is `forced` (>= 0): None where it is no candidate (its logit is
-    not known)."""
-    if n > values.shape[1]:
-        return None
-    if forced >= 0:
-        token = forced
-    elif temperature > 0 and temperature != 1.0:
-        return None
-    else:
-        token = choose_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, min_p,
-                             u)
-    if token is None:
-        return None
+SUM_MARGIN = 1e-4      # how far a device's float32 sums may be from the exact one, relatively
+
+
+def logprobs_among(values, ids, maxima, sums, vocab, token, n):
+    """sample_row()'s log probabilities of a row whose token is known, from a device's
+    candidates (choice.top_candidates at temperature 1: for each chunk of the row, values and
+    ids [chunks, keep] of its best `keep`, ids past the vocabulary padding; its largest logit
+    (maxima) and sum of exp(logit - largest) (sums, within SUM_MARGIN)): (the token's log
+    probability, the n best ids and theirs), log(sum of exp) from the chunks' sums. None where
+    the token is no candidate (its logit is not known) or n is more than a chunk keeps (a row's
+    best n are among its chunks' best n)."""
     mine = ids == token
-    if not np.any(mine):
+    if n > values.shape[1] or not np.any(mine):
         return None
     best_values, best_ids = _ranked_rows(values[None, :, :n], ids[None, :, :n], n)  # best()'s
     real = best_ids[0] < vocab
@@ -391,7 +237,7 @@ def logprobs_among(values, ids, maxima, sums, vocab, temperature, top_k, top_p, 
     peak = np.float64(values[:, 0].max())
     total = np.sum(np.asarray(sums, np.float64) * np.exp(np.asarray(maxima, np.float64) - peak))
     norm = peak + np.log(total)
-    return token, np.float64(values[mine][0]) - norm, best_ids, best_values.astype(np.float64) - norm
+    return np.float64(values[mine][0]) - norm, best_ids, best_values.astype(np.float64) - norm
 
 
 def edit_row(logits, rows, r):
@@ -424,22 +270,39 @@ def edit_logits(logits, rows):
 def choice_args(rows, r):
     """choose()'s arguments after the logits for row r of SamplingRows `rows`."""
     return (float(rows.temperature[r]), int(rows.top_k[r]), float(rows.top_p[r]),
-            float(rows.min_p[r]), uniform(rows.seed[r], rows.step[r]))
+            float(rows.min_p[r]), draw_bits(rows.seed[r], rows.step[r]))
 
 
-def choice_arrays(rows, R):
-    """choice_args of the first R rows of SamplingRows `rows`, each an array [R]."""
-    return (rows.temperature[:R].astype(np.float64), rows.top_k[:R].astype(np.int64),
-            rows.top_p[:R].astype(np.float64), rows.min_p[:R].astype(np.float64),
-            np.array([uniform(rows.seed[r], rows.step[r]) for r in range(R)], np.float64))
+def draw_rows(rows, count):
+    """uint32 [count, choice.DRAW_WORDS]: the draw's parameters of SamplingRows `rows` as
+    choice.draw reads them; rows past its own, greedy rows and forced rows draw nothing."""
+    out = np.zeros((count, choice.DRAW_WORDS), np.uint32)
+    R = len(rows.temperature)
+    draws = rows.temperature > 0
+    if rows.forced is not None:
+        draws &= rows.forced < 0
+    if not draws.any():
+        return out
+    t = np.where(draws, rows.temperature, 1).astype(np.float64)
+    top_p, min_p = rows.top_p.astype(np.float64), rows.min_p.astype(np.float64)
+    cut = top_p < 1.0
+    out[:R, 0] = np.minimum(STEPS / (t * math.log(2)), float(HIGHEST)).astype(np.float32).view(
+        np.uint32)                                      # step_scale, each row's
+    out[:R, 1] = np.maximum(rows.top_k, 0)
+    out[:R, 2] = np.where(cut, np.floor(np.clip(top_p, 0, 1) * 2.0 ** 32), 0).astype(np.uint32)
+    out[:R, 3] = [min_p_step(float(m)) if m > 0 else Q_LAST for m in min_p]
+    out[:R, 4] = draw_bits(rows.seed, rows.step)
+    out[:R, 5] = np.where(draws, choice.DRAWS | np.where(cut, choice.TOP_P_CUT, 0), 0)
+    out[~np.concatenate([draws, np.zeros(count - R, bool)])] = 0
+    return out
 
 
 def token_of(logits, rows, r):
     """Row r's token from its edited logits [V]: its forced token (SamplingRows.forced), or the
-    one choose_sorted draws."""
+    one choose_counted draws."""
     if rows.forced is not None and rows.forced[r] >= 0:
         return int(rows.forced[r])
-    return choose_sorted(logits, *choice_args(rows, r))
+    return choose_counted(logits, *choice_args(rows, r))
 
 
 def sample_row(logits, rows, r, k):

@@ -273,11 +273,11 @@ class Scheduler:
     def ahead(self, plan, context_limit, redo=()):
         """The step to launch while `plan`'s is in flight, before it lands (engine.py): a
         decode token for each of its sequences that the step does not end by length, its
-        input the token the step chooses greedily on the device (build's `fed`). Empty where
-        some sequence of the plan does not choose so (it samples on the host or reports log
-        probabilities), where a running sequence sits out the plan (it must be scheduled) or
-        sequences wait that could join (with every row taken they wait anyway), where a model
-        keeps window rings, or where a further block is not free. A sequence a stop token ends
+        input the token the step chooses on the device, greedy or drawn (build's `fed`). Empty
+        where some sequence of the plan does not choose so (it reports log probabilities),
+        where a running sequence sits out the plan (it must be scheduled) or sequences wait
+        that could join (with every row taken they wait anyway), where a model keeps window
+        rings, or where a further block is not free. A sequence a stop token ends
         computes one token more, which is dropped when it lands; so does one in `redo` (its
         row in the step in flight chooses nothing: Engine._choose_ahead). A constrained or
         edited sequence goes ahead too: its step's choice waits for its mask and edits, which
@@ -294,7 +294,7 @@ class Scheduler:
             if seq.finish_reason is not None or seq.seq_id in redo:     # no token follows
                 continue
             if not seq.samples_after(seq.num_computed, n) \
-                    or seq.logprob_positions(seq.num_computed, n) or p.temperature > 0 \
+                    or seq.logprob_positions(seq.num_computed, n) \
                     or p.logprobs is not None or p.embed:
                 return []
             if seq.num_generated + 1 >= seq.max_tokens or len(seq.tokens) + 1 >= context_limit:
@@ -364,20 +364,10 @@ class Scheduler:
             if seq.samples_after(start, n):
                 sample_tokens.append(len(tokens) - 1)
                 rows.append((seq, None))
-        sampled = [seq for seq, _ in rows]
         params = [seq.params if p is None else PROMPT_ROWS[seq.params.prompt_logprobs]
                   for seq, p in rows]
-        sampling = SamplingRows(
-            temperature=np.array([p.temperature for p in params], np.float32),
-            # a cut past the vocabulary keeps it all (and any top_k fits int32 so)
-            top_k=np.array([min(p.top_k, self.vocab_size) for p in params], np.int32),
-            top_p=np.array([p.top_p for p in params], np.float32),
-            min_p=np.array([p.min_p for p in params], np.float32),
-            seed=np.array([s.seed for s in sampled], np.uint64),
-            step=np.array([s.num_generated for s in sampled], np.int64),
-            n_logprobs=max([p.logprobs or 0 for p in params], default=0),
-            logprobs=any(p.logprobs is not None for p in params),
-            reports=np.array([p.logprobs is not None for p in params], bool))
+        sampling = self._sampling(params, [seq for seq, _ in rows],
+                                  [seq.num_generated for seq, _ in rows])
         if any(p is not None for _, p in rows):
             sampling.forced = np.array([-1 if p is None else seq.tokens[p + 1]
                                         for seq, p in rows], np.int32)
@@ -393,7 +383,8 @@ class Scheduler:
 
     def _build_fed(self, plan, fed):
         """build() of a plan of `ahead`: each sequence's one token after those in flight, its
-        token the device's (StepBatch.feed), its row sampling greedily."""
+        token the device's (StepBatch.feed), its row choosing as the sequence does, at the
+        step after the one in flight."""
         width = max([len(seq.blocks) for seq, _ in plan], default=1) or 1
         tables = np.zeros((len(plan), width), np.int32)
         positions, feed = [], []
@@ -404,14 +395,28 @@ class Scheduler:
             tables[row, :len(seq.blocks)] = seq.blocks
         rows = [(seq, None) for seq, _ in plan]
         T = len(plan)
-        sampling = SamplingRows.greedy(T)
-        sampling.step = np.array([seq.num_generated + 1 for seq, _ in plan], np.int64)
-        sampling.reports = np.zeros(T, bool)
+        sampling = self._sampling([seq.params for seq, _ in plan], [seq for seq, _ in plan],
+                                  [seq.num_generated + 1 for seq, _ in plan])
         index = np.arange(T, dtype=np.int32)
         batch = StepBatch(tokens=np.zeros(T, np.int32), positions=np.array(positions, np.int32),
                           seq_rows=index, block_tables=tables, sample_tokens=index,
                           sampling=sampling, feed=np.array(feed, np.int32))
         return batch, rows
+
+    def _sampling(self, params, sampled, steps):
+        """SamplingRows of rows under `params`, of the sequences `sampled`, each at its draw's
+        step (the tokens its sequence has generated when the row's token is chosen)."""
+        return SamplingRows(
+            temperature=np.array([p.temperature for p in params], np.float32),
+            # a cut past the vocabulary keeps it all (and any top_k fits int32 so)
+            top_k=np.array([min(p.top_k, self.vocab_size) for p in params], np.int32),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            min_p=np.array([p.min_p for p in params], np.float32),
+            seed=np.array([s.seed for s in sampled], np.uint64),
+            step=np.array(steps, np.int64),
+            n_logprobs=max([p.logprobs or 0 for p in params], default=0),
+            logprobs=any(p.logprobs is not None for p in params),
+            reports=np.array([p.logprobs is not None for p in params], bool))
 
     def choices(self, sampling, rows, skip=()):
         """Each sampling row's mask and logit edits (SamplingRows.masks and edits) as its

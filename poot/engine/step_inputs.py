@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels.choice import DRAW_WORDS
 from .batch import TABLES
+from .sampling import draw_rows
 
 
 @dataclass
@@ -79,6 +81,7 @@ class StepInputs:
         return {"tokens": self.max_tokens, "positions": self.max_tokens,
                 "seq_rows": self.max_tokens, "sample_tokens": self.max_seqs,
                 **({"feed": self.max_tokens} if self.feeds else {}),
+                **({"draw_rows": self.max_seqs * DRAW_WORDS} if self.has_logits else {}),
                 **{name: self.max_seqs * self.table_width for name in self._table_inputs}}
 
     def _staged(self):
@@ -111,6 +114,13 @@ class StepInputs:
         self._idle = False
         if self._fed:
             self._host["feed"][:T] = batch.feed
+        draws = draw_rows(batch.sampling, self.max_seqs) if self.has_logits else None
+        self._draws = draws is not None and bool(draws[:, 5].any())
+        if self._draws:
+            if staged:
+                self._host["draw_rows"][:] = draws.view(np.int32).ravel()
+            else:
+                dev.write(self.buffers["draw_rows"], draws)
         for name in ("tokens", "positions", "seq_rows", "sample_tokens"):
             values = np.ascontiguousarray(getattr(batch, name), np.int32)
             if staged:

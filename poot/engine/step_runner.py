@@ -3,10 +3,9 @@
 `StepRunner` runs a step over the hooks its subclass gives (DeviceRunner for one device,
 GroupRunner in group.py for a device group): pure decode steps replay a recording of their
 bucket's launches, other steps issue them one by one; the device edits the logits in place
-where rows have penalties, biases or masks (choice.logit_edits); the step's tokens come from the
-device's greedy choice or its candidates (sampling.choose_among), and only rows those cannot
-decide, or whose edits the device had no room for, are read back and sampled on the host
-(engine/sampling.py, the definition every runner matches).
+where rows have penalties, biases or masks (choice.logit_edits); the step's tokens are the
+device's, greedy or drawn (choice.draw: engine/sampling.py's definition, exactly), and only
+rows whose edits the device had no room for are read back and sampled on the host.
 """
 from collections import deque
 from dataclasses import replace
@@ -15,21 +14,21 @@ from typing import NamedTuple
 import numpy as np
 
 from .batch import StepBatch, StepOutput
-from .sampling import (choice_args, choice_arrays, choose_among_rows, choose_sorted, edit_row,
-                       logprobs_among, sample, sample_row)
+from .sampling import edit_row, logprobs_among, sample, sample_row
 
 
 class GraphKey(NamedTuple):
     """Which recording a pure decode step replays: its bucket (rows, padded), whether it
     splits its attention, edits logits, takes tokens of the step before (StepBatch.feed), and
-    the side of host memory its copies read and write (step_inputs.py), and whether it
-    chooses its tokens (or leaves that to StepRunner.choose)."""
+    the side of host memory its copies read and write (step_inputs.py), whether it chooses its
+    tokens (or leaves that to StepRunner.choose) and whether some row draws (choice.draw)."""
     bucket: int
     long: bool
     edited: bool = False
     fed: bool = False
     side: int = 0
     chooses: bool = True
+    draws: bool = False
 
 
 class StepRunner:
@@ -40,6 +39,7 @@ class StepRunner:
     faults = None               # engine/faults.py: steps made to fail, for tests
     feeds = False               # whether a step may be launched on the last one's greedy
     _side = 0                   # tokens before it lands (StepBatch.feed; DeviceRunner's)
+    _draws = False              # whether a row of the step uploaded draws (StepInputs's)
 
     def run(self, batch, record=True, choose=True):
         """Runs a step on the device, leaving logits (edited) and greedy tokens there; with
@@ -82,7 +82,7 @@ class StepRunner:
                     [batch.feed, np.repeat(batch.feed[-1:], pad)]))
             self._upload(padded)
             key = GraphKey(bucket, long, self._edit_state()[0], batch.feed is not None,
-                           self._side, choose)
+                           self._side, choose, self._draws)
             graph = self.graphs.get(key)
             if graph is None:
                 graph = self.graphs[key] = self._capture(
@@ -171,14 +171,10 @@ class StepRunner:
         """Before collect() reads a step back: waits for it where it has a mark."""
 
     def collect(self):
-        """The tokens of the step launch() issued, once the device has done it.
-
-        Steps without logprobs read back only the device's argmax (all rows greedy) or each
-        row's candidates (choice.top_candidates: each chunk's best logits and sum), from which
-        sampling.choose_among takes the definition's token; steps that report logprobs, the
-        candidates with sums at temperature 1 (_step_with_logprobs); a row they cannot decide
-        reads the logits and samples on the host (engine/sampling.py). The logits are edited
-        on the device (constrained rows too) but for the rows whose edits it had no room for:
+        """The tokens of the step launch() issued, once the device has done it: the device's
+        (greedy or drawn) read back, and, for rows that report log probabilities, their
+        candidates with sums at temperature 1 (_step_with_logprobs). The logits are edited on
+        the device (constrained rows too) but for the rows whose edits it had no room for:
         those read their logits back and are edited and sampled on the host."""
         batch, R, host, mark = self._launched.popleft()
         self._landing(mark)
@@ -198,48 +194,34 @@ class StepRunner:
         """collect()'s StepOutput of the last step's R rows, rows edited on the host aside."""
         if R == 0:
             return _tokens_only(np.zeros(0, np.int32))
-        if not self._has_candidates() and (rows.logprobs or rows.n_logprobs
-                                           or np.any(rows.temperature > 0)):
+        if not self._has_candidates() and (rows.logprobs or rows.n_logprobs):
             return sample(self._logits_of(R), rows)
+        tokens = np.frombuffer(self._read("argmax", R * 4), np.int32).copy()
+        if rows.forced is not None:
+            tokens = np.where(rows.forced[:R] >= 0, rows.forced[:R], tokens).astype(np.int32)
         if rows.logprobs or rows.n_logprobs:
-            return self._step_with_logprobs(R, rows)
-        if not np.any(rows.temperature > 0):
-            tokens = np.frombuffer(self._read("argmax", R * 4), np.int32)
-            return _tokens_only(tokens.copy())
-        tokens = choose_among_rows(*self._candidates(R, rows.temperature), self.vocab_size,
-                                   *choice_arrays(rows, R))
-        for r, logits in self._logit_rows(np.flatnonzero(tokens < 0)).items():  # not decided
-            tokens[r] = choose_sorted(logits, *choice_args(rows, r))
-        return _tokens_only(tokens.astype(np.int32))
+            return self._step_with_logprobs(R, rows, tokens)
+        return _tokens_only(tokens)
 
-    def _step_with_logprobs(self, R, rows):
-        """The tokens and log probabilities (of the edited logits) of the last step's R rows,
-        from their candidates: a row that reports log probabilities from candidates with sums at
-        temperature 1 (sampling.logprobs_among; a forced row's token among them too), the rows
-        that do not (rows.reports) together from candidates at their own temperatures
-        (choose_among_rows); only the rows those cannot decide are taken from the logits read
-        back (sampling.sample_row)."""
+    def _step_with_logprobs(self, R, rows, tokens):
+        """The log probabilities (of the edited logits) of the last step's R rows' `tokens`:
+        a row that reports them from its candidates with sums at temperature 1
+        (sampling.logprobs_among), or, where its token is no candidate, from its logits read
+        back (sampling.sample_row, whose token is the device's: the same definition)."""
         k = rows.n_logprobs
         reports = np.ones(R, bool) if rows.reports is None else np.asarray(rows.reports, bool)
-        temperature = np.where(reports | (rows.temperature <= 0), 1.0, rows.temperature)
-        candidates = self._candidates(R, temperature.astype(np.float32))
-        tokens, chosen = np.zeros(R, np.int32), np.zeros(R, np.float32)
+        candidates = self._candidates(R, np.ones(R, np.float32))
+        chosen = np.zeros(R, np.float32)
         top, top_lp = np.zeros((R, k), np.int32), np.zeros((R, k), np.float32)
-        others = np.flatnonzero(~reports)
-        picked = choose_among_rows(*(c[others] for c in candidates), self.vocab_size,
-                                   *(a[others] for a in choice_arrays(rows, R)))
-        tokens[others] = picked
-        undecided = others[picked < 0].tolist()
+        undecided = []
         for r in np.flatnonzero(reports):
-            forced = -1 if rows.forced is None else int(rows.forced[r])
-            got = logprobs_among(*(c[r] for c in candidates), self.vocab_size,
-                                 *choice_args(rows, r), k, forced)
+            got = logprobs_among(*(c[r] for c in candidates), self.vocab_size, int(tokens[r]), k)
             if got is None:
                 undecided.append(r)
             else:
-                tokens[r], chosen[r], top[r], top_lp[r] = got
-        for r, logits in self._logit_rows(undecided).items():   # the candidates could not tell
-            tokens[r], chosen[r], top[r], top_lp[r] = sample_row(logits, rows, r, k)
+                chosen[r], top[r], top_lp[r] = got
+        for r, logits in self._logit_rows(undecided).items():   # its token is no candidate
+            _, chosen[r], top[r], top_lp[r] = sample_row(logits, rows, r, k)
         return StepOutput(tokens=tokens, logprobs=chosen, top_ids=top, top_logprobs=top_lp)
 
     def _has_candidates(self):

@@ -223,11 +223,12 @@ def draw(subgroup_size):
     and the first n (in id order) at `last`. A cut's prefix is found from a histogram of the
     row's steps in COARSE bins (each bin's count and weight, by shared atomics), then one of
     the 2^FINE_BITS steps of the bin it falls in (their counts), then n; top_k's prefix
-    first, then top_p's within it, min_p's (the steps up to its last) last. The draw walks the
-    kept tokens in id order: the row in WG spans, each summed by a subgroup, a scan over the
-    spans finds the one where the running weight passes bits / 2^32 of the kept weight, and the
-    workgroup walks that span together. Weights are u32 and their sums (hi, lo) pairs of u32:
-    exact in any order, as the definition's integers are."""
+    first, then top_p's within it, min_p's (the steps up to its last) last. The draw is the
+    prefix whose running weight passes bits / 2^32 of the kept weight, found the same way: its
+    token is the n-th at its step, in id order, found by each span of ids' count of that
+    step's tokens (a subgroup a span), then that span walked by the workgroup. Weights are u32
+    and their sums (hi, lo) pairs of u32: exact in any order, as the definition's integers
+    are."""
     k = KernelBuilder(f"draw_s{subgroup_size}", (WG,))
     logits, rows = k.buffer("logits", F32), k.buffer("draw_rows", U32)
     table, token = k.buffer("exp2", U32), k.buffer("token", I32, "rw")

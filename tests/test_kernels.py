@@ -1134,7 +1134,7 @@ def test_argmax(device, chunks):
 
 
 def test_feed_tokens(device):
-    """A step launched ahead takes the greedy tokens of the one before where its feed names a
+    """A step launched ahead takes the tokens of the one before where its feed names a
     row; its other tokens, and those past n, keep what was there (poisoned here)."""
     chosen = rng.integers(0, 1 << 30, 300).astype(np.int32)
     feed = rng.integers(0, 300, 500).astype(np.int32)

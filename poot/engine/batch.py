@@ -55,7 +55,7 @@ class SamplingRows:
     """Per sampled row: the sampling parameters, as arrays (one entry per row).
 
     temperature 0 means greedy. top_k 0 means no top-k cut, top_p 1 and min_p 0 mean no cut.
-    The random draw of a row is a pure function of (seed, step): see sampling.uniform.
+    The random draw of a row is a pure function of (seed, step): see sampling.draw_bits.
     logprobs says whether any row reports log probabilities (the chosen token's, and the
     n_logprobs most likely alternatives); without it a runner may leave them out (zeros).
     reports says which rows do (None: every row, when logprobs); a runner may leave out the
@@ -119,7 +119,7 @@ class StepBatch:
     sampling: SamplingRows
     window_tables: np.ndarray | None = None     # int32, block_tables' shape
     # a step launched before the last one landed (engine.py: ahead): per token, the row of
-    # the last step whose greedy token it is (the device puts it there), -1 where tokens has it
+    # the last step whose token it is (the device puts it there), -1 where tokens has it
     feed: np.ndarray | None = None              # int32 [T]
 
     @property

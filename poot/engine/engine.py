@@ -193,7 +193,7 @@ class Engine:
         self._wake = threading.Condition()
         self._step_lock = threading.RLock()
         self._flight = [None] * len(self.lanes)     # per lane: (plan, rows) launched
-        # a step launched on the greedy tokens of the one in flight before it lands
+        # a step launched on the device's tokens of the one in flight before it lands
         # (Scheduler.ahead), where the runner feeds them (StepRunner.feeds): (plan, rows)
         self._ahead = None
         # a step launched ahead whose choice waits for the landing of the one before it
@@ -425,7 +425,7 @@ class Engine:
         return True
 
     def _launch_ahead(self):
-        """Launches the step that follows the one in flight on its greedy tokens, before that
+        """Launches the step that follows the one in flight on its device's tokens, before that
         one lands (Scheduler.ahead), so the device goes from one to the next without waiting
         for the host's landing, scheduling and launch; True if it did. A launch that fails
         fails the step in flight too (the runner's recovery waits for it) and its requests."""

@@ -292,7 +292,7 @@ def draw_rows(rows, count):
     out[:R, 2] = np.where(cut, np.floor(np.clip(top_p, 0, 1) * 2.0 ** 32), 0).astype(np.uint32)
     out[:R, 3] = [min_p_step(float(m)) if m > 0 else Q_LAST for m in min_p]
     out[:R, 4] = draw_bits(rows.seed, rows.step)
-    out[:R, 5] = np.where(draws, choice.DRAWS | np.where(cut, choice.TOP_P_CUT, 0), 0)
+    out[:R, choice.FLAGS] = np.where(draws, choice.DRAWS | np.where(cut, choice.TOP_P_CUT, 0), 0)
     out[~np.concatenate([draws, np.zeros(count - R, bool)])] = 0
     return out
 

@@ -1,4 +1,4 @@
-"""How a DeviceRunner's step inputs reach the device and its greedy tokens come back.
+"""How a DeviceRunner's step inputs reach the device and its tokens come back.
 
 Unstaged, a step writes each input and reads the tokens back itself. Staged (the device's
 `step_staging`: ptx, a discrete GPU's vulkan), they go through host memory of the device's
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.choice import DRAW_WORDS
+from ..kernels.choice import DRAW_WORDS, FLAGS
 from .batch import TABLES
 from .sampling import draw_rows
 
@@ -18,7 +18,7 @@ from .sampling import draw_rows
 @dataclass
 class Side:
     """A staged runner's host_array memory for one step in flight: its inputs (one array,
-    `host` views of it by name, and the greedy tokens' own), the columns each table row may
+    `host` views of it by name, and the tokens' own), the columns each table row may
     hold there, and the mark of the last step launched from it (None: waited for)."""
     inputs: np.ndarray
     host: dict
@@ -27,7 +27,7 @@ class Side:
 
 
 class StepInputs:
-    """DeviceRunner's methods that write a step's inputs and read its greedy tokens."""
+    """DeviceRunner's methods that write a step's inputs and read its tokens."""
 
     def _allocate_inputs(self):
         """Staged: the views of the packed `inputs` buffer, and the first side."""
@@ -44,7 +44,7 @@ class StepInputs:
 
     def _side_arrays(self, words):
         """A side's host_array memory: the step inputs (`words` of each, in one array) and
-        the greedy tokens read back."""
+        the tokens read back."""
         inputs = self.device.host_array(sum(words.values()) * 4).view(np.int32)
         inputs[:] = 0
         host, at = {}, 0
@@ -85,7 +85,7 @@ class StepInputs:
                 **{name: self.max_seqs * self.table_width for name in self._table_inputs}}
 
     def _staged(self):
-        """Whether a step's inputs and greedy tokens go through host memory of the device's
+        """Whether a step's inputs and tokens go through host memory of the device's
         (host_array: page-locked on ptx, a host-visible buffer on a discrete GPU's vulkan),
         copied by the step itself, recorded with its launches: no writes or reads of their own.
         The device says where (step_staging): that memory is not the device's, which the plan
@@ -115,7 +115,7 @@ class StepInputs:
         if self._fed:
             self._host["feed"][:T] = batch.feed
         draws = draw_rows(batch.sampling, self.max_seqs) if self.has_logits else None
-        self._draws = draws is not None and bool(draws[:, 5].any())
+        self._draws = draws is not None and bool(draws[:, FLAGS].any())
         if self._draws:
             if staged:
                 self._host["draw_rows"][:] = draws.view(np.int32).ravel()

@@ -42,7 +42,7 @@ class StepRunner:
     _draws = False              # whether a row of the step uploaded draws (StepInputs's)
 
     def run(self, batch, record=True, choose=True):
-        """Runs a step on the device, leaving logits (edited) and greedy tokens there; with
+        """Runs a step on the device, leaving logits (edited) and its tokens there; with
         choose=False, only its logits (unedited), choose() doing the rest later.
 
         A pure decode step (every token sampled) runs as one replay of the launches recorded

@@ -1,7 +1,8 @@
 """The kernels that read a step's logits: their edits in place (logit_edits: engine/sampling.py's
-edit_logits), the greedy choice (argmax_chunks, then argmax: sampling's greedy choice), each
-row's best candidates with their sums (top_candidates: what sampling.choose_among chooses from),
-and the greedy tokens fed to a step launched ahead (feed_tokens).
+edit_logits), the greedy choice (argmax_chunks, then argmax: sampling's greedy choice), the draw
+of sampled rows (draw: sampling's choose), each row's best candidates with their sums
+(top_candidates: what sampling.logprobs_among scores a token from), and the tokens fed to a
+step launched ahead (feed_tokens).
 """
 from functools import cache, reduce
 
@@ -117,8 +118,8 @@ def argmax(subgroup_size):
 @cache
 def feed_tokens():
     """tokens[t] = chosen[feed[t]] where feed[t] >= 0, for t < n: a step launched before the
-    last one landed takes that step's greedy tokens (argmax's) as its input where they are
-    not known on the host yet. grid (1)."""
+    last one landed takes that step's tokens (argmax's, or the draw's) as its input where they
+    are not known on the host yet. grid (1)."""
     k = KernelBuilder("feed_tokens", (WG,))
     chosen, feed = k.buffer("chosen", I32), k.buffer("feed", I32)
     tokens = k.buffer("tokens", I32, "w")
@@ -204,7 +205,7 @@ STEP_BITS = 14
 STEPS = 1 << STEP_BITS
 WEIGHT_BITS = 31
 Q_LAST = 32 * STEPS - 1
-DRAW_WORDS = 6
+DRAW_WORDS, FLAGS = 6, 5        # a row's words, and which of them holds its flags
 DRAWS, TOP_P_CUT = 1, 2         # flags: the row samples (else its greedy token stands); top_p < 1
 COARSE = 512                    # bins of q >> FINE_BITS: Q_LAST >> FINE_BITS < COARSE
 FINE_BITS = 10                  # a coarse bin's steps, 2^FINE_BITS: FINE_BITS / WG a thread's
@@ -239,7 +240,7 @@ def draw(subgroup_size):
     slot = k.shared("slot", U32, 3)
     r, tid = k.block_id(), k.thread_id()
     at = r * DRAW_WORDS
-    flags = rows[at + 5]
+    flags = rows[at + FLAGS]
     with k.if_((flags & DRAWS).eq(0)):
         k.return_()
     scale, top_k, top_p = rows[at].bitcast(F32), rows[at + 1], rows[at + 2]

@@ -43,7 +43,7 @@ class Server:
         `on_failure` is called once the engine can serve no more (its device lost).
         `served_names`: the names requests may use for the model (default: its file's).
         `prefix_caching`: whether requests reuse the KV blocks of prompts that began alike.
-        `ahead`: whether steps are launched on the greedy tokens of the step in flight, where
+        `ahead`: whether steps are launched on the device's tokens of the step in flight, where
         the runner can (Engine's)."""
         model.tokenizer.encode("Ready.")    # compiles its pre-tokenizer before the first request
         engine = Engine(runner, model.tokenizer, max_seqs=max_seqs, step_tokens=step_tokens,

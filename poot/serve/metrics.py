@@ -95,7 +95,7 @@ class Metrics:
                     ("poot_engine_steps_total", "counter", "Engine steps run.",
                      stats.steps_total),
                     ("poot_engine_steps_ahead_total", "counter",
-                     "Engine steps launched on the greedy tokens of the step before them, "
+                     "Engine steps launched on the device's tokens of the step before them, "
                      "before it landed (no launch gap).",
                      stats.steps_ahead_total),
                     ("poot_engine_step_failures_total", "counter",

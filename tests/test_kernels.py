@@ -277,7 +277,7 @@ def test_mma_tiled_matmul(cuda_device, dtype, variant):
         r = rng.standard_normal((n_tokens, rows)).astype(np.float32)
         tokens = matmul.mma_launch(rows, cols, n_tokens, 1).tokens
         k = matmul.mma_tiled(dtype, residual=residual, tokens=tokens, **keywords)
-        grid = (-(-rows // matmul.MMA_ROWS), -(-n_tokens // tokens))
+        grid = matmul.MmaLaunch(tokens, 1, cols).grid(rows, n_tokens)
         args = [*w_planes, mma_x(cuda_device, dtype, keywords, x),
                 np.zeros((n_tokens, rows), np.float32), *([r] if residual else []),
                 rows, cols, n_tokens]
@@ -442,7 +442,7 @@ def test_gated_unit_stored_by_wgmma_tiles(cuda_device, dtype, n_tokens, glu):
     want16 = run(cuda_device, matmul.split_sum(glu=glu, x16=dtype),
                  (-(-n_tokens * half // (2 * matmul.WORKGROUP)),), partials,
                  np.zeros(n_tokens * half // 2, np.uint32), n_tokens * half, 1, half)["x16"]
-    grid = (-(-half // matmul.WGMMA_ROWS), -(-n_tokens // launch.tokens), 1)
+    grid = launch.unit_grid(2 * half, n_tokens)
     unit = matmul.mma_tiled(dtype, tokens=launch.tokens, glu=glu, **keywords)
     got = run(cuda_device, unit, grid, *w_planes, x_in,
               np.full((n_tokens, half), np.nan, np.float32), 2 * half, cols, n_tokens)["y"]
@@ -622,7 +622,7 @@ def test_mma_launch_slices_tile_the_columns(rows, cols):
             launch = matmul.mma_launch(rows, cols, n_tokens, sms)
             assert launch.tokens == (32 if n_tokens <= 32 else 64 if n_tokens <= 64 else 128)
             gx, gy, gz = launch.grid(rows, n_tokens)
-            assert (gx, gy, gz) == (-(-rows // 128), -(-n_tokens // launch.tokens), launch.splits)
+            assert (gx, gy, gz) == (-(-n_tokens // launch.tokens), -(-rows // 128), launch.splits)
             assert launch.split_cols % matmul.MMA_DEPTH == 0
             covered = []
             for piece in range(launch.splits):

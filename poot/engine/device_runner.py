@@ -512,8 +512,7 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
         if self.choice.stores_unit(op, launch, n):       # 64 units of gate's and up's a tile
             unit = self.choice.unit_x16(op, after)
             out = outs[0] if unit is None else self.buffers["mma_units_x16"]
-            self._launch(kernels[0], (-(-rows // 2 // matmul.WGMMA_ROWS), *grid[1:]), *planes,
-                         x, out, rows, cols, n)
+            self._launch(kernels[0], launch.unit_grid(rows, n), *planes, x, out, rows, cols, n)
             return rounded if unit is None else (after.x.name, None,
                                                  matmul.mma_operand(unit), "mma_units_x16")
         if len(kernels) == 1:

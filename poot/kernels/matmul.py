@@ -108,8 +108,10 @@ def _pack(k, operand, lo, hi):
 def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_DEPTH,
               stages=None, x16=False, outputs=1, wgmma=False, in_flight=0, glu=None,
               glu_x16=None, tensor_copy=False):
-    """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(rows / 128), ceil(T / tokens))
-    (mma_launch picks tokens and the split).
+    """y[t, m] for t < n_tokens on matrix instructions; grid (ceil(T / tokens), ceil(rows / 128))
+    (mma_launch picks tokens and the split; MmaLaunch.grid). The token tiles are the grid's
+    first axis, so the workgroups that run at once are every token tile of a few W tiles: each
+    W tile is read from memory once while x, read by all, stays in the L2 cache.
 
     Same buffers and scalars as matvec (cols a multiple of 8, and of the reader's block), so
     the runner swaps it in for long steps. Each step of `depth` columns: x [tokens x depth] is
@@ -170,7 +172,7 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     `glu` (an activation; with wgmma, unsplit): W is a gated unit's gate rows stacked on its
     up rows (`rows` both, half each) and a tile takes 64 of each, the first warpgroup gate's
     and the second up's of the same units, so that it stores the unit itself: y [n_tokens,
-    half], grid (ceil(half / 64), ...). The second warpgroup's sums reach the first through
+    half], grid (..., ceil(half / 64)) (MmaLaunch.unit_grid). The second warpgroup's sums reach the first through
     shared memory, each thread's to its twin, which holds gate's sums of the same places.
     With `glu_x16` (the weight format of the x16 matmul that reads the unit next) the buffer is
     `y16`, u32 [n_tokens, half / 2], the units rounded to that matmul's operand two a word
@@ -226,9 +228,9 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     xs = k.shared("xs", U32, (stages or 1) * x_tile, align)
     ws = k.shared("ws", U32, (stages or 1) * w_tile, align)
     tid, lane, warp = k.thread_id(), k.lane_id(), k.subgroup_id()
-    m0, t0 = k.block_id(0) * MMA_ROWS, k.block_id(1) * tokens
+    m0, t0 = k.block_id(1) * MMA_ROWS, k.block_id(0) * tokens
     if glu:                         # W tile row r: gate's unit g0 + r, then up's g0 + r - 64
-        g0, half = k.block_id(0) * WGMMA_ROWS, rows / 2
+        g0, half = k.block_id(1) * WGMMA_ROWS, rows / 2
     if split:
         piece = k.block_id(2)
         begin, end = split_columns(piece, k.scalar("split_cols", I32), cols, k.min)
@@ -654,7 +656,12 @@ class MmaLaunch:
     split_cols: int
 
     def grid(self, rows, n_tokens):
-        return (-(-rows // MMA_ROWS), -(-n_tokens // self.tokens), self.splits)
+        """mma_tiled's grid: token tiles first (its docstring says why), then row tiles, slices."""
+        return (-(-n_tokens // self.tokens), -(-rows // MMA_ROWS), self.splits)
+
+    def unit_grid(self, rows, n_tokens):
+        """The grid of a gated unit's tiles over stacked gate and up rows (mma_tiled's glu)."""
+        return (-(-n_tokens // self.tokens), -(-rows // 2 // WGMMA_ROWS), self.splits)
 
     def partial_floats(self, rows, n_tokens):
         """The size of the partials buffer a split launch writes (0 unsplit)."""

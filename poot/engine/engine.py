@@ -439,8 +439,7 @@ class Engine:
             return False
         chooses = all(seq.constraint is None and seq.controls is None for seq, _ in ahead)
         sampled = {seq.seq_id: r for r, (seq, position) in enumerate(rows) if position is None}
-        computes = {seq.seq_id: n for seq, n in plan}
-        fed = {seq.seq_id: (computes[seq.seq_id], sampled[seq.seq_id]) for seq, _ in ahead}
+        fed = {seq.seq_id: (n, sampled.get(seq.seq_id)) for seq, n in plan}
         try:
             batch, ahead_rows = self.scheduler.build(ahead, fed)
             self.lanes[0].launch(batch, chooses)

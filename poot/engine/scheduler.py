@@ -49,6 +49,21 @@ log = logging.getLogger("poot.engine")
 PROMPT_ROWS = [SamplingParams(temperature=0, logprobs=k) for k in range(MAX_LOGPROBS + 1)]
 
 
+class _Packing:
+    """A step being packed: its (sequence, token count) pairs, and the token budget and rows
+    left."""
+
+    def __init__(self, budget, rows):
+        self.plan, self.scheduled, self.budget, self.rows = [], set(), budget, rows
+
+    def take(self, seq, n, start=None):
+        """seq's n tokens from `start` (its computed ones) join the step."""
+        self.plan.append((seq, n))
+        self.scheduled.add(seq.seq_id)
+        self.budget -= n
+        self.rows -= seq.rows(seq.num_computed if start is None else start, n)
+
+
 class Scheduler:
     def __init__(self, num_blocks, block_size, max_seqs, step_tokens, table_width, vocab_size,
                  lanes=1, prefix_caching=True, ring=None):
@@ -109,22 +124,13 @@ class Scheduler:
         """The lane's next step: (sequence, token count) pairs, empty when it has nothing to
         run (`build` makes its batch). Where only sequences in flight hold the blocks a
         sequence needs, `make_room()` is asked to land their steps (True if it landed any)."""
-        budget, rows = self.step_tokens, self.max_seqs
-        plan = []
-        scheduled = set()
-
-        def take(seq, n):
-            nonlocal budget, rows
-            plan.append((seq, n))
-            scheduled.add(seq.seq_id)
-            budget -= n
-            rows -= seq.rows(seq.num_computed, n)
+        step = _Packing(self.step_tokens, self.max_seqs)
 
         def fit(seq, n):
             """Grow seq's blocks for n more tokens, preempting later arrivals; the n that fits."""
             while not self.kv.grow(seq.blocks, seq.num_computed + n):
                 if self._preempt_latest(after=seq.seq_id,
-                                        keep=scheduled | self.in_flight.keys()):
+                                        keep=step.scheduled | self.in_flight.keys()):
                     continue
                 if self._drop_hold(but=seq.fork) or make_room():
                     continue
@@ -138,23 +144,28 @@ class Scheduler:
         mine = [s for s in self.running if s.lane == lane and s.finish_reason is None]
         # Decode first: every running sequence with one token to go gets its token.
         for seq in [s for s in mine if s.num_uncomputed == 1]:
-            if seq in self.running and budget > 0 and self.mask_ready(seq) and fit(seq, 1):
-                take(seq, 1)
+            if seq in self.running and step.budget > 0 and self.mask_ready(seq) and fit(seq, 1):
+                step.take(seq, 1)
         # Then prefill chunks of admitted sequences, then newcomers (and the preempted) in order.
         for seq in [s for s in mine if s.num_uncomputed > 1]:
-            if seq not in self.running or budget < 1:
+            if seq not in self.running or step.budget < 1:
                 continue
             n = fit(seq, self._within_rows(
-                seq, min(seq.num_uncomputed, budget, self.seq_tokens), rows))
+                seq, min(seq.num_uncomputed, step.budget, self.seq_tokens), step.rows))
             if n:
-                take(seq, n)
-        # A newcomer joins only if a block per running sequence stays free for their next
-        # tokens: admitting into a full cache would only preempt someone at the next step.
-        # With lanes, each takes its share of the sequences there are. A fork's choice waits
-        # (others pass it) until the fork's first has computed the prompt.
+                step.take(seq, n)
+        self._admit(lane, step)
+        return step.plan
+
+    def _admit(self, lane, step):
+        """Newcomers (and the preempted) join `step` in arrival order while its budget and rows
+        last. One joins only if a block per running sequence stays free for their next tokens:
+        admitting into a full cache would only preempt someone at the next step. With lanes,
+        each takes its share of the sequences there are. A fork's choice waits (others pass
+        it) until the fork's first has computed the prompt."""
         share = -(-min(self.max_seqs, len(self.running) + len(self.waiting)) // self.lanes)
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs \
+        while i < len(self.waiting) and step.budget > 0 and len(self.running) < self.max_seqs \
                 and sum(s.lane == lane for s in self.running) < share:
             seq = self.waiting[i]
             if seq.waits_for_fork:
@@ -163,8 +174,8 @@ class Scheduler:
             cached = self._start(seq)
             spare = self.kv.num_free - len(self.running)
             want = self._within_rows(
-                seq, min(seq.num_uncomputed, budget, self.seq_tokens,
-                         spare * self.kv.block_size), rows)
+                seq, min(seq.num_uncomputed, step.budget, self.seq_tokens,
+                         spare * self.kv.block_size), step.rows)
             if want < 1:
                 self.kv.release(seq.blocks)
                 seq.num_computed = 0
@@ -181,8 +192,7 @@ class Scheduler:
                 seq.ring = self.rings.take()
             seq.lane = lane
             self._insert(self.running, seq)
-            take(seq, want)
-        return plan
+            step.take(seq, want)
 
     def _start(self, seq):
         """Gives a newcomer the blocks it starts from: its fork's held ones (a choice after the
@@ -203,9 +213,10 @@ class Scheduler:
         return seq.num_computed
 
     @staticmethod
-    def _within_rows(seq, n, rows):
-        """The most of seq's next n tokens whose rows (Sequence.rows) fit the `rows` left."""
-        start = seq.num_computed
+    def _within_rows(seq, n, rows, start=None):
+        """The most of seq's n tokens from `start` (its computed ones) whose rows
+        (Sequence.rows) fit the `rows` left."""
+        start = seq.num_computed if start is None else start
         scored = seq.logprob_positions(start, n)
         if len(scored) > rows:          # the positions that fit, and none sampled after them
             n = scored.start - start + rows
@@ -271,38 +282,47 @@ class Scheduler:
             self.remove(seq)
 
     def ahead(self, plan, context_limit, redo=()):
-        """The step to launch while `plan`'s is in flight, before it lands (engine.py): a
-        decode token for each of its sequences that the step does not end by length, its
-        input the token the step chooses on the device, greedy or drawn (build's `fed`). Empty
-        where some sequence of the plan does not choose so (it reports log probabilities),
-        where a running sequence sits out the plan (it must be scheduled) or sequences wait
-        that could join (with every row taken they wait anyway), where a model keeps window
-        rings, or where a further block is not free. A sequence a stop token ends
-        computes one token more, which is dropped when it lands; so does one in `redo` (its
-        row in the step in flight chooses nothing: Engine._choose_ahead). A constrained or
-        edited sequence goes ahead too: its step's choice waits for its mask and edits, which
-        follow the token the step in flight chooses (StepRunner.choose)."""
-        if self.waiting and len(self.running) < self.max_seqs or self.ring is not None \
-                or len(plan) > self.step_tokens:
+        """The step to launch while `plan`'s is in flight, before it lands (engine.py): what
+        `schedule` would pack once it has landed, with the tokens its rows choose on the
+        device, greedy or drawn, as inputs (build's `fed`). First a decode token for each of
+        its sequences that samples there and is not ended by length; then the next chunk of
+        each prompt it computes part of, from the tokens in flight on; then newcomers. Empty
+        where some sequence of the plan does not choose so (it reports log probabilities or
+        embeds), where a running sequence sits out the plan (it must be scheduled), where a
+        model keeps window rings, or where a decode token's block is not free; a prompt whose
+        chunk's blocks are not free sits this step out. A sequence a stop token ends computes
+        one token more, which is dropped when it lands; so does one in `redo` (its row in the
+        step in flight chooses nothing: Engine._choose_ahead). A constrained or edited
+        sequence goes ahead too: its step's choice waits for its mask and edits, which follow
+        the token the step in flight chooses (StepRunner.choose)."""
+        if self.ring is not None or len(plan) > self.step_tokens:
             return []
         planned = {seq.seq_id for seq, _ in plan}
         if any(seq.seq_id not in planned for seq in self.running):
             return []
-        ahead = []
+        step, chunks = _Packing(self.step_tokens, self.max_seqs), []
         for seq, n in plan:
             p = seq.params
+            if seq.logprob_positions(seq.num_computed, n) or p.logprobs is not None or p.embed:
+                return []
             if seq.finish_reason is not None or seq.seq_id in redo:     # no token follows
                 continue
-            if not seq.samples_after(seq.num_computed, n) \
-                    or seq.logprob_positions(seq.num_computed, n) \
-                    or p.logprobs is not None or p.embed:
-                return []
+            if not seq.samples_after(seq.num_computed, n):
+                chunks.append((seq, seq.num_computed + n))
+                continue
             if seq.num_generated + 1 >= seq.max_tokens or len(seq.tokens) + 1 >= context_limit:
                 continue
             if not self.kv.grow(seq.blocks, seq.num_computed + n + 1):
                 return []
-            ahead.append((seq, 1))
-        return ahead
+            step.plan.append((seq, 1))
+            step.budget, step.rows = step.budget - 1, step.rows - 1
+        for seq, start in chunks:
+            n = self._within_rows(seq, min(len(seq.tokens) - start, step.budget, self.seq_tokens),
+                                  step.rows, start)
+            if n > 0 and self.kv.grow(seq.blocks, start + n):
+                step.take(seq, n, start)
+        self._admit(0, step)
+        return step.plan
 
     def end_at_prompt(self, seq):
         """A sequence of max_tokens 0 whose prompt is computed leaves; its Output."""
@@ -343,64 +363,52 @@ class Scheduler:
         next token's log probability the row reports. Its block tables are as wide as its
         longest sequence's blocks (a runner's tables are wider: as wide as a context).
         `fed` (a plan of `ahead`): sequence id -> (tokens its step in flight computes, the
-        row that samples its next token there), which the device feeds this step."""
-        if fed is not None:
-            return self._build_fed(plan, fed)
-        tokens, positions, seq_rows, sample_tokens, rows = [], [], [], [], []
+        row that samples its next token there, None where its prompt goes on): its tokens
+        start after those in flight, and a sampled one's is the device's (StepBatch.feed),
+        its row choosing at the step after the one in flight. A fed batch's rows get their
+        masks and edits when that step has landed (Engine._choose_ahead)."""
+        tokens, positions, seq_rows, sample_tokens, rows, steps, feed = [], [], [], [], [], [], []
         width = max([len(seq.blocks) for seq, _ in plan], default=1) or 1
         tables = np.zeros((len(plan), width), np.int32)
         windows = None if self.ring is None else np.zeros_like(tables)
         for row, (seq, n) in enumerate(plan):
-            start = seq.num_computed
+            pending, last_row = (0, None) if fed is None else fed.get(seq.seq_id, (0, None))
+            start = seq.num_computed + pending
             for p in seq.logprob_positions(start, n):
                 sample_tokens.append(len(tokens) + p - start)
                 rows.append((seq, p))
-            tokens += seq.tokens[start:start + n]
+                steps.append(seq.num_generated)
+            if last_row is None:
+                tokens += seq.tokens[start:start + n]
+                feed += [-1] * n
+            else:                                   # the device's token, chosen in flight
+                tokens.append(0)
+                feed.append(last_row)
             positions += range(start, start + n)
             seq_rows += [row] * n
             tables[row, :len(seq.blocks)] = seq.blocks
             if windows is not None:
                 windows[row] = self.ring.table(seq.ring, width)
-            if seq.samples_after(start, n):
+            if last_row is not None or seq.samples_after(start, n):
                 sample_tokens.append(len(tokens) - 1)
                 rows.append((seq, None))
+                steps.append(seq.num_generated + (last_row is not None))
         params = [seq.params if p is None else PROMPT_ROWS[seq.params.prompt_logprobs]
                   for seq, p in rows]
-        sampling = self._sampling(params, [seq for seq, _ in rows],
-                                  [seq.num_generated for seq, _ in rows])
+        sampling = self._sampling(params, [seq for seq, _ in rows], steps)
         if any(p is not None for _, p in rows):
             sampling.forced = np.array([-1 if p is None else seq.tokens[p + 1]
                                         for seq, p in rows], np.int32)
-        self.choices(sampling, rows)
+        if fed is None:
+            self.choices(sampling, rows)
         if any(p is None and seq.params.embed for seq, p in rows):
             sampling.hidden = np.array([p is None and seq.params.embed for seq, p in rows], bool)
         batch = StepBatch(tokens=np.array(tokens, np.int32),
                           positions=np.array(positions, np.int32),
                           seq_rows=np.array(seq_rows, np.int32), block_tables=tables,
                           sample_tokens=np.array(sample_tokens, np.int32), sampling=sampling,
-                          window_tables=windows)
-        return batch, rows
-
-    def _build_fed(self, plan, fed):
-        """build() of a plan of `ahead`: each sequence's one token after those in flight, its
-        token the device's (StepBatch.feed), its row choosing as the sequence does, at the
-        step after the one in flight."""
-        width = max([len(seq.blocks) for seq, _ in plan], default=1) or 1
-        tables = np.zeros((len(plan), width), np.int32)
-        positions, feed = [], []
-        for row, (seq, _) in enumerate(plan):
-            pending, last_row = fed[seq.seq_id]
-            positions.append(seq.num_computed + pending)
-            feed.append(last_row)
-            tables[row, :len(seq.blocks)] = seq.blocks
-        rows = [(seq, None) for seq, _ in plan]
-        T = len(plan)
-        sampling = self._sampling([seq.params for seq, _ in plan], [seq for seq, _ in plan],
-                                  [seq.num_generated + 1 for seq, _ in plan])
-        index = np.arange(T, dtype=np.int32)
-        batch = StepBatch(tokens=np.zeros(T, np.int32), positions=np.array(positions, np.int32),
-                          seq_rows=index, block_tables=tables, sample_tokens=index,
-                          sampling=sampling, feed=np.array(feed, np.int32))
+                          window_tables=windows,
+                          feed=None if fed is None else np.array(feed, np.int32))
         return batch, rows
 
     def _sampling(self, params, sampled, steps):

@@ -71,7 +71,7 @@ def build_parser():
                    "never reusing the KV blocks of one that began alike")
     p.add_argument("--no-launch-ahead", action="store_true", help="launch each step only "
                    "after the last one lands (by default, where every sequence of the step in "
-                   "flight decodes greedily on the device, the next is launched on its tokens "
+                   "flight chooses its token on the device, the next is launched on those tokens "
                    "before it lands: ptx, and vulkan on a discrete GPU)")
     return p
 

@@ -9,6 +9,8 @@ results back: each sampled sequence accepts its token, and one that finishes lea
 its blocks. It holds no thread and runs nothing: the engine (engine.py) runs what it schedules,
 and says which steps it has launched (`launched`) and which have landed (`computed`, or
 `released` for a step that failed): a sequence whose step is in flight is never preempted.
+`ahead` packs the step to launch while one is in flight, as `schedule` would once it has
+landed, its sampled tokens the device's (engine.py launches it before that one lands).
 
 The n choices of one prompt (a `Fork`) compute it once: the first prefills it, and once it has,
 the fork holds the prompt's full blocks (all but the one with its last token) for the others;

@@ -148,32 +148,51 @@ def choose_counted(logits, temperature, top_k, top_p, min_p, bits):
     """choose()'s token without sorting the row, as the device's `draw` finds it: every cut
     keeps a prefix of the ranking, (last, n): the tokens at steps below `last` and the first n
     (in id order) at it, found from the count and weight of the tokens at each step (a step's
-    tokens weigh the same); so is the draw's position, the n-th token of its step."""
+    tokens weigh the same); so is the draw's position, the n-th token of its step. Counted in
+    two levels, as the kernel counts: the steps' coarse bins (choice.COARSE of 2^FINE_BITS
+    steps) for the whole row, then the steps of the one bin a prefix ends in."""
     if temperature <= 0:
         return int(np.argmax(logits))
     q, w = weights(logits, temperature)
-    counts = np.bincount(q, minlength=Q_LAST + 1)
-    mass = np.cumsum(counts.astype(np.uint64) * STEP_WEIGHTS)   # running, step by step
+    fine = 1 << choice.FINE_BITS
+    coarse = q >> choice.FINE_BITS
+    # a bin's weight summed in float64 is exact: the row's whole weight is below 2^53
+    totals = {"count": np.cumsum(np.bincount(coarse, minlength=choice.COARSE)),
+              "weight": np.cumsum(np.bincount(coarse, w, choice.COARSE).astype(np.uint64))}
+    ones = np.ones(fine, np.uint64)
 
-    def prefix(running, target, unit):
-        """(step, its first n) of the shortest prefix, one token at least, whose running count
-        or weight (running: a step's, cumulated) reaches target."""
-        at = int(np.searchsorted(running, target))
-        before = int(running[at - 1]) if at else 0
-        return at, max(1, -(-(target - before) // int(unit[at])))
+    def steps_of(c, kind):
+        """The running count or weight of bin c's steps, from the bins before it on."""
+        unit = ones if kind == "count" else STEP_WEIGHTS[c * fine:(c + 1) * fine]
+        at = np.bincount(q[coarse == c] & (fine - 1), minlength=fine).astype(np.uint64) * unit
+        return (int(totals[kind][c - 1]) if c else 0) + np.cumsum(at), unit
+
+    def prefix(target, kind):
+        """(step, its first n) of the shortest prefix, one token at least, whose count or
+        weight reaches target."""
+        c = int(np.searchsorted(totals[kind], target))
+        running, unit = steps_of(c, kind)
+        f = int(np.searchsorted(running, target))
+        before = int(running[f - 1]) if f else (int(totals[kind][c - 1]) if c else 0)
+        return c * fine + f, max(1, -(-(target - before) // int(unit[f])))
 
     def weight_of(last, n):
         """The weight of the prefix (last, n)."""
-        return (int(mass[last - 1]) if last else 0) + n * int(STEP_WEIGHTS[min(last, Q_LAST)])
+        if last > Q_LAST:
+            return int(totals["weight"][-1])
+        c, f = divmod(last, fine)
+        running, unit = steps_of(c, "weight")
+        before = int(running[f - 1]) if f else (int(totals["weight"][c - 1]) if c else 0)
+        return before + n * int(unit[f])
 
     last, n = Q_LAST + 1, 0                             # all of them
     if 0 < top_k < len(q):
-        last, n = prefix(np.cumsum(counts), top_k, np.ones(Q_LAST + 1, np.int64))
+        last, n = prefix(top_k, "count")
     if top_p < 1.0:
-        last, n = prefix(mass, top_p_target(top_p, weight_of(last, n)), STEP_WEIGHTS)
+        last, n = prefix(top_p_target(top_p, weight_of(last, n)), "weight")
     if min_p > 0.0:
         last, n = min((last, n), (min_p_step(min_p) + 1, 0))
-    step, nth = prefix(mass, ((int(bits) * weight_of(last, n)) >> 32) + 1, STEP_WEIGHTS)
+    step, nth = prefix(((int(bits) * weight_of(last, n)) >> 32) + 1, "weight")
     return int(np.flatnonzero(q == step)[nth - 1])
 
 

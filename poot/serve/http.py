@@ -1,8 +1,7 @@
 """HTTP for poot-serve: the standard library's threaded server, routing, auth, bodies and SSE.
 
 One handler thread per connection (HTTP/1.1 keep-alive). A handler reads and checks the body,
-lets openai.py turn it into a request, submits that to the engine (completions one handler at
-a time: Serving.intake) and writes what comes back:
+lets openai.py turn it into a request, submits that to the engine and writes what comes back:
 one JSON response, or server-sent events per token (chunked transfer encoding), which one
 writer thread encodes and one sender process sends for every stream (streams.py). It notices a
 client that went away, while waiting as well as while writing, and cancels its request (every
@@ -61,11 +60,6 @@ class Serving:
         self.writer = streams.Writer()      # writes every streamed response's events
         self._active = 0
         self._active_lock = threading.Condition()
-        # Requests are made (parsed, templated, tokenized) and submitted one at a time: that
-        # work holds the interpreter's lock anyway, and with many arriving at once the engine
-        # thread then shares the lock with one handler rather than all of them, so its steps
-        # launch while the rest are read.
-        self.intake = threading.Lock()
 
     def ready(self, model, engine, info, names=None):
         self.model, self.engine, self.info = model, engine, info
@@ -418,13 +412,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def completions(self, body):
         self.serving.require_engine()
-        self._complete(lambda: openai.Completion.text(body, self.serving.model,
-                                                      self.serving.names))
+        self._complete(openai.Completion.text(body, self.serving.model, self.serving.names))
 
     def chat_completions(self, body):
         self.serving.require_engine()
-        self._complete(lambda: openai.Completion.chat(body, self.serving.model,
-                                                      self.serving.names))
+        self._complete(openai.Completion.chat(body, self.serving.model, self.serving.names))
 
     def embeddings(self, body):
         self.serving.require_engine()
@@ -451,18 +443,14 @@ class Handler(BaseHTTPRequestHandler):
                 handle.cancel()
             self.serving.leave()
 
-    def _complete(self, make_request):
-        """Makes the request (`make_request()`) and submits it, in turn (Serving.intake), then
-        streams or sends its answer."""
-        with self.serving.intake:
-            request = make_request()
-            try:
-                handle = self.serving.engine.submit_prompts(request.prompts, request.params,
-                                                            request.n)
-            except InvalidRequest as exc:
-                raise openai.from_invalid_request(exc) from None
-            except EngineFailed as exc:
-                raise APIError(503, str(exc), "server_error", None, "engine_failed") from None
+    def _complete(self, request):
+        try:
+            handle = self.serving.engine.submit_prompts(request.prompts, request.params,
+                                                        request.n)
+        except InvalidRequest as exc:
+            raise openai.from_invalid_request(exc) from None
+        except EngineFailed as exc:
+            raise APIError(503, str(exc), "server_error", None, "engine_failed") from None
         self.serving.enter()
         try:
             if request.stream:

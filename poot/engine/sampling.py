@@ -160,21 +160,25 @@ def choose_counted(logits, temperature, top_k, top_p, min_p, bits):
     totals = {"count": np.cumsum(np.bincount(coarse, minlength=choice.COARSE)),
               "weight": np.cumsum(np.bincount(coarse, w, choice.COARSE).astype(np.uint64))}
     ones = np.ones(fine, np.uint64)
+    binned = {}
 
     def steps_of(c, kind):
-        """The running count or weight of bin c's steps, from the bins before it on."""
-        unit = ones if kind == "count" else STEP_WEIGHTS[c * fine:(c + 1) * fine]
-        at = np.bincount(q[coarse == c] & (fine - 1), minlength=fine).astype(np.uint64) * unit
-        return (int(totals[kind][c - 1]) if c else 0) + np.cumsum(at), unit
+        """(running, unit): the count or weight of the tokens before bin c's steps and
+        through each of them (running[f + 1]: through step f), and a step's token's share."""
+        if (c, kind) not in binned:
+            unit = ones if kind == "count" else STEP_WEIGHTS[c * fine:(c + 1) * fine]
+            at = np.bincount(q[coarse == c] & (fine - 1), minlength=fine).astype(np.uint64)
+            before = int(totals[kind][c - 1]) if c else 0
+            binned[c, kind] = np.concatenate([[before], before + np.cumsum(at * unit)]), unit
+        return binned[c, kind]
 
     def prefix(target, kind):
         """(step, its first n) of the shortest prefix, one token at least, whose count or
         weight reaches target."""
         c = int(np.searchsorted(totals[kind], target))
         running, unit = steps_of(c, kind)
-        f = int(np.searchsorted(running, target))
-        before = int(running[f - 1]) if f else (int(totals[kind][c - 1]) if c else 0)
-        return c * fine + f, max(1, -(-(target - before) // int(unit[f])))
+        f = int(np.searchsorted(running[1:], target))
+        return c * fine + f, max(1, -(-(target - int(running[f])) // int(unit[f])))
 
     def weight_of(last, n):
         """The weight of the prefix (last, n)."""
@@ -182,8 +186,7 @@ def choose_counted(logits, temperature, top_k, top_p, min_p, bits):
             return int(totals["weight"][-1])
         c, f = divmod(last, fine)
         running, unit = steps_of(c, "weight")
-        before = int(running[f - 1]) if f else (int(totals["weight"][c - 1]) if c else 0)
-        return before + n * int(unit[f])
+        return int(running[f]) + n * int(unit[f])
 
     last, n = Q_LAST + 1, 0                             # all of them
     if 0 < top_k < len(q):

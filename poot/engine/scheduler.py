@@ -58,12 +58,14 @@ class _Packing:
     def __init__(self, budget, rows):
         self.plan, self.scheduled, self.budget, self.rows = [], set(), budget, rows
 
-    def take(self, seq, n, start=None):
-        """seq's n tokens from `start` (its computed ones) join the step."""
+    def take(self, seq, n, start=None, rows=None):
+        """seq's n tokens from `start` (its computed ones) join the step, with their rows
+        (Sequence.rows unless given)."""
         self.plan.append((seq, n))
         self.scheduled.add(seq.seq_id)
         self.budget -= n
-        self.rows -= seq.rows(seq.num_computed if start is None else start, n)
+        self.rows -= seq.rows(seq.num_computed if start is None else start, n) \
+            if rows is None else rows
 
 
 class Scheduler:
@@ -316,8 +318,7 @@ class Scheduler:
                 continue
             if not self.kv.grow(seq.blocks, seq.num_computed + n + 1):
                 return []
-            step.plan.append((seq, 1))
-            step.budget, step.rows = step.budget - 1, step.rows - 1
+            step.take(seq, 1, rows=1)                # the device's token, its row sampling
         for seq, start in chunks:
             n = self._within_rows(seq, min(len(seq.tokens) - start, step.budget, self.seq_tokens),
                                   step.rows, start)

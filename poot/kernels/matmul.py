@@ -172,8 +172,9 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
     `glu` (an activation; with wgmma, unsplit): W is a gated unit's gate rows stacked on its
     up rows (`rows` both, half each) and a tile takes 64 of each, the first warpgroup gate's
     and the second up's of the same units, so that it stores the unit itself: y [n_tokens,
-    half], grid (..., ceil(half / 64)) (MmaLaunch.unit_grid). The second warpgroup's sums reach the first through
-    shared memory, each thread's to its twin, which holds gate's sums of the same places.
+    half], grid (..., ceil(half / 64)) (MmaLaunch.unit_grid). The second warpgroup's sums
+    reach the first through shared memory, each thread's to its twin, which holds gate's sums
+    of the same places.
     With `glu_x16` (the weight format of the x16 matmul that reads the unit next) the buffer is
     `y16`, u32 [n_tokens, half / 2], the units rounded to that matmul's operand two a word
     (split_sum's x16 words; half even).

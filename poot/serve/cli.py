@@ -140,9 +140,6 @@ def serve(args, stop_event):
     try:
         model = load(args.model or default_model_path())
         check_context(args, model)
-        # The pre-tokenizer compiles its Unicode classes on first use (a tenth of a second or
-        # more, under the interpreter's lock): done now, not while the first requests wait.
-        model.tokenizer.encode("Warm 1, up!")
         if device is None:
             runner, shape = reference_runner(model, args, memory_limit)
         elif group:

@@ -527,6 +527,32 @@ def test_a_failing_step_fails_its_requests_and_the_rest_are_served(model):
     assert tokens(engine.generate(*requests[0])) == alone(model, *requests[0])
 
 
+def test_a_failing_step_fails_a_request_of_several_sequences_whole(model):
+    """A request of several prompts and choices whose step fails ends once, with the error
+    last and nothing after it, though its other sequences were in other steps or waiting:
+    they end with it and free their blocks."""
+    faults = Faults(every=4)
+    engine = faulty_engine(model, faults, max_seqs=3, step_tokens=8)
+    handles = [engine.submit_prompts(prompts(model, [5, 9, 3], seed=s), greedy(6), n=2)
+               for s in range(4)]
+    got = [[] for _ in handles]
+    for handle, items in zip(handles, got):
+        handle.listen(lambda h, item, items=items: items.append((h.finished, item)))
+    while engine.step():
+        if faults.injected:
+            faults.every = None             # one step fails
+    assert faults.injected == 1
+    failed = 0
+    for handle, items in zip(handles, got):
+        ends = [i for i, (_, item) in enumerate(items) if isinstance(item, EngineFailed)]
+        assert ends in ([], [len(items) - 1]), items
+        assert [f for f, _ in items].count(True) == 1 and items[-1][0], items
+        failed += bool(ends)
+    assert 1 <= failed < len(handles)
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.waiting == 0
+
+
 def test_a_lost_device_fails_every_request_and_the_engine(model):
     """A step fails and the runner cannot recover: the device is lost. Every request ends
     with that error, the engine refuses new ones and tells on_failure."""

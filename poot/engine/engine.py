@@ -593,13 +593,26 @@ class Engine:
                              f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _fail_sequences(self, seqs, message):
-        """These requests end with EngineFailed(message); their blocks are freed (_retire)."""
+        """These sequences' requests end with EngineFailed(message), each once and whole: a
+        request's other prompts and choices end with it, wherever they are (waiting, in
+        another step). Their blocks are freed (_retire)."""
+        failed = {}
         for seq in seqs:
-            handle = self._handles.pop(seq.seq_id, None)
-            if handle is not None:
-                seq.finish_reason = "error"
-                handle._put(EngineFailed(message))
-            self._retire(seq)
+            handle = self._handles.get(seq.seq_id)
+            if handle is None:
+                self._retire(seq)
+            else:
+                failed[id(handle)] = handle
+        for handle in failed.values():
+            for seq_id in handle.seq_ids:
+                if self._handles.get(seq_id) is not handle:
+                    continue                            # ended already
+                del self._handles[seq_id]
+                seq = self.scheduler.find(seq_id)
+                if seq is not None:
+                    seq.finish_reason = "error"
+                    self._retire(seq)
+            handle._put(EngineFailed(message))
 
     def _drain(self, but=None):
         """Collects every lane's step in flight (but lane `but`'s); True if there was one."""

@@ -30,7 +30,9 @@ def test_route(device, n_experts, used, normalize):
     T = 5
     logits = (3 * rng.standard_normal((T, n_experts))).astype(np.float32)
     logits[1, 3] = logits[1, n_experts - 1] = 12.0            # a tie: the lower index first
-    out = run(device, experts.route(device.subgroup_size, used, normalize), (T,), logits,
+    sg = device.subgroup_size
+    kernel = experts.route(sg, used, normalize, experts.route_slots(n_experts, sg))
+    out = run(device, kernel, (T,), logits,
               np.zeros((T, used), np.int32), np.zeros((T, used), np.float32), n_experts)
     assert np.array_equal(out["ids"], ref.top_k(logits, used))
     assert rel_err(out["w"], ref.route_weights(logits, out["ids"], normalize)) < 1e-5
@@ -47,7 +49,9 @@ def test_route_grouped(device, n_tokens, n_experts, used, norm_x16):
     x = (3 * rng.standard_normal((n_tokens, cols))).astype(np.float32)
     gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
     normed = [] if norm_x16 is None else [x, gain, np.zeros((n_tokens, cols // 2), np.uint32)]
-    out = run(device, experts.route_grouped(device.subgroup_size, used, True, norm_x16), (1,),
+    sg = device.subgroup_size
+    kernel = experts.route_grouped(sg, used, True, experts.route_slots(n_experts, sg), norm_x16)
+    out = run(device, kernel, (1,),
               logits, np.zeros((n_tokens, used), np.int32),
               np.zeros((n_tokens, used), np.float32), np.zeros(n_experts + 1, np.int32),
               np.zeros(n_tokens * used, np.int32), np.zeros(n_experts, np.int32), *normed,
@@ -191,12 +195,13 @@ def test_expert_sum(device, residual):
 def expert_kernels(subgroup_size):
     """The expert kernels the runner launches (engine/expert_steps.py), in each format and
     token group."""
-    out = [experts.route(subgroup_size, 8, True), experts.route(subgroup_size, 2, False),
-           experts.route_grouped(subgroup_size, 8, True),
-           experts.route_grouped(subgroup_size, 2, False), experts.expert_groups(),
+    slots = experts.route_slots(128, subgroup_size)
+    out = [experts.route(subgroup_size, 8, True, slots), experts.route(subgroup_size, 2, False, 1),
+           experts.route_grouped(subgroup_size, 8, True, slots),
+           experts.route_grouped(subgroup_size, 2, False, 1), experts.expert_groups(),
            experts.expert_groups(fours=True),
-           experts.route_grouped(subgroup_size, 8, True, "Q4_0"),
-           experts.route_grouped(subgroup_size, 8, True, "F16"),
+           experts.route_grouped(subgroup_size, 8, True, slots, "Q4_0"),
+           experts.route_grouped(subgroup_size, 8, True, slots, "F16"),
            experts.expert_sum(8), experts.expert_sum(8, residual=True)]
     return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per, glu is not None)
                   for d in DEVICE_DTYPES for tokens in experts.expert_tokens(d)

@@ -271,10 +271,10 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path, matrix):
         names = [kernel.name for kernel, _, _ in log.launched]
         assert all(runner.programs[kernel.name] is kernel for kernel, _, _ in log.launched)
         # up to GROUPED_ROUTES routes (decode steps), the choice and grouping are one launch
-        routing = ["route_grouped2_s32_norm"] if T * 2 <= 512 else ["route2_s32_norm",
+        routing = ["route_grouped2_s32_v1_norm"] if T * 2 <= 512 else ["route2_s32_v1_norm",
                                                                       "expert_groups"]
         if matrix and T <= 8:           # the route's workgroup makes the experts' x16 too
-            routing = ["route_grouped2_s32_norm_x16_f16_pairs"]
+            routing = ["route_grouped2_s32_v1_norm_x16_f16_pairs"]
         at = names.index(routing[0]) + len(routing)
         if matrix:
             tiles = "_n4" * (T * 2 > 3 * 8 * cfg.n_experts)     # mma_vec.token_tiles

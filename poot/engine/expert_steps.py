@@ -106,11 +106,13 @@ def normed_in_route(runner, steps, i, T):
 
 def route_kernels(runner, steps, i, long):
     op, sg = steps[i], runner.device.subgroup_size
+    slots = experts.route_slots(op.logits.shape[1], sg)
     normed = normed_in_route(runner, steps, i, 1)
-    return [experts.route(sg, op.used, op.normalize), experts.expert_groups(op.used % 4 == 0),
-            experts.route_grouped(sg, op.used, op.normalize)] + (
+    return [experts.route(sg, op.used, op.normalize, slots),
+            experts.expert_groups(op.used % 4 == 0),
+            experts.route_grouped(sg, op.used, op.normalize, slots)] + (
         [] if normed is None else
-        [experts.route_grouped(sg, op.used, op.normalize, normed.weight.dtype)])
+        [experts.route_grouped(sg, op.used, op.normalize, slots, normed.weight.dtype)])
 
 
 def route(runner, op, T, R, i, long):
@@ -124,7 +126,9 @@ def route(runner, op, T, R, i, long):
     if T * op.used <= experts.GROUPED_ROUTES:
         normed = normed_in_route(runner, runner.steps, i, T)
         if normed is not None:
-            grouped = experts.route_grouped(runner.device.subgroup_size, op.used, op.normalize,
+            sg = runner.device.subgroup_size
+            grouped = experts.route_grouped(sg, op.used, op.normalize,
+                                            experts.route_slots(n_experts, sg),
                                             normed.weight.dtype)
             x16 = [B(normed.x), B(normed.norm), runner.buffers["expert_x16"]]
             runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights),

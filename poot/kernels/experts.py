@@ -28,32 +28,42 @@ TOKEN_GROUPS = (1, 2, 4, 8)     # routes an expert_matvec subgroup takes a pass
 GROUPED_ROUTES = 512            # route_grouped keeps this many routes' choices (64 tokens of 8)
 
 
-def _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept=None):
+def route_slots(n_experts, subgroup_size):
+    """The logits a lane of a route kernel holds (its experts lane, lane + subgroup_size, ...):
+    the kernel serves any count of experts up to slots * subgroup_size."""
+    return -(-n_experts // subgroup_size)
+
+
+def _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, slots, kept=None):
     """Token t's choice by one subgroup: ids[t, j] = the j-th largest of logits[t, :n] (ties to
     the lower index), `used` rounds of a subgroup maximum over the experts not yet chosen;
     w[t, j] = its softmax probability over all n (the denominator from the first round's, the
     largest), divided by the chosen ones' sum where `normalize`. Lane 0 writes them (and the
-    ids into the shared array `kept` too, where given)."""
+    ids into the shared array `kept` too, where given).
+
+    Each lane loads its `slots` logits once, all at a time, and the rounds compare registers:
+    a round that read them again waited on memory `slots` loads in a row."""
     lane = k.lane_id()
+    mine = [lane + i * subgroup_size for i in range(slots)]
+    values = [k.select(e < n, logits[t * n + k.min(e, n - 1)], LOWEST) for e in mine]
     chosen, tops = [], []
     for _ in range(used):
         best, best_at = k.var(F32, LOWEST), k.var(I32, n)
-        with k.for_(lane, n, subgroup_size) as e:
-            v = logits[t * n + e]
-            free = v > best.get()
+        for e, v in zip(mine, values):      # each lane's experts rise: the first of equals stays
+            free = v > best.get()           # (LOWEST, an expert past n's, never does)
             for c in chosen:
                 free = free & e.ne(c)
-            with k.if_(free):          # each lane's experts rise: the first of equals stays
-                best.set(v)
-                best_at.set(e)
+            best.set(k.select(free, v, best.get()))
+            best_at.set(k.select(free, e, best_at.get()))
         top = k.subgroup_max(best.get())
         chosen.append(k.subgroup_min(k.select(best.get().eq(top), best_at.get(), n)))
         tops.append(top)
-    total = k.var(F32, 0.0)
-    with k.for_(lane, n, subgroup_size) as e:
-        total.set(total.get() + k.exp(logits[t * n + e] - tops[0]))
+    total = None
+    for e, v in zip(mine, values):
+        share = k.select(e < n, k.exp(v - tops[0]), 0.0)
+        total = share if total is None else total + share
     shares = [k.exp(top - tops[0]) for top in tops]
-    denominator = k.subgroup_add(total.get())
+    denominator = k.subgroup_add(total)
     if normalize:
         denominator = shares[0]
         for share in shares[1:]:
@@ -153,27 +163,30 @@ def _route_params(k):
 
 
 @cache
-def route(subgroup_size, used, normalize):
+def route(subgroup_size, used, normalize, slots):
     """A router's choice, the ops top_k and route_weights in one launch (_choose), one
-    subgroup a token: ids [T, used] and w [T, used] from logits [T, n]. grid (T)."""
-    k = KernelBuilder(f"route{used}_s{subgroup_size}" + "_norm" * normalize, (subgroup_size,))
+    subgroup a token: ids [T, used] and w [T, used] from logits [T, n], n at most
+    slots * subgroup_size (route_slots). grid (T)."""
+    k = KernelBuilder(f"route{used}_s{subgroup_size}_v{slots}" + "_norm" * normalize,
+                      (subgroup_size,))
     logits, ids, w = _route_params(k)
     n = k.scalar("n", I32)
-    _choose(k, logits, ids, w, k.block_id(), n, used, normalize, subgroup_size)
+    _choose(k, logits, ids, w, k.block_id(), n, used, normalize, subgroup_size, slots)
     return k.build()
 
 
 @cache
-def route_grouped(subgroup_size, used, normalize, norm_x16=None):
+def route_grouped(subgroup_size, used, normalize, slots, norm_x16=None):
     """route, then expert_groups, in one workgroup: for steps of at most GROUPED_ROUTES
     routes (decode steps), whose choices the workgroup keeps in shared memory for the
-    grouping. Buffers route's, then expert_groups' outputs; scalars n, n_tokens. grid (1).
+    grouping. Buffers route's, then expert_groups' outputs; scalars n (at most
+    slots * subgroup_size), n_tokens. grid (1).
 
     With `norm_x16` (a weight format), then mma_vec.norm_x16's words of the step's x for the
     experts' mma_vec of that format, token after token (for steps of a few tokens, a launch
     fewer): buffers x f32 [T, cols], norm (the gain), x16 after active; scalars cols, eps
     after n_tokens."""
-    name = f"route_grouped{used}_s{subgroup_size}" + "_norm" * normalize
+    name = f"route_grouped{used}_s{subgroup_size}_v{slots}" + "_norm" * normalize
     if norm_x16 is not None:
         name += f"_x16_{mma_operand(norm_x16).name}" + "_pairs" * mma_vec.quant_pairs(norm_x16)
     k = KernelBuilder(name, (WG,))
@@ -186,7 +199,7 @@ def route_grouped(subgroup_size, used, normalize, norm_x16=None):
     kept = k.shared("kept", I32, GROUPED_ROUTES + 4)
     n_routes = n_tokens * used
     with k.for_(k.subgroup_id(), n_tokens, WG // subgroup_size) as t:
-        _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, kept)
+        _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, slots, kept)
     tid = k.thread_id()
     with k.if_(tid < 4):                # past the last route, for the loads of four
         kept[n_routes + tid] = -1

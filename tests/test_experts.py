@@ -18,7 +18,7 @@ from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
 from poot.kernels import experts, mma_vec
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
-from tests.test_kernels import cuda_device, rel_err, run  # noqa: F401 (a fixture)
+from tests.test_kernels import check_x16, cuda_device, rel_err, run  # noqa: F401 (a fixture)
 
 rng = np.random.default_rng()
 
@@ -192,6 +192,26 @@ def test_expert_sum(device, residual):
     assert rel_err(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", ["Q4_0", "F16"])
+@pytest.mark.parametrize("n_tokens,used,cols", [(1, 8, 2048), (5, 2, 264)])
+def test_expert_sum_norm_x16(device, dtype, n_tokens, used, cols):
+    """expert_sum_norm_x16: out the same bits as expert_sum's with its residual, and the
+    norm_x16 words of it."""
+    eps = 1e-5
+    y = rng.standard_normal((n_tokens, used, cols)).astype(np.float32)
+    w = rng.random((n_tokens, used)).astype(np.float32)
+    res = (3 * rng.standard_normal((n_tokens, cols))).astype(np.float32)
+    g = rng.standard_normal(cols).astype(np.float32)
+    got = run(device, experts.expert_sum_norm_x16(used, dtype, device.subgroup_size),
+              (n_tokens,), y, w, res, np.full((n_tokens, cols), np.nan, np.float32), g,
+              np.zeros((n_tokens, cols // 2), np.uint32), cols, eps)
+    summed = run(device, experts.expert_sum(used, True), (-(-n_tokens * cols // experts.WG),),
+                 y, w, res, np.zeros((n_tokens, cols), np.float32), n_tokens, cols)["out"]
+    assert np.array_equal(got["out"], summed)
+    assert rel_err(got["out"], ref.expert_sum(y, w) + res) < 1e-6
+    check_x16(got["x16"], got["out"], g, eps, dtype)
+
+
 def expert_kernels(subgroup_size):
     """The expert kernels the runner launches (engine/expert_steps.py), in each format and
     token group."""
@@ -202,7 +222,8 @@ def expert_kernels(subgroup_size):
            experts.expert_groups(fours=True),
            experts.route_grouped(subgroup_size, 8, True, slots, "Q4_0"),
            experts.route_grouped(subgroup_size, 8, True, slots, "F16"),
-           experts.expert_sum(8), experts.expert_sum(8, residual=True)]
+           experts.expert_sum(8), experts.expert_sum(8, residual=True),
+           experts.expert_sum_norm_x16(8, "Q4_0"), experts.expert_sum_norm_x16(8, "F16")]
     return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per, glu is not None)
                   for d in DEVICE_DTYPES for tokens in experts.expert_tokens(d)
                   for glu in (None, "silu")

@@ -285,7 +285,13 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path, matrix):
                 names[at].endswith(f"_x16{tiles}_swiglu")
             assert names[at + 1].startswith("expert_mma_vec_q4_0_") and \
                 names[at + 1].endswith(tiles) and "x16" not in names[at + 1]
-            assert names[at + 2] == "expert_sum2_residual"
+            # the sum makes the x16 of the next layer's q/k/v matmul: mma_vec's words in a
+            # short step, mma_tiled's in a long one; the last layer's sum is a plain one
+            long = T >= runner.choice.mma_min_tokens
+            fused = "expert_sum2_norm_x16_f16" + "_pairs" * (not long)
+            assert names[at + 2] == fused and names[at + 3].startswith(("mma_vec", "mma_tiled"))
+            assert names.count(fused) == cfg.n_layers - 1
+            assert names.count("expert_sum2_residual") == 1
             matvecs = log.launched[at:at + 2]
         else:
             group = next(g for g in (1, 2, 4, 8) if g >= T) if T <= 8 else 8

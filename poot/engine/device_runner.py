@@ -27,7 +27,7 @@ from ..kernels import choice, matmul, mma_vec, ops, softcap
 from ..kernels.quant import DEVICE_DTYPES, planes, reader
 from .kernel_choice import (ARGMAX_CHUNKS, MAX_SPLITS, SPLIT_MIN_CONTEXT, SPLIT_TOKENS,
                             TWO_PHASE_FLOATS, KernelChoice, attention_mods, runs_mma,
-                            tiled_norm_x16, tiled_x16_format)
+                            sum_x16_formats, tiled_norm_x16, tiled_x16_format)
 from .batch import TABLES
 from .sampling import EXP2
 from .kvcache import ring_tensors
@@ -576,6 +576,27 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
         self._launch(kernel, grid(n), *args)
         return normed
 
+    def _sum_x16(self, after, rows, long):
+        """Where a sum's launch (all_reduce, expert_sum) makes the x16 of `after`, the matmul
+        next that reads the sum through a norm (normed_after): (the weight format whose x16
+        it makes, the buffer, what _x16 then holds), else None. In a long step where `after`
+        runs mma_tiled, mma_x16's words; in a short one where its matvec is mma_vec's,
+        norm_x16's."""
+        if after is None:
+            return None
+        if long:
+            w = self.choice.tiled_weight(after)
+            if not self.choice.mma_launch(w, rows):
+                return None
+            return (tiled_x16_format(w.dtype), self.buffers["mma_x16"],
+                    (after.x.name, after.norm.name, matmul.mma_operand(w.dtype)))
+        prep = self.choice.matvec(after.weight, self.choice.group_of(after.weight, rows),
+                                  after.variant)[2]
+        if prep is None:
+            return None
+        return (after.weight.dtype, self.buffers["norm_x16"],
+                (self._buffer(after.x), self._buffer(after.norm), prep.name))
+
     def _all_reduce(self, op, T, R, after=None, long=False):
         """The sum of the group's partials, plus the residual, into this rank's output; a
         generator that yields where the group must pass a barrier, returning what the norm_x16
@@ -595,24 +616,14 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
         yield op
         if n < self.two_phase_floats:
             rows, cols = self._shape(op.output, T, R)
-            prep = None
-            if after is not None and long:
-                dtype = self.choice.tiled_weight(after).dtype
-                if self.choice.mma_launch(self.choice.tiled_weight(after), rows):
-                    self._launch(mma_vec.reduce_norm_x16(tiled_x16_format(dtype), len(parts)),
-                                 (rows,), *parts, *rest, self._buffer(after.norm),
-                                 self.buffers["mma_x16"], cols, after.eps)
-                    return (after.x.name, after.norm.name, matmul.mma_operand(dtype))
-            elif after is not None:
-                prep = self.choice.matvec(after.weight, self.choice.group_of(after.weight, rows),
-                                    after.variant)[2]
-            if prep is None:
+            made = self._sum_x16(after, rows, long)
+            if made is None:
                 self._launch(kernel, (-(-n // (4 * ops.WG)),), *parts, *rest, 0, n)
                 return None
-            x, gain, x16 = rest[-1], self._buffer(after.norm), self.buffers["norm_x16"]
-            self._launch(mma_vec.reduce_norm_x16(after.weight.dtype, len(parts)), (rows,),
-                         *parts, *rest, gain, x16, cols, after.eps)
-            return (x, gain, prep.name)
+            dtype, x16, held = made
+            self._launch(mma_vec.reduce_norm_x16(dtype, len(parts)), (rows,), *parts, *rest,
+                         self._buffer(after.norm), x16, cols, after.eps)
+            return held
         slices = [(a * 4, b * 4) for a, b in placement.even(n // 4, len(self.peers))]
         start, stop = slices[self.peers.index(self)]
         self._launch(kernel, (-(-(stop - start) // (4 * ops.WG)),), *parts, *rest, start, stop)
@@ -696,16 +707,11 @@ class StepKind:
 def _reduce_kernels(runner, steps, i, long):
     """all_reduce, and the reduce_norm_x16 that makes the next matmul's x16 where it reads the
     sum through a norm (DeviceRunner._all_reduce)."""
-    op, choice = steps[i], runner.choice
-    world, after = op.attrs["world"], normed_after(steps, i)
-    out = [ops.all_reduce(world, op.attrs["residual"])]
-    if after is not None and long and choice.mma_launches(after):
-        out.append(mma_vec.reduce_norm_x16(tiled_x16_format(choice.tiled_weight(after).dtype),
-                                           world))
-    elif after is not None and not long and any(
-            choice.matvec(after.weight, n, after.variant)[2] for n in choice.groups(after.weight)):
-        out.append(mma_vec.reduce_norm_x16(after.weight.dtype, world))
-    return out
+    op = steps[i]
+    world = op.attrs["world"]
+    return [ops.all_reduce(world, op.attrs["residual"])] + [
+        mma_vec.reduce_norm_x16(dtype, world)
+        for dtype in sum_x16_formats(runner.choice, steps, i, long)]
 
 
 def rms_norm_kernel(runner, op):

@@ -18,7 +18,8 @@ import math
 from functools import cache
 
 from ..kernels import experts, mma_vec
-from .kernel_choice import matvec_rows
+from .kernel_choice import matvec_rows, sum_x16_formats
+from .lowering import normed_after
 
 
 ROUTE_NORM_TOKENS = 8       # steps this short make the experts' x16 in the route's workgroup
@@ -195,13 +196,26 @@ def matvec(runner, op, T, R, i, long):
 
 
 def sum_kernels(runner, steps, i, long):
-    op = steps[i]
-    return [experts.expert_sum(op.inputs[0].shape[1], op.attrs.get("residual", False))]
+    op, sg = steps[i], runner.device.subgroup_size
+    used = op.inputs[0].shape[1]
+    return [experts.expert_sum(used, op.attrs.get("residual", False))] + [
+        experts.expert_sum_norm_x16(used, dtype, sg)
+        for dtype in sum_x16_formats(runner.choice, steps, i, long)]
 
 
 def expert_sum(runner, op, T, R, i, long):
-    y = op.inputs[0]
-    cols = y.shape[2]
-    B = runner._buffer
-    runner._launch(sum_kernels(runner, [op], 0, long)[0], (math.ceil(T * cols / experts.WG),),
-                   *map(B, op.inputs), B(op.output), T, cols)
+    """The routes' outputs summed by their weights (plus the residual); where the matmul next
+    reads the sum through a norm, the launch makes its x16 too (DeviceRunner._sum_x16)."""
+    y, B = op.inputs[0], runner._buffer
+    used, cols = y.shape[1:]
+    made = runner._sum_x16(normed_after(runner.steps, i), T, long)
+    if made is None:
+        runner._launch(experts.expert_sum(used, op.attrs.get("residual", False)),
+                       (math.ceil(T * cols / experts.WG),), *map(B, op.inputs), B(op.output),
+                       T, cols)
+        return
+    dtype, x16, held = made
+    after = runner.steps[i + 1]
+    runner._launch(experts.expert_sum_norm_x16(used, dtype, runner.device.subgroup_size), (T,),
+                   *map(B, op.inputs), B(op.output), B(after.norm), x16, cols, after.eps)
+    runner._x16["mma" if long else "norm"] = held

@@ -14,7 +14,7 @@ from collections import Counter
 from ..formats.quants import QUANTS
 from ..kernels import flash, matmul, mma_vec, ops
 from ..kernels.lang import TENSOR_COPY, WGMMA
-from .lowering import next_matmul, part_rows
+from .lowering import next_matmul, normed_after, part_rows
 
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
@@ -75,6 +75,18 @@ def tiled_x16_format(dtype):
     reads: x rounded to its operand (mma_operand) in column order (mma_vec's block-quant
     pairing is not mma_tiled's)."""
     return "BF16" if dtype == "BF16" else "F16"
+
+
+def sum_x16_formats(choice, steps, i, long):
+    """The weight formats whose x16 the launch of sum steps[i] (all_reduce, expert_sum) may
+    make for the matmul next (DeviceRunner._sum_x16): none or one."""
+    after = normed_after(steps, i)
+    if after is not None and long and choice.mma_launches(after):
+        return [tiled_x16_format(choice.tiled_weight(after).dtype)]
+    if after is not None and not long and any(
+            choice.matvec(after.weight, n, after.variant)[2] for n in choice.groups(after.weight)):
+        return [after.weight.dtype]
+    return []
 
 
 def tiled_norm_x16(dtype):

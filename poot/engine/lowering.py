@@ -352,12 +352,12 @@ def next_matmul(steps, i):
 
 
 def normed_after(steps, i):
-    """The matmul after steps[i] (an all_reduce with a residual) if it reads the reduced
-    value through an RMSNorm on mma_vec, whose norm_x16 the reduction may make
-    (reduce_norm_x16); else None."""
+    """The matmul after steps[i] (an all_reduce or expert_sum with a residual) if it reads
+    the sum through an RMSNorm on mma_vec, whose norm_x16 the sum's launch may make
+    (reduce_norm_x16, expert_sum_norm_x16); else None."""
     op, after = steps[i], steps[i + 1] if i + 1 < len(steps) else None
     if after is None or after.kind != "matmul" or after.norm is None or \
-            after.x.name != op.output.name or not op.attrs["residual"]:
+            after.x.name != op.output.name or not op.attrs.get("residual"):
         return None
     return after
 

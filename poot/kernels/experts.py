@@ -345,3 +345,32 @@ def expert_sum(used, residual=False):
             total = part if total is None else total + part
         out[i] = total
     return k.build()
+
+
+@cache
+def expert_sum_norm_x16(used, dtype, subgroup_size=mma_vec.SUBGROUP):
+    """expert_sum with its residual (the same bits), then mma_vec.norm_x16's words of the sum
+    for the mma_vec of weight format dtype that reads it through its norm: the next layer's
+    first matmul, a launch fewer a layer. Buffers expert_sum's (y, w, residual, out), norm
+    (the gain), x16; scalars cols (a multiple of 8), eps. One workgroup a token; grid (T)."""
+    name = f"expert_sum{used}_norm_x16_{mma_operand(dtype).name}"
+    k = KernelBuilder(name + "_pairs" * mma_vec.quant_pairs(dtype), (WG,))
+    y, w = k.buffer("y", F32), k.buffer("w", F32)
+    res, out = k.buffer("residual", F32), k.buffer("out", F32, "rw")
+    gain, x16 = k.buffer("norm", F32), k.buffer("x16", U32, "w")
+    cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
+    t = k.block_id()
+
+    def summed(base, i):
+        total = res.load(base + i, 4)
+        for j in range(used):
+            weight = w[t * used + j]
+            part = y.load((t * used + j) * cols + i, 4)
+            total = [a + weight * b for a, b in zip(total, part)]
+        out.store(base + i, *total)
+        return total
+
+    mma_vec.normed_row(k, dtype, subgroup_size, gain, x16, summed,
+                       lambda base, i: out.load(base + i, 4), t * cols, cols, eps,
+                       k.shared("scratch", F32, WG // subgroup_size))
+    return k.build()

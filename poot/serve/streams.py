@@ -86,7 +86,7 @@ class Stream:
             self.ended = True
         if self.ended:
             self.out += END
-            self.handle.cancel()            # the choices left of a failed request
+            self.handle.cancel()            # the choices left where a response could not be shaped
 
     def sent(self):
         """The sender has sent every byte, the end included."""

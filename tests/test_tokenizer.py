@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pathlib
+import random
 import re
 import subprocess
 import sys
@@ -401,6 +402,28 @@ def test_added_tokens_like_hf():
     tool = tok.token_to_id("<tool_call>")
     assert tool in tok.encode("<tool_call>", parse_special=False)
     assert tok.token_to_id("<|eot_id|>") not in tok.encode("<|eot_id|>", parse_special=False)
+
+
+def test_written_out_tokens_are_found_leftmost_then_longest():
+    """_SpecialMatcher's group-free search against its rule spelled as one group an
+    alternative (longest text first, lstrip/rstrip taking the whitespace beside), on random
+    token sets with shared prefixes, equal texts and whitespace tokens."""
+    from poot.text.tokenizer import _SPACE, _SpecialMatcher
+    rng = random.Random(7)
+    alphabet = "<>|ab \n\u3000"
+    for _ in range(200):
+        texts = ["".join(rng.choices(alphabet, k=rng.randint(1, 5))) for _ in range(6)]
+        marked = list(enumerate(texts))
+        lstrip = {i for i in range(6) if rng.random() < 0.3}
+        rstrip = {i for i in range(6) if rng.random() < 0.3}
+        order = sorted(marked, key=lambda it: -len(it[1]))
+        rule = re.compile("|".join(f"({_SPACE * (i in lstrip)}{re.escape(t)}"
+                                   f"{_SPACE * (i in rstrip)})" for i, t in order))
+        matcher = _SpecialMatcher(marked, lstrip, rstrip)
+        for _ in range(40):
+            text = "".join(rng.choices(alphabet, k=rng.randint(0, 30)))
+            want = [(m.start(), m.end(), order[m.lastindex - 1][0]) for m in rule.finditer(text)]
+            assert list(matcher.find(text)) == want, (marked, lstrip, rstrip, text)
 
 
 def test_llama3_template_adds_bos_like_hf():

@@ -17,6 +17,7 @@ rather than run under a different regex dialect. Not here: BPE (bpe.py), special
 """
 
 import functools
+import itertools
 import re
 import sys
 import unicodedata
@@ -159,26 +160,38 @@ def _digits(individual):
     return re.compile(f"[{n}]" if individual else f"[{n}]+")
 
 
-def _isolate(regex, piece):
-    """Split `piece` at the matches of `regex`, keeping matches and the text between them."""
-    out, at = [], 0
-    for m in regex.finditer(piece):
-        if m.start() > at:
-            out.append(piece[at:m.start()])
-        if m.end() > m.start():
-            out.append(m.group())
-        at = m.end()
-    if at < len(piece):
-        out.append(piece[at:])
+def _isolate(regex, pieces):
+    """Each piece split at the matches of `regex`, keeping the matches and the text between
+    them: the parts re.split gives for the pattern in one group, the empty ones left out."""
+    out = []
+    for piece in pieces:
+        out += filter(None, regex.split(piece))
     return out
 
 
-def _spell_bytes(piece):
-    return [byte_level_text(piece.encode("utf-8"))]
+@functools.cache
+def _grouped(regex):
+    """`regex` in one group, so that its split keeps the matches (the patterns have none)."""
+    return re.compile(f"({regex.pattern})")
 
 
-def _spell_spaces(piece):
-    return [piece.replace(" ", "\u2581")]
+def _spell_bytes(pieces):
+    """Every byte of the pieces spelled GPT-2's way, all in one text, then cut where the
+    pieces' bytes end."""
+    joined = "".join(pieces)
+    if joined.isascii():                        # a character a byte
+        ends = itertools.accumulate(map(len, pieces))
+    else:
+        ends = itertools.accumulate(len(piece.encode("utf-8")) for piece in pieces)
+    spelled, at, out = byte_level_text(joined.encode("utf-8")), 0, []
+    for end in ends:
+        out.append(spelled[at:end])
+        at = end
+    return out
+
+
+def _spell_spaces(pieces):
+    return [piece.replace(" ", "\u2581") for piece in pieces]
 
 
 class PreTokenizer:
@@ -202,10 +215,11 @@ class PreTokenizer:
 
     @staticmethod
     def _cut(kind, arg):
+        """A step as a function from the pieces so far to the next ones."""
         if kind == "regex":
-            return functools.partial(_isolate, compiled(arg))
+            return functools.partial(_isolate, _grouped(compiled(arg)))
         if kind == "digits":
-            return functools.partial(_isolate, _digits(arg))
+            return functools.partial(_isolate, _grouped(_digits(arg)))
         return {"bytes": _spell_bytes, "spaces": _spell_spaces}[kind]
 
     def __repr__(self):
@@ -225,7 +239,7 @@ class PreTokenizer:
     def split(self, text):
         pieces = [text] if text else []
         for cut in self._cuts:
-            pieces = [p for piece in pieces for p in cut(piece)]
+            pieces = cut(pieces)
         return pieces
 
 

@@ -349,13 +349,22 @@ class _SpecialMatcher:
     def __init__(self, marked, lstrip, rstrip):
         marked = sorted(marked, key=lambda it: -len(it[1]))
         self._ids = [None] + [i for i, _ in marked]
-        # One group per alternative, so match.lastindex says which token matched.
-        alternatives = [f"({_SPACE if i in lstrip else ''}{re.escape(text)}"
-                        f"{_SPACE if i in rstrip else ''})" for i, text in marked]
+        alternatives = [(f"{_SPACE if i in lstrip else ''}{re.escape(text)}"
+                         f"{_SPACE if i in rstrip else ''}") for i, text in marked]
+        # The search runs group-free, so that `re` finds the alternatives' common prefix (the
+        # '<' of most) by a fast scan; a match names its token by its text, or, where it took
+        # whitespace beside an lstrip/rstrip token, by the grouped pattern's lastindex there.
         self._regex = re.compile("|".join(alternatives)) if marked else None
+        self._grouped = re.compile("|".join(f"({a})" for a in alternatives)) if marked else None
+        self._by_text = {}
+        for i, text in marked:
+            self._by_text.setdefault(text, i)
 
     def find(self, text):
         """(start, end, token id) of each written-out token in `text`."""
         if self._regex is not None:
             for m in self._regex.finditer(text):
-                yield m.start(), m.end(), self._ids[m.lastindex]
+                token_id = self._by_text.get(m.group())
+                if token_id is None:
+                    token_id = self._ids[self._grouped.match(text, m.start()).lastindex]
+                yield m.start(), m.end(), token_id

@@ -197,6 +197,16 @@ def test_expert_sum(device, residual):
 def test_expert_sum_norm_x16(device, dtype, n_tokens, used, cols):
     """expert_sum_norm_x16: out the same bits as expert_sum's with its residual, and the
     norm_x16 words of it."""
+    check_expert_sum_norm_x16(device, dtype, n_tokens, used, cols)
+
+
+def test_expert_sum_norm_x16_bf16(cuda_device):
+    """The bf16 words a BF16 model's mma_tiled reads (a long step's; wgpu has no 16-bit
+    integers, and only ptx runs them)."""
+    check_expert_sum_norm_x16(cuda_device, "BF16", 3, 8, 520)
+
+
+def check_expert_sum_norm_x16(device, dtype, n_tokens, used, cols):
     eps = 1e-5
     y = rng.standard_normal((n_tokens, used, cols)).astype(np.float32)
     w = rng.random((n_tokens, used)).astype(np.float32)
@@ -223,7 +233,8 @@ def expert_kernels(subgroup_size):
            experts.route_grouped(subgroup_size, 8, True, slots, "Q4_0"),
            experts.route_grouped(subgroup_size, 8, True, slots, "F16"),
            experts.expert_sum(8), experts.expert_sum(8, residual=True),
-           experts.expert_sum_norm_x16(8, "Q4_0"), experts.expert_sum_norm_x16(8, "F16")]
+           experts.expert_sum_norm_x16(8, "Q4_0"), experts.expert_sum_norm_x16(8, "F16"),
+           experts.expert_sum_norm_x16(8, "BF16")]
     return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per, glu is not None)
                   for d in DEVICE_DTYPES for tokens in experts.expert_tokens(d)
                   for glu in (None, "silu")

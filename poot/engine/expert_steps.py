@@ -107,13 +107,18 @@ def normed_in_route(runner, steps, i, T):
 
 def route_kernels(runner, steps, i, long):
     op, sg = steps[i], runner.device.subgroup_size
-    slots = experts.route_slots(op.logits.shape[1], sg)
     normed = normed_in_route(runner, steps, i, 1)
-    return [experts.route(sg, op.used, op.normalize, slots),
-            experts.expert_groups(op.used % 4 == 0),
-            experts.route_grouped(sg, op.used, op.normalize, slots)] + (
-        [] if normed is None else
-        [experts.route_grouped(sg, op.used, op.normalize, slots, normed.weight.dtype)])
+    return [experts.route(sg, op.used, op.normalize, experts.route_slots(op.logits.shape[1], sg)),
+            experts.expert_groups(op.used % 4 == 0), grouped_kernel(runner, op)] + (
+        [] if normed is None else [grouped_kernel(runner, op, normed.weight.dtype)])
+
+
+def grouped_kernel(runner, op, norm_x16=None):
+    """The route_grouped of Route op (with norm_x16, the experts' weight format, where it makes
+    their x16)."""
+    sg = runner.device.subgroup_size
+    return experts.route_grouped(sg, op.used, op.normalize,
+                                 experts.route_slots(op.logits.shape[1], sg), norm_x16)
 
 
 def route(runner, op, T, R, i, long):
@@ -127,10 +132,7 @@ def route(runner, op, T, R, i, long):
     if T * op.used <= experts.GROUPED_ROUTES:
         normed = normed_in_route(runner, runner.steps, i, T)
         if normed is not None:
-            sg = runner.device.subgroup_size
-            grouped = experts.route_grouped(sg, op.used, op.normalize,
-                                            experts.route_slots(n_experts, sg),
-                                            normed.weight.dtype)
+            grouped = grouped_kernel(runner, op, normed.weight.dtype)
             x16 = [B(normed.x), B(normed.norm), runner.buffers["expert_x16"]]
             runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights),
                            *expert_buffers(runner), *x16, n_experts, T, normed.weight.shape[2],
@@ -206,16 +208,15 @@ def sum_kernels(runner, steps, i, long):
 def expert_sum(runner, op, T, R, i, long):
     """The routes' outputs summed by their weights (plus the residual); where the matmul next
     reads the sum through a norm, the launch makes its x16 too (DeviceRunner._sum_x16)."""
-    y, B = op.inputs[0], runner._buffer
+    y, B, after = op.inputs[0], runner._buffer, normed_after(runner.steps, i)
     used, cols = y.shape[1:]
-    made = runner._sum_x16(normed_after(runner.steps, i), T, long)
+    made = runner._sum_x16(after, T, long)
     if made is None:
         runner._launch(experts.expert_sum(used, op.attrs.get("residual", False)),
                        (math.ceil(T * cols / experts.WG),), *map(B, op.inputs), B(op.output),
                        T, cols)
         return
     dtype, x16, held = made
-    after = runner.steps[i + 1]
     runner._launch(experts.expert_sum_norm_x16(used, dtype, runner.device.subgroup_size), (T,),
                    *map(B, op.inputs), B(op.output), B(after.norm), x16, cols, after.eps)
     runner._x16["mma" if long else "norm"] = held

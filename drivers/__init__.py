@@ -2,14 +2,17 @@
 
 This package holds what every binding shares: `DriverError`, the one exception a failed driver
 call becomes, `load_library`, which finds a library and lets an environment variable name
-another copy (the seam tests use to make a library absent), and `Structs`, which fills a
-binding's structs from keyword fields. It holds no policy: which device, which memory, whether
-to retry, all belong to `poot/backends/`.
+another copy (the seam tests use to make a library absent), `held_functions`, which calls a
+binding's short, frequent functions without giving up the interpreter lock, and `Structs`,
+which fills a binding's structs from keyword fields. It holds no policy: which device, which
+memory, whether to retry, all belong to `poot/backends/`.
 """
 
+import ctypes
 import os
 import sys
 import weakref
+from types import SimpleNamespace
 
 
 class DriverError(Exception):
@@ -57,6 +60,47 @@ def load_library(ffi, library, candidates, env_var):
             reason = str(error).split("  Additionally, ctypes.util")[0].strip()
             tried.append((f"{path} (from {env_var})" if override else path, reason))
     raise LibraryNotFound(library, tried)
+
+
+def holding_the_lock(ffi, function, restype, *argtypes):
+    """cffi `function` of an opened library, called through ctypes (PYFUNCTYPE) so that the
+    interpreter lock stays held: for calls that return in microseconds and come hundreds at a
+    time, a step's launches. cffi gives the lock up around every call, and each time the
+    calling thread must win it back from every runnable thread (a burst of request handlers,
+    say), so a step's launches would wait on all of them. Arguments are ctypes values or
+    ints; a cdata pointer goes as its address (`address`)."""
+    return ctypes.PYFUNCTYPE(restype, *argtypes)(address(ffi, function))
+
+
+def held_functions(ffi, lib, signatures):
+    """The functions of opened `lib` that `signatures` names ({name: (restype, argtypes...)},
+    ctypes types), as attributes, each holding the lock (holding_the_lock). A signature that
+    disagrees with the function's cffi declaration (a pointer for an integer, another size, a
+    parameter more or less) is a TypeError: ctypes would pass the arguments wrongly."""
+    for name, signature in signatures.items():
+        declared = _shape(ffi, ffi.typeof(getattr(lib, name)))
+        if declared != tuple(_ctype_shape(t) for t in signature):
+            raise TypeError(f"{name}: {signature} for ctypes, but {declared} declared to cffi "
+                            "(pointer 'p', integers by size)")
+    return SimpleNamespace(**{name: holding_the_lock(ffi, getattr(lib, name), *signature)
+                              for name, signature in signatures.items()})
+
+
+def _shape(ffi, function):
+    """A cffi function type's result and parameters as 'p' (pointer), None (void) or bytes
+    (an integer or enum: the calling convention passes any of one size alike)."""
+    def one(t):
+        return "p" if t.kind == "pointer" else None if t.kind == "void" else ffi.sizeof(t)
+    return (one(function.result), *map(one, function.args))
+
+
+def _ctype_shape(t):
+    return None if t is None else "p" if t is ctypes.c_void_p else ctypes.sizeof(t)
+
+
+def address(ffi, pointer):
+    """A cdata pointer as the int ctypes passes for a void *."""
+    return int(ffi.cast("uintptr_t", pointer))
 
 
 # What a struct made by a binding's helpers points to (strings, arrays, other structs), kept

@@ -13,9 +13,11 @@ stream of None is the legacy default stream. Host memory is a buffer (a numpy ar
 cdata pointer (pinned memory from `mem_alloc_host`) or an int address.
 """
 
+import ctypes
+
 import cffi
 
-from drivers import DriverError, load_library
+from drivers import DriverError, address, held_functions, load_library
 
 LIBRARY = "libcuda"
 CANDIDATES = ("libcuda.so.1", "libcuda.so", "/usr/local/nvidia/lib64/libcuda.so.1",
@@ -220,6 +222,16 @@ for _enum in ("CUdevice_attribute", "CUjit_option", "CUfunction_attribute", "CUs
     globals().update(ffi.typeof(_enum).relements)
 
 
+_P, _U = ctypes.c_void_p, ctypes.c_uint
+# The launches, for drivers.held_functions: a step makes hundreds. A launch returns once it is
+# queued; it would wait only on a full queue (about a thousand launches), which a runner a step
+# or two ahead of the device does not fill.
+LAUNCHES = {
+    "cuLaunchKernel": (ctypes.c_int, _P, *[_U] * 7, _P, _P, _P),
+    "cuLaunchKernelEx": (ctypes.c_int, _P, _P, _P, _P),
+}
+
+
 class KernelParams:
     """cuLaunchKernel's `void **kernelParams`, built from (C type, value) pairs.
 
@@ -260,6 +272,7 @@ class Driver:
             self._event_elapsed_time = self.lib.cuEventElapsedTime_v2
         except AttributeError:
             self._event_elapsed_time = self.lib.cuEventElapsedTime
+        self._held = held_functions(ffi, self.lib, LAUNCHES)
 
     def _check(self, call, result, log=""):
         if result == 0:
@@ -436,9 +449,9 @@ class Driver:
     def launch_kernel(self, function, grid, block, params, shared_bytes=0, stream=None):
         """Launch `function` over grid x block (ints or up-to-3 tuples) with KernelParams."""
         (gx, gy, gz), (bx, by, bz) = _dim3(grid), _dim3(block)
-        self._check("cuLaunchKernel",
-                    self.lib.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_bytes,
-                                            _stream(stream), params.array, ffi.NULL))
+        self._check("cuLaunchKernel", self._held.cuLaunchKernel(
+            address(ffi, function), gx, gy, gz, bx, by, bz, shared_bytes,
+            address(ffi, _stream(stream)), address(ffi, params.array), None))
 
     def launch_kernel_programmatic(self, function, grid, block, params, shared_bytes=0,
                                    stream=None):
@@ -454,8 +467,8 @@ class Driver:
         config.sharedMemBytes = shared_bytes
         config.hStream = _stream(stream)
         config.attrs, config.numAttrs = attribute, 1
-        self._check("cuLaunchKernelEx",
-                    self.lib.cuLaunchKernelEx(config, function, params.array, ffi.NULL))
+        self._check("cuLaunchKernelEx", self._held.cuLaunchKernelEx(
+            address(ffi, config), address(ffi, function), address(ffi, params.array), None))
 
     def tensor_map_encode_tiled(self, data_type, address, dims, strides, box, swizzle,
                                 l2_promotion):

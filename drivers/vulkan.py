@@ -13,6 +13,8 @@ VK_EXT_debug_utils, as PFN types) come from `instance_function`. Non-dispatchabl
 declared as pointers, which is their definition on 64-bit hosts (the only hosts poot runs on).
 """
 
+import ctypes
+
 from cffi import FFI
 
 from drivers import DriverError, Structs, keep_alive, load_library
@@ -895,6 +897,19 @@ RESULTS = {
 def load():
     """Open the Vulkan loader; return (lib, path). Raises LibraryNotFound naming the paths tried."""
     return load_library(ffi, "vulkan", CANDIDATES, ENV_VAR)
+
+
+_P, _U = ctypes.c_void_p, ctypes.c_uint32
+# The commands a launch records (a step records hundreds), for drivers.held_functions: handles
+# and arrays are pointers (ints, a handle's its `address`; bytes for pushed values), flags and
+# counts 32-bit.
+RECORDED = {
+    "vkCmdPipelineBarrier": (None, _P, _U, _U, _U, _U, _P, _U, _P, _U, _P),
+    "vkCmdBindPipeline": (None, _P, _U, _P),
+    "vkCmdBindDescriptorSets": (None, _P, _U, _P, _U, _U, _P, _U, _P),
+    "vkCmdPushConstants": (None, _P, _P, _U, _U, _U, _P),
+    "vkCmdDispatch": (None, _P, _U, _U, _U),
+}
 
 
 def check(result, call):

@@ -23,6 +23,7 @@ module using them fails validation).
 """
 
 import contextlib
+import ctypes
 import importlib.util
 import site
 from pathlib import Path
@@ -649,6 +650,18 @@ def candidates():
             if path not in paths:
                 paths.append(path)
     return paths
+
+
+_P, _U, _SIZE = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_size_t
+# The calls a launch makes in its compute pass (a step makes hundreds), for
+# drivers.held_functions: handles and arrays are pointers (ints, a handle's its address; bytes
+# for immediates).
+RECORDED = {
+    "wgpuComputePassEncoderSetPipeline": (None, _P, _P),
+    "wgpuComputePassEncoderSetBindGroup": (None, _P, _U, _P, _SIZE, _P),
+    "wgpuComputePassEncoderSetImmediates": (None, _P, _U, _P, _SIZE),
+    "wgpuComputePassEncoderDispatchWorkgroups": (None, _P, _U, _U, _U),
+}
 
 
 def load():

@@ -5,13 +5,18 @@ missing-library error, the kernel-parameter packing and the PTX fixtures (via pt
 installed) are checked everywhere. On a GPU machine: python -m pytest tests/test_drivers_cuda.py
 """
 
+import ctypes
 import shutil
 import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
 
-from drivers import DriverError, LibraryNotFound, cuda
+import cffi
+
+from drivers import DriverError, LibraryNotFound, address, cuda, held_functions
 
 # y[i] = a * x[i] + b for i < n; rounded after the multiply and after the add, as numpy does.
 AFFINE_PTX = """\
@@ -100,6 +105,45 @@ def test_kernel_params_hold_typed_values():
     assert [cuda.ffi.cast(t, params.array[i])[0] for i, t in enumerate(types)] == \
         [2**40 + 8, 1.5, 7, -3]
     assert cuda.KernelParams().array == cuda.ffi.NULL
+
+
+def test_a_call_holding_the_lock_gives_the_same_results_and_keeps_other_threads_waiting():
+    """drivers.held_functions, as the launches use it, on the C library: the results of the
+    plain cffi call; while the call runs (a 0.2 s sleep) no other Python thread runs, where
+    the plain call lets one count all the while; and a ctypes signature that disagrees with
+    the cffi declaration is refused."""
+    ffi = cffi.FFI()
+    ffi.cdef("size_t strlen(const char *s); int usleep(unsigned int usec);")
+    libc = ffi.dlopen(None)
+    held = held_functions(ffi, libc, {"strlen": (ctypes.c_size_t, ctypes.c_void_p),
+                                      "usleep": (ctypes.c_int, ctypes.c_uint)})
+    text = ffi.new("char[]", b"kernel parameters")
+    assert held.strlen(address(ffi, text)) == libc.strlen(text) == 17
+    for wrong in [(ctypes.c_size_t, ctypes.c_uint32), (ctypes.c_size_t,),
+                  (ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)]:
+        with pytest.raises(TypeError, match="strlen"):
+            held_functions(ffi, libc, {"strlen": wrong})
+    counted, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            counted[0] += 1
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.001)        # the counter's slices beside the call: 1 ms, not 5
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        counts = []
+        for sleep in (libc.usleep, held.usleep):
+            before = counted[0]
+            sleep(200_000)
+            counts.append(counted[0] - before)
+    finally:
+        stop.set()
+        counter.join()
+        sys.setswitchinterval(interval)
+    released, held_count = counts
+    assert released > 1000 and held_count < released / 10, counts
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from drivers import DriverError, LibraryNotFound
+from drivers import DriverError, LibraryNotFound, held_functions
 from drivers import vulkan as vk
 
 ffi = vk.ffi
@@ -173,6 +173,13 @@ def test_instance_version_and_layers(lib, instance):
     assert vk.version_string(vk.make_version(1, 3, 239)) == "1.3.239"
     if not instance.validated:
         pytest.skip(f"{VALIDATION_LAYER} not installed (Debian package vulkan-validationlayers)")
+
+
+def test_the_calls_a_launch_makes_are_declared_alike_to_ctypes(lib):
+    """RECORDED's ctypes signatures agree with the cffi declarations (drivers.held_functions
+    checks them as it binds), and each is a function of the opened library."""
+    held = held_functions(vk.ffi, lib, vk.RECORDED)
+    assert all(callable(getattr(held, name)) for name in vk.RECORDED)
 
 
 def test_properties_and_subgroups(lib, physical_device):

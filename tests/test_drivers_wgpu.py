@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from drivers import DriverError, LibraryNotFound
+from drivers import DriverError, LibraryNotFound, held_functions
 from drivers import wgpu
 
 ffi = wgpu.ffi
@@ -140,6 +140,13 @@ def no_uncaptured_errors(request):
     device = request.getfixturevalue("device")
     yield
     assert [str(error) for error in device.uncaptured] == []
+
+
+def test_the_calls_a_launch_makes_are_declared_alike_to_ctypes(lib):
+    """RECORDED's ctypes signatures agree with the cffi declarations (drivers.held_functions
+    checks them as it binds), and each is a function of the opened library."""
+    held = held_functions(wgpu.ffi, lib, wgpu.RECORDED)
+    assert all(callable(getattr(held, name)) for name in wgpu.RECORDED)
 
 
 def test_library_comes_from_the_wheel_without_importing_wgpu(lib, loaded):

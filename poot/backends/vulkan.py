@@ -17,7 +17,7 @@ from itertools import count
 
 import numpy as np
 
-from drivers import DriverError, LibraryNotFound
+from drivers import DriverError, LibraryNotFound, address, held_functions
 from drivers import vulkan as vk
 
 from ..codegen.spirv import TARGET, binding_layout, render_spirv
@@ -60,7 +60,10 @@ class Program:
     set_layout: object
     push_size: int
     pack: object              # scalars -> push-constant bytes
-    sets: dict = field(default_factory=dict)   # buffer serials -> (descriptor set array, pool)
+    sets: dict = field(default_factory=dict)   # buffer serials -> (set array, pool, address)
+
+    def __post_init__(self):  # the handles' addresses, as the held commands take them
+        self.pipeline_at, self.layout_at = address(ffi, self.pipeline), address(ffi, self.layout)
 
 
 @dataclass(eq=False)
@@ -195,6 +198,8 @@ class VulkanDevice(Device):
             srcAccessMask=lib.VK_ACCESS_SHADER_WRITE_BIT | lib.VK_ACCESS_TRANSFER_WRITE_BIT,
             dstAccessMask=lib.VK_ACCESS_SHADER_READ_BIT | lib.VK_ACCESS_SHADER_WRITE_BIT
             | lib.VK_ACCESS_TRANSFER_READ_BIT | lib.VK_ACCESS_TRANSFER_WRITE_BIT)
+        self._barrier_at = address(ffi, self._barrier)
+        self._held = held_functions(ffi, lib, vk.RECORDED)
         self._host_barrier = vk.new(
             "VkMemoryBarrier",
             srcAccessMask=lib.VK_ACCESS_SHADER_WRITE_BIT | lib.VK_ACCESS_TRANSFER_WRITE_BIT,
@@ -336,7 +341,7 @@ class VulkanDevice(Device):
             self.synchronize()
         for program in self._sets_of.pop(buffer.serial, ()):
             for key in [k for k in program.sets if buffer.serial in k]:
-                sets, pool = program.sets.pop(key)
+                sets, pool, _ = program.sets.pop(key)
                 vk.check(self.lib.vkFreeDescriptorSets(self.device, pool, 1, sets),
                          "vkFreeDescriptorSets")
         self.lib.vkDestroyBuffer(self.device, buffer.handle, ffi.NULL)
@@ -504,12 +509,12 @@ class VulkanDevice(Device):
                        layout.push_constant_size, layout.pack_push_constants)
 
     def _descriptor_set(self, program, buffers):
-        """The set binding `buffers` for `program`, written once and kept until one of the
-        buffers is freed (the runner launches the same buffers every step)."""
+        """The address of the set binding `buffers` for `program`, written once and kept until
+        one of the buffers is freed (the runner launches the same buffers every step)."""
         key = tuple(b.serial for b in buffers)
         entry = program.sets.get(key)
         if entry is not None:
-            return entry[0]
+            return entry[2]
         lib = self.lib
         sets, pool = self._allocate_set(program.set_layout)
         infos = [ffi.new("VkDescriptorBufferInfo *", {"buffer": b.handle, "offset": 0,
@@ -520,10 +525,10 @@ class VulkanDevice(Device):
              "descriptorType": lib.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "pBufferInfo": info}
             for i, info in enumerate(infos)])
         lib.vkUpdateDescriptorSets(self.device, len(infos), writes, 0, ffi.NULL)
-        program.sets[key] = (sets, pool)
+        program.sets[key] = (sets, pool, address(ffi, sets))
         for serial in set(key):
             self._sets_of.setdefault(serial, set()).add(program)
-        return sets
+        return program.sets[key][2]
 
     def _allocate_set(self, set_layout):
         """A descriptor set from the newest pool, or from a new pool when that one is full."""
@@ -557,30 +562,33 @@ class VulkanDevice(Device):
 
     def launch(self, program, kernel, grid, args):
         """One dispatch recorded in issue order; args follow kernel.params (buffers, then
-        Python scalars, which become the push constants)."""
+        Python scalars, which become the push constants). Recorded through the commands that
+        keep the interpreter lock (vk.RECORDED)."""
         buffers, scalars = [], []
         for param, arg in zip(kernel.params, args, strict=True):
             (buffers if param.kind == "buffer" else scalars).append(arg)
         groups = workgroups(kernel, grid, self.limits.maxComputeWorkGroupCount)
         sets = self._descriptor_set(program, buffers)
-        lib, cb = self.lib, self._record()
-        compute = lib.VK_PIPELINE_BIND_POINT_COMPUTE
-        lib.vkCmdBindPipeline(cb, compute, program.pipeline)
-        lib.vkCmdBindDescriptorSets(cb, compute, program.layout, 0, 1, sets, 0, ffi.NULL)
+        lib, cmd = self.lib, self._held
+        recorded = self._record()
+        cb = address(ffi, recorded)
+        compute, layout = lib.VK_PIPELINE_BIND_POINT_COMPUTE, program.layout_at
+        cmd.vkCmdBindPipeline(cb, compute, program.pipeline_at)
+        cmd.vkCmdBindDescriptorSets(cb, compute, layout, 0, 1, sets, 0, None)
         if program.push_size:
             values = program.pack(scalars)
-            lib.vkCmdPushConstants(cb, program.layout, lib.VK_SHADER_STAGE_COMPUTE_BIT, 0,
-                                   len(values), ffi.from_buffer(values))
+            cmd.vkCmdPushConstants(cb, layout, lib.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(values),
+                                   values)
         if self._timed is None:
-            lib.vkCmdDispatch(cb, *groups)
+            cmd.vkCmdDispatch(cb, *groups)
             return
         first = 2 * len(self._timed)
         if first + 2 > TIMED_LAUNCHES * 2:
             raise RuntimeError(f"vulkan: more than {TIMED_LAUNCHES} launches timed at once")
         stage = lib.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
-        lib.vkCmdWriteTimestamp(cb, stage, self._queries, first)
-        lib.vkCmdDispatch(cb, *groups)
-        lib.vkCmdWriteTimestamp(cb, stage, self._queries, first + 1)
+        lib.vkCmdWriteTimestamp(recorded, stage, self._queries, first)
+        cmd.vkCmdDispatch(cb, *groups)
+        lib.vkCmdWriteTimestamp(recorded, stage, self._queries, first + 1)
         self._timed.append(kernel.name)
 
     def start_timing(self):
@@ -641,8 +649,8 @@ class VulkanDevice(Device):
                 self._commands = self._command_buffer(
                     self.lib.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
             commands = self._commands
-        self.lib.vkCmdPipelineBarrier(commands[0], self._stages, self._stages, 0, 1,
-                                      self._barrier, 0, ffi.NULL, 0, ffi.NULL)
+        self._held.vkCmdPipelineBarrier(address(ffi, commands[0]), self._stages, self._stages, 0,
+                                        1, self._barrier_at, 0, None, 0, None)
         return commands[0]
 
     def _end(self, commands):

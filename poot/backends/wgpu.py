@@ -20,7 +20,7 @@ from itertools import count
 
 import numpy as np
 
-from drivers import DriverError, LibraryNotFound
+from drivers import DriverError, LibraryNotFound, address, held_functions
 from drivers import wgpu
 
 from ..codegen.spirv import TARGET, binding_layout, render_spirv
@@ -47,6 +47,9 @@ class Program:
     push_size: int
     pack: object              # scalars -> immediate (push-constant) bytes
     groups: dict = field(default_factory=dict)    # buffer serials -> bind group
+
+    def __post_init__(self):  # the pipeline's address, as the held calls take it
+        self.pipeline_at = address(ffi, self.pipeline)
 
 
 @contextlib.contextmanager
@@ -82,6 +85,7 @@ class WgpuDevice(Device):
         except DriverError as e:
             raise BackendUnavailable(f"wgpu: {e}") from None
         lib = self.lib
+        self._held = held_functions(ffi, lib, wgpu.RECORDED)
         self.instance = lib.wgpuCreateInstance(wgpu.chain(
             wgpu.new("WGPUInstanceDescriptor"),
             wgpu.new("WGPUInstanceExtras", backends=lib.WGPUInstanceBackend_Vulkan)))
@@ -378,20 +382,20 @@ class WgpuDevice(Device):
 
     def launch(self, program, kernel, grid, args):
         """One dispatch in the open compute pass (wgpu orders dispatches that share a buffer);
-        args follow kernel.params (buffers, then Python scalars, which become immediates)."""
+        args follow kernel.params (buffers, then Python scalars, which become immediates).
+        Made through the calls that keep the interpreter lock (wgpu.RECORDED)."""
         buffers, scalars = [], []
         for param, arg in zip(kernel.params, args, strict=True):
             (buffers if param.kind == "buffer" else scalars).append(arg)
         groups = workgroups(kernel, grid, (self.limits.maxComputeWorkgroupsPerDimension,) * 3)
         group = self._bind_group(program, buffers)
-        lib, compute = self.lib, self._compute_pass()
-        lib.wgpuComputePassEncoderSetPipeline(compute, program.pipeline)
-        lib.wgpuComputePassEncoderSetBindGroup(compute, 0, group, 0, ffi.NULL)
+        held, compute = self._held, address(ffi, self._compute_pass())
+        held.wgpuComputePassEncoderSetPipeline(compute, program.pipeline_at)
+        held.wgpuComputePassEncoderSetBindGroup(compute, 0, address(ffi, group), 0, None)
         if program.push_size:
             values = program.pack(scalars)
-            lib.wgpuComputePassEncoderSetImmediates(compute, 0, ffi.from_buffer(values),
-                                                    len(values))
-        lib.wgpuComputePassEncoderDispatchWorkgroups(compute, *groups)
+            held.wgpuComputePassEncoderSetImmediates(compute, 0, values, len(values))
+        held.wgpuComputePassEncoderDispatchWorkgroups(compute, *groups)
 
     # -- encoding and submission ---------------------------------------------------------------
     def _encoding(self):

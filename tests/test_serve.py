@@ -132,45 +132,6 @@ def test_completion_equals_the_engine_run_alone(client, tiny):
         len(tiny.tokenizer.encode(prompt)), 9, len(tiny.tokenizer.encode(prompt)) + 9)
 
 
-def test_concurrent_requests_encode_their_prompts_one_at_a_time(server, tiny, monkeypatch):
-    """openai.encode: 12 clients at once (completions, chat, /tokenize), each request's text
-    encoded whole before the next starts (an encode made slow here, sleeping midway, so that
-    any overlap shows), and every answer as it is alone."""
-    real, running, most = tiny.tokenizer.encode, [0], [0]
-
-    def slow_encode(text, **kw):
-        running[0] += 1
-        most[0] = max(most[0], running[0])
-        time.sleep(0.02)                # gives the interpreter lock up, as a long encode would
-        try:
-            return real(text, **kw)
-        finally:
-            running[0] -= 1
-    monkeypatch.setattr(tiny.tokenizer, "encode", slow_encode)
-    bodies = [("/v1/completions", {"prompt": f"Hello {i}", "max_tokens": 3, "temperature": 0,
-                                   "ignore_eos": True}) for i in range(6)] + \
-        [("/v1/chat/completions", {"messages": [{"role": "user", "content": f"Hi {i}"}],
-                                   "max_tokens": 3, "temperature": 0}) for i in range(3)] + \
-        [("/tokenize", {"prompt": f"Count {i}"}) for i in range(3)]
-    answers = [None] * len(bodies)
-
-    def ask(i):
-        answers[i] = call(server, "POST", *bodies[i])
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert all(status == 200 for status, _, _ in answers), answers
-    assert most[0] == 1
-    for (path, body), (_, _, got) in zip(bodies, answers):
-        if path == "/tokenize":
-            assert got["tokens"] == real(body["prompt"])
-        elif path == "/v1/completions":
-            assert got["choices"][0]["text"] == engine_alone(
-                tiny, real(body["prompt"]), max_tokens=3, temperature=0, ignore_eos=True)[0]
-
-
 def test_a_completion_without_max_tokens_takes_openais_default_of_16(client, tiny):
     r = client.completions.create(model=tiny.name, prompt="Hi", temperature=0,
                                   extra_body={"ignore_eos": True})

@@ -13,7 +13,7 @@ import numpy as np
 
 from poot.engine.request import SamplingParams
 from poot.serve.errors import invalid
-from poot.serve.openai import _check_text, _get, check_model, encode
+from poot.serve.openai import _check_text, _get, check_model
 
 MAX_INPUTS = 2048           # OpenAI's limit on inputs in one request
 
@@ -72,6 +72,6 @@ def _inputs(value, tokenizer):
         if isinstance(x, str):
             if not x:
                 raise invalid("'input' cannot hold an empty string", "input")
-            x = encode(tokenizer, _check_text(x, "input"))
+            x = tokenizer.encode(_check_text(x, "input"), add_special=True, parse_special=True)
         out.append(list(x))
     return out

@@ -10,7 +10,6 @@ structured.py's. This module knows the model's tokenizer and chat template but n
 """
 import json
 import math
-import threading
 import time
 import uuid
 
@@ -26,17 +25,6 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 COMPLETION_MAX_TOKENS = 16
 LOGPROB_FLOOR = -9999.0
 TEXT_MARK = "\0text\0"     # where a text chunk's text goes: no name nor id holds a NUL
-_ENCODING = threading.Lock()
-
-
-def encode(tokenizer, text, add_special=True):
-    """`tokenizer.encode` of a request's text (written-out special tokens parsed), one request's
-    at a time: encoding is pure Python, so handlers encoding at once under the interpreter
-    lock only take turns, and every prompt of a burst would be ready at about the end of all;
-    in turn, the first is ready after its own encode and the engine starts on it while the
-    others wait asleep, not competing with its launches."""
-    with _ENCODING:
-        return tokenizer.encode(text, add_special=add_special, parse_special=True)
 
 
 def from_invalid_request(exc):
@@ -200,7 +188,8 @@ def _prompts(body, tokenizer, skip_special_tokens=True):
     for i, p in enumerate(prompt if several else [prompt]):
         where = f"prompt[{i}]" if several else "prompt"
         if isinstance(p, str):
-            out.append((encode(tokenizer, _check_text(p, where)), p))
+            out.append((tokenizer.encode(_check_text(p, where), add_special=True,
+                                         parse_special=True), p))
         elif _token_ids(p):
             out.append((list(p), tokenizer.decode(p, skip_special=skip_special_tokens)))
         else:
@@ -319,7 +308,8 @@ def render_chat(model, messages, tool_use=None, extra=None):
 
 def chat_prompt_ids(model, messages, tool_use=None, extra=None):
     # The rendered template carries its own special tokens (BOS included where the model wants).
-    return encode(model.tokenizer, render_chat(model, messages, tool_use, extra), False)
+    return model.tokenizer.encode(render_chat(model, messages, tool_use, extra),
+                                  add_special=False, parse_special=True)
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -568,13 +558,14 @@ def tokenize(body, model, names, context):
         check_model(body, names)
         tool_use = ToolUse.of(body, model)
         text = render_chat(model, chat_messages(body), tool_use, template_kwargs(body))
-        ids = encode(model.tokenizer, text, False)
+        ids = model.tokenizer.encode(text, add_special=False, parse_special=True)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise invalid("'/tokenize' needs 'prompt' (a string) or 'messages'", "prompt")
         add_special = _get(body, "add_special_tokens", "bool", True)
-        ids = encode(model.tokenizer, _check_text(prompt, "prompt"), add_special)
+        ids = model.tokenizer.encode(_check_text(prompt, "prompt"), add_special=add_special,
+                                     parse_special=True)
     return {"tokens": list(ids), "count": len(ids), "max_model_len": context}
 
 

@@ -132,6 +132,58 @@ def test_completion_equals_the_engine_run_alone(client, tiny):
         len(tiny.tokenizer.encode(prompt)), 9, len(tiny.tokenizer.encode(prompt)) + 9)
 
 
+def test_requests_are_made_a_few_at_a_time_and_not_while_the_engine_issues_a_step(
+        server, tiny, monkeypatch):
+    """Serving.intake: 12 clients at once (completions, chats, /tokenize), at most
+    INTAKE_SLOTS making their requests at a time (an encode made slow here, sleeping midway so
+    that overlaps show) and none while Engine.host_free is clear (held clear here, as while the
+    engine's thread issues a step on a device); every answer as it is alone."""
+    from poot.serve import http as serve_http
+    real, running, most, started = tiny.tokenizer.encode, [0], [0], [0]
+    lock = threading.Lock()
+
+    def slow_encode(text, **kw):
+        with lock:
+            running[0] += 1
+            started[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)                # gives the interpreter lock up, as a long encode would
+        try:
+            return real(text, **kw)
+        finally:
+            with lock:
+                running[0] -= 1
+    monkeypatch.setattr(tiny.tokenizer, "encode", slow_encode)
+    bodies = [("/v1/completions", {"prompt": f"Hello {i}", "max_tokens": 3, "temperature": 0,
+                                   "ignore_eos": True}) for i in range(6)] + \
+        [("/v1/chat/completions", {"messages": [{"role": "user", "content": f"Hi {i}"}],
+                                   "max_tokens": 3, "temperature": 0}) for i in range(3)] + \
+        [("/tokenize", {"prompt": f"Count {i}"}) for i in range(3)]
+    answers = [None] * len(bodies)
+
+    def ask(i):
+        answers[i] = call(server, "POST", *bodies[i])
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
+    server.engine.host_free.clear()
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        assert started[0] == 0, "a request was made while the engine issued a step"
+    finally:
+        server.engine.host_free.set()
+    for t in threads:
+        t.join()
+    assert all(status == 200 for status, _, _ in answers), answers
+    assert 1 < most[0] <= serve_http.INTAKE_SLOTS, most[0]
+    for (path, body), (_, _, got) in zip(bodies, answers):
+        if path == "/tokenize":
+            assert got["tokens"] == real(body["prompt"])
+        elif path == "/v1/completions":
+            assert got["choices"][0]["text"] == engine_alone(
+                tiny, real(body["prompt"]), max_tokens=3, temperature=0, ignore_eos=True)[0]
+
+
 def test_a_completion_without_max_tokens_takes_openais_default_of_16(client, tiny):
     r = client.completions.create(model=tiny.name, prompt="Hi", temperature=0,
                                   extra_body={"ignore_eos": True})

@@ -127,6 +127,36 @@ def test_the_writer_waits_while_the_engine_launches(engine, model):
     writer.close()
 
 
+def test_the_engine_holds_intake_back_while_it_issues_a_step_on_a_device(model, device):
+    """Engine.host_free is clear while the engine's thread schedules and launches a step on a
+    device (the device waits for those launches; the server's intake waits for host_free:
+    Serving.intake) and set while it waits for the device; the reference runner, whose
+    launch computes the step, never clears it."""
+    for runner in (model.runner(device, num_blocks=64, block_size=4, max_seqs=4),
+                   model.runner(num_blocks=64, block_size=4)):
+        engine = Engine(runner, model.tokenizer, max_seqs=4)
+        lane, seen = engine.lanes[0], []
+        launch, collect = lane.launch, lane.collect
+
+        def noting_launch(*a, **kw):
+            seen.append(("launch", engine.host_free.is_set()))
+            return launch(*a, **kw)
+
+        def noting_collect(*a, **kw):
+            seen.append(("collect", engine.host_free.is_set()))
+            return collect(*a, **kw)
+        lane.launch, lane.collect = noting_launch, noting_collect
+        req = request(model, 6)
+        handle = engine.submit(req.prompts[0], req.params)
+        while engine.step():
+            pass
+        assert sum(len(out.token_ids) for out in handle) == 6
+        launches = [free for what, free in seen if what == "launch"]
+        collects = [free for what, free in seen if what == "collect"]
+        assert launches and collects and all(collects) and engine.host_free.is_set()
+        assert not any(launches) if runner.queues else all(launches), (runner, seen)
+
+
 @pytest.mark.parametrize("kind", ["text", "chat"])
 @pytest.mark.parametrize("usage", [False, True])
 def test_a_text_chunk_is_the_json_of_its_whole_chunk(model, kind, usage):

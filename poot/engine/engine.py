@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from poot.engine.kvcache import blocks_for
@@ -219,6 +220,13 @@ class Engine:
         # interpreter's lock from the engine's thread while the device idles
         self.launched = threading.Event()
         self.launched.set()
+        # clear while the engine's thread issues a step on a device (schedules, builds and
+        # launches it; the device waits for those launches): the server makes requests only
+        # while it is set (Serving.intake), so a burst of arrivals leaves the interpreter's lock
+        # to the launches. Never clear for the reference runner, whose launch computes the step.
+        self.host_free = threading.Event()
+        self.host_free.set()
+        self._gates_intake = all(getattr(lane, "queues", False) for lane in self.lanes)
 
     @property
     def kv(self):
@@ -397,19 +405,34 @@ class Engine:
             self._turn = (lane + 1) % len(self.lanes)
             plan = None
             try:
-                went_ahead = self._launch_ahead()
+                with self._issuing():
+                    went_ahead = self._launch_ahead()
                 landed = self._land(lane)
                 if not went_ahead:
-                    plan = self.scheduler.schedule(lane, make_room=lambda: self._drain(but=lane))
-                    if plan and self._launch(lane, plan) and landed is not None:
-                        self._gaps += 1
-                        self._gap_seconds += time.monotonic() - landed[2]
-                        self._gap_cpu += time.thread_time() - self._landed_cpu
+                    with self._issuing():
+                        plan = self.scheduler.schedule(
+                            lane, make_room=lambda: self._drain(but=lane))
+                        if plan and self._launch(lane, plan) and landed is not None:
+                            self._gaps += 1
+                            self._gap_seconds += time.monotonic() - landed[2]
+                            self._gap_cpu += time.thread_time() - self._landed_cpu
             finally:
                 self.launched.set()
             if landed is not None:
                 self._deliver(*landed)
             return self.error is None and bool(landed or plan or any(self._flight))
+
+    @contextmanager
+    def _issuing(self):
+        """Engine.host_free is clear within (where the runner queues its steps)."""
+        if not self._gates_intake:
+            yield
+            return
+        self.host_free.clear()
+        try:
+            yield
+        finally:
+            self.host_free.set()
 
     def _launch(self, lane, plan):
         """Issues a lane's step of `plan`; False if it raised (its requests failed)."""

@@ -12,6 +12,7 @@ from .sampling import edit_logits, sample
 
 class ReferenceRunner:
     backend = "reference"
+    queues = False              # launch() computes the step (StepRunner's queue it)
     faults = None               # engine/faults.py: steps made to fail, for tests
     _launched = None            # the StepOutput of the step launch() computed
 

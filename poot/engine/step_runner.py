@@ -37,6 +37,7 @@ class StepRunner:
     GroupRunner in engine/group.py for a device group)."""
     kernel_times = None
     faults = None               # engine/faults.py: steps made to fail, for tests
+    queues = True               # launch() queues the step on the device(s) and returns
     feeds = False               # whether a step may be launched on the last one's greedy
     _side = 0                   # tokens before it lands (StepBatch.feed; DeviceRunner's)
     _draws = False              # whether a row of the step uploaded draws (StepInputs's)

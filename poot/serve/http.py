@@ -16,6 +16,8 @@ import socket
 import socketserver
 import sys
 import threading
+import time
+from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -31,6 +33,13 @@ log = logging.getLogger("poot.serve")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 IDLE_TIMEOUT_S = 60.0
 DISCONNECT_POLL_S = 0.25
+# Requests made (prompt encoded, grammar compiled) at once, at most: a burst's
+# handlers otherwise all take turns under the interpreter's lock, with the engine's thread among
+# them while the device waits for its launches.
+INTAKE_SLOTS = 4
+# The longest a request's making waits for the engine's thread to issue a step
+# (Engine.host_free): a step's launches take milliseconds, so this bounds only a stuck one.
+ENGINE_TURN_S = 1.0
 # RFC 9110 5.6.2: a method is a token; what may follow it on the request line's first bytes
 METHOD = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]*(?:[ \r\n]|\Z)")
 
@@ -60,6 +69,7 @@ class Serving:
         self.writer = streams.Writer()      # writes every streamed response's events
         self._active = 0
         self._active_lock = threading.Condition()
+        self._intake = threading.BoundedSemaphore(INTAKE_SLOTS)
 
     def ready(self, model, engine, info, names=None):
         self.model, self.engine, self.info = model, engine, info
@@ -90,6 +100,20 @@ class Serving:
         if self.status != "serving":
             raise APIError(503, f"the server is {self.status}", "server_error", None,
                            f"server_{self.status}")
+
+    @contextmanager
+    def intake(self):
+        """Where a request is made: one of INTAKE_SLOTS, entered while the engine's thread
+        issues no step (Engine.host_free; up to ENGINE_TURN_S), so that the few handlers making
+        requests finish what they do and then leave the interpreter's lock to those launches."""
+        with self._intake:
+            engine = self.engine
+            if engine is not None:
+                deadline = time.monotonic() + ENGINE_TURN_S
+                # (a wait a set wakes may find it clear again: the next step's issue began)
+                while not engine.host_free.is_set() and time.monotonic() < deadline:
+                    engine.host_free.wait(deadline - time.monotonic())
+            yield
 
     def enter(self):
         with self._active_lock:
@@ -403,8 +427,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def tokenize(self, body):
         self.serving.require_engine()
-        self._send_json(200, openai.tokenize(body, self.serving.model, self.serving.names,
-                                             self.serving.engine.context_limit))
+        with self.serving.intake():
+            answer = openai.tokenize(body, self.serving.model, self.serving.names,
+                                     self.serving.engine.context_limit)
+        self._send_json(200, answer)
 
     def detokenize(self, body):
         self.serving.require_engine()
@@ -412,15 +438,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def completions(self, body):
         self.serving.require_engine()
-        self._complete(openai.Completion.text(body, self.serving.model, self.serving.names))
+        with self.serving.intake():
+            request = openai.Completion.text(body, self.serving.model, self.serving.names)
+        self._complete(request)
 
     def chat_completions(self, body):
         self.serving.require_engine()
-        self._complete(openai.Completion.chat(body, self.serving.model, self.serving.names))
+        with self.serving.intake():
+            request = openai.Completion.chat(body, self.serving.model, self.serving.names)
+        self._complete(request)
 
     def embeddings(self, body):
         self.serving.require_engine()
-        request = Embeddings(body, self.serving.model, self.serving.names)
+        with self.serving.intake():
+            request = Embeddings(body, self.serving.model, self.serving.names)
         handles = []
         self.serving.enter()
         try:

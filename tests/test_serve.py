@@ -154,6 +154,7 @@ def test_requests_are_made_a_few_at_a_time_and_not_while_the_engine_issues_a_ste
             with lock:
                 running[0] -= 1
     monkeypatch.setattr(tiny.tokenizer, "encode", slow_encode)
+    monkeypatch.setattr(serve_http, "ENGINE_TURN_S", 60.0)     # no wait ends by its bound here
     bodies = [("/v1/completions", {"prompt": f"Hello {i}", "max_tokens": 3, "temperature": 0,
                                    "ignore_eos": True}) for i in range(6)] + \
         [("/v1/chat/completions", {"messages": [{"role": "user", "content": f"Hi {i}"}],

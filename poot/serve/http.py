@@ -33,9 +33,9 @@ log = logging.getLogger("poot.serve")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 IDLE_TIMEOUT_S = 60.0
 DISCONNECT_POLL_S = 0.25
-# Requests made (prompt encoded, grammar compiled) at once, at most: a burst's
-# handlers otherwise all take turns under the interpreter's lock, with the engine's thread among
-# them while the device waits for its launches.
+# Requests made (prompt encoded, grammar compiled) at once, at most: a burst's handlers would
+# otherwise all take turns under the interpreter's lock, the engine's thread among them while
+# the device waits for its launches.
 INTAKE_SLOTS = 4
 # The longest a request's making waits for the engine's thread to issue a step
 # (Engine.host_free): a step's launches take milliseconds, so this bounds only a stuck one.

@@ -94,11 +94,18 @@ def test_batched_decode_replays_equal_single_steps(tmp_path, device):
     assert np.linalg.norm(together - want) / np.linalg.norm(want) < 2e-3
 
 
-def decoding(device, n, monkeypatch):
-    """The default model (a 49k vocabulary: 24 candidate chunks) on `device` with n sequences
-    prefilled: (its runner, a random generator, a function giving the StepBatch of decode step
-    `decode` under SamplingRows, the names of the buffers the runner reads back, as it reads)."""
-    runner = poot.load(default_model()).runner(device, num_blocks=64)
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A tiny random model with the default model's vocabulary of 49,152 tokens (24 candidate
+    chunks): the device's choice over rows that long, at the cost of a tiny model's steps."""
+    return poot.load(tiny_model(tmp_path_factory.mktemp("wide"), shape="tiny-wide"))
+
+
+def decoding(model, device, n, monkeypatch):
+    """`model` on `device` with n sequences prefilled: (its runner, a random generator, a
+    function giving the StepBatch of decode step `decode` under SamplingRows, the names of the
+    buffers the runner reads back, as it reads)."""
+    runner = model.runner(device, num_blocks=64)
     rng = np.random.default_rng()
     tables = np.array([list(range(i * 8, i * 8 + 8)) for i in range(n)], np.int32)
     for i in range(n):
@@ -117,13 +124,13 @@ def decoding(device, n, monkeypatch):
     return runner, rng, batch, read
 
 
-def test_sampled_rows_are_drawn_on_the_device(device, monkeypatch):
+def test_sampled_rows_are_drawn_on_the_device(wide, device, monkeypatch):
     """Sampled rows (greedy rows beside them) take the tokens choose() gives on the same step's
     full logits, drawn on the device (choice.draw: top-k cuts of 1 to past TOP_KEEP, top-p,
     min-p, temperature alone), which reads back their tokens alone: no logits, no candidates.
     A 49k vocabulary."""
     n = 8
-    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    runner, rng, batch_of, read = decoding(wide, device, n, monkeypatch)
     cuts = [dict(top_k=[1, 5, 0, 40, choice.TOP_KEEP, 64, 2, 3]),
             dict(top_k=[0, 0, 0, 0, 0, 0, 0, 90], top_p=[1, .9, .5, 1, .95, 1, 1, .9],
                  min_p=[0, 0, 0, .05, 0, .1, 0, 0])]
@@ -143,14 +150,14 @@ def test_sampled_rows_are_drawn_on_the_device(device, monkeypatch):
         assert got.tolist() == want
 
 
-def test_logprob_steps_take_sample_s_rows_from_candidates(device, monkeypatch):
+def test_logprob_steps_take_sample_s_rows_from_candidates(wide, device, monkeypatch):
     """Steps that report log probabilities (the chosen token's and the 5 best) give sample()'s
     output on the same step's full logits: the tokens the device chose (greedy, drawn at
     temperature 1 or another), their log probabilities from the device's candidates (top-k
     cuts no longer than a chunk keeps: each token is a candidate) without reading the logits
     back."""
     n = 6
-    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    runner, rng, batch_of, read = decoding(wide, device, n, monkeypatch)
     for decode, temperature in enumerate(([0, 1, 1, 0, 1, 1], [0, 1, 0.7, 1, 1, 0])):
         rows = SamplingRows(temperature=np.array(temperature, np.float32),
                             top_k=np.array([0, 5, 40, 20, choice.TOP_KEEP, 3], np.int32),
@@ -169,13 +176,12 @@ def test_logprob_steps_take_sample_s_rows_from_candidates(device, monkeypatch):
         assert np.allclose(got.top_logprobs, want.top_logprobs, rtol=0, atol=1e-4)
 
 
-def test_rows_that_report_no_logprobs_take_the_device_s_tokens(device,
-                                                                            monkeypatch):
+def test_rows_that_report_no_logprobs_take_the_device_s_tokens(wide, device, monkeypatch):
     """In a step where some rows report log probabilities, the rows that do not (reports) take
     the device's token, so a sampled row at 0.7 beside them reads no logits back; each row's
     token is sample()'s, the reporting rows' log probabilities too."""
     n = 6
-    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    runner, rng, batch_of, read = decoding(wide, device, n, monkeypatch)
     reports = np.array([True, False, False, True, False, True])
     rows = SamplingRows(temperature=np.array([0, 0.7, 1.3, 1, 0.9, 0], np.float32),
                         top_k=np.array([0, 5, 40, 7, choice.TOP_KEEP, 3], np.int32),
@@ -221,7 +227,7 @@ def random_masks(rng, masked, vocab):
     return masks, masked
 
 
-def test_rows_with_masks_and_edits_are_edited_on_the_device(device, monkeypatch):
+def test_rows_with_masks_and_edits_are_edited_on_the_device(wide, device, monkeypatch):
     """Rows with a mask (SamplingRows.masks), with edits (SamplingRows.edits: penalties, biases,
     bans), with both, beside rows with neither: the device edits the step's logits in place as
     sampling.edit_logits defines, and each row takes sample()'s token of the edited logits,
@@ -229,7 +235,7 @@ def test_rows_with_masks_and_edits_are_edited_on_the_device(device, monkeypatch)
     from the device's argmax or candidates; no row reads its logits back, so a constrained row
     costs the others nothing."""
     n = 6
-    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    runner, rng, batch_of, read = decoding(wide, device, n, monkeypatch)
     masked = np.array([False, True, False, True, True, False])
     for decode, logprobs in enumerate((False, True)):
         rows = SamplingRows(temperature=np.array([0, 0, 0.8, 1, 0, 0.7], np.float32),
@@ -262,13 +268,13 @@ def test_rows_with_masks_and_edits_are_edited_on_the_device(device, monkeypatch)
             assert got.top_ids[reports].tolist() == want.top_ids[reports].tolist()
 
 
-def test_rows_whose_edits_do_not_fit_are_edited_and_sampled_on_the_host(device, monkeypatch):
+def test_rows_whose_edits_do_not_fit_are_edited_and_sampled_on_the_host(wide, device, monkeypatch):
     """With room for 64 edits a step (4 a row), a row of 40 fits, the next row of 40 does not
     (it and its mask are left to the host: its logits are read back, edited by the definition
     and sampled), and a later row of 10 still fits: every row gets sample()'s token of the
     edited logits, and runner.logits gives every row edited."""
     n = 4
-    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    runner, rng, batch_of, read = decoding(wide, device, n, monkeypatch)
     monkeypatch.setattr(device_choice, "EDITS_PER_ROW", 64 // runner.max_seqs)
     rows = SamplingRows(temperature=np.array([0, 1, 1, 0], np.float32),
                         top_k=np.array([0, 0, 30, 0], np.int32), top_p=np.ones(n, np.float32),
@@ -991,14 +997,14 @@ def test_k_quant_mix_with_q5_0_layers_matches_reference(tmp_path, device):
 
 
 @pytest.mark.parametrize("k", [5, 20])
-def test_forced_rows_score_their_token_from_candidates_or_the_row_read_back(device,
+def test_forced_rows_score_their_token_from_candidates_or_the_row_read_back(wide, device,
                                                                              monkeypatch, k):
     """Rows forced to a token (a prompt position scored: SamplingRows.forced) give sample()'s
     output on the same step's full logits, the k best alternatives up to 20 (OpenAI's most):
     from the candidates where the token is one of them (its best), from the row read back
     where it is not (a token of the worst); rows beside them sample as ever."""
     n = 6
-    runner, rng, batch_of, read = decoding(device, n, monkeypatch)
+    runner, rng, batch_of, read = decoding(wide, device, n, monkeypatch)
     rows = SamplingRows(temperature=np.array([0, 0, 1, 0, 0, 0.8], np.float32),
                         top_k=np.array([0, 0, 5, 0, 0, 3], np.int32),
                         top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32),

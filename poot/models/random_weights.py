@@ -47,6 +47,7 @@ SHAPES = {
     "tiny-k": Shape(2, 256, 4, 2, 512, 320, context_length=512),    # rows fit 256-element K blocks
     "tiny-odd": Shape(3, 96, 6, 3, 192, 320, context_length=512),   # 3 KV heads: uneven shards
     "tiny-deep": Shape(4, 64, 4, 2, 128, 320, context_length=512),  # SmolLM3's 4th: no rope
+    "tiny-wide": Shape(2, 64, 4, 2, 128, 49152, context_length=512),  # the default model's vocab
     "llama-1b": Shape(16, 2048, 32, 8, 8192, 128256, 131072, 500000.0),
     "llama-8b": Shape(32, 4096, 32, 8, 14336, 128256, 131072, 500000.0),
     "tiny-moe": Shape(2, 256, 4, 2, 256, 320, context_length=512, n_experts=6, experts_used=2),

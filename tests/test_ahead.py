@@ -73,26 +73,29 @@ def prompts(lengths, seed):
     return [rng.integers(3, 300, n).tolist() for n in lengths]
 
 
-def test_steps_launched_ahead_give_the_reference_tokens(model, device, monkeypatch):
+def test_steps_launched_ahead_give_the_tokens_of_steps_launched_in_turn(model, device,
+                                                                      monkeypatch):
     """Prompts of one to three chunks, replies of different lengths, stop tokens that end some
     early (their token after the stop is computed ahead and dropped), newcomers joining: the
-    reference's tokens and finish reasons, steps launched ahead (prompts' chunks among them),
-    every block free."""
+    tokens and finish reasons the same device gives with no step launched ahead (fresh prompts
+    each run: against the reference's, a near-tie of f16 products parts them in about one run
+    in forty), steps launched ahead (prompts' chunks among them), every block free."""
     staged(device, monkeypatch)
     seed = int(np.random.default_rng().integers(1 << 30))
     first = prompts([70, 5, 33, 2], seed)
     later = prompts([9, 40], seed + 1)
     lengths = [6, 30, 12, 25, 3, 20]
-    plain = run(make_engine(model, None), [(p, greedy(24)) for p in first + later], after=0)
+    plain = run(make_engine(model, device, ahead=False),
+                [(p, greedy(24)) for p in first + later], after=0)
     # a stop token a few tokens into some replies: the first time it comes, they end there
     stops = [[plain[i][0][i + 1]] if i % 2 else [] for i in range(len(lengths))]
     params = [greedy(n, stop_token_ids=s) for n, s in zip(lengths, stops)]
-    want = run(make_engine(model, None, step_tokens=16),
+    want = run(make_engine(model, device, ahead=False, step_tokens=16),
                list(zip(first, params[:4])), list(zip(later, params[4:])))
     engine = make_engine(model, device, step_tokens=16)
     assert engine.ahead
     got = run(engine, list(zip(first, params[:4])), list(zip(later, params[4:])))
-    assert got == want
+    assert got == want, f"prompts of seed {seed}"
     assert any(reason == "stop" for _, reason in got)
     stats = engine.stats()
     # every step but the first goes ahead: prompts' later chunks and newcomers' first ones too

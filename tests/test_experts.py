@@ -269,7 +269,7 @@ def expert_mma_kernels(dtype, multiprocessors=132):
 @pytest.mark.parametrize("dtype", mma_vec.DTYPES)
 def test_expert_mma_vec_assembles_with_few_spills(tmp_path, dtype, sm):
     """Each expert mma_vec the runner launches, assembled as the dense mma_vec's are checked
-    (test_codegen_ptx): at most a few words spilled."""
+    (test_kernel_sources.SPILL_BYTES): at most a few words spilled."""
     for kernel in expert_mma_kernels(dtype):
         source = tmp_path / f"{kernel.name}.ptx"
         source.write_text(render_ptx(kernel, sm))

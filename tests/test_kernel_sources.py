@@ -169,14 +169,14 @@ SPILL_BYTES = (("mma_tiled", 0), ("attention_flash", 0), ("mma_vec", 64))
 def spilled_past_bound(name, report):
     """What is wrong with ptxas -v's `report` of kernel `name` by SPILL_BYTES, or None."""
     bound = next((b for start, b in SPILL_BYTES if name.startswith(start)), None)
-    spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     if bound is None:
         return None
-    if bound == 0 and "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report:
-        return None
-    if bound and spilled and max(spilled) <= bound:
-        return None
-    return f"spills past {bound} bytes: {report}"
+    if bound == 0:
+        held = "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report
+    else:
+        spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+        held = bool(spilled) and max(spilled) <= bound
+    return None if held else f"spills past {bound} bytes: {report}"
 
 
 def check_all(commands, check=None):

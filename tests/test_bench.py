@@ -104,3 +104,14 @@ def test_bench_counts_the_active_weights_of_a_mixture_of_experts(tmp_path):
     assert "2 decoding at 16 tokens + 40 prompt tokens of 24-token prompts (16 of them" in \
         mixed[0]
     assert "launches" in mixed[1] and float(mixed[0].split()[-2]) > 0
+
+
+def test_a_run_past_the_models_context_is_refused_before_it_starts(tmp_path):
+    """tiny holds 512 tokens a sequence: the default 512-token prefill and its decode steps do
+    not fit, which the bench says in words rather than failing inside a step."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench"), "--backend", "reference", "--models",
+         "tiny:F16", "--batches", "1", "--steps", "2", "--cache", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "holds 512 tokens a sequence; the run needs 544" in result.stderr, result.stderr

@@ -50,3 +50,13 @@ def test_the_api_phase_holds_on_every_backend_here(tmp_path, backend):
     flags = [] if backend == "reference" else ["--memory-limit", "1GiB"]
     out = serve_check(tmp_path, "--backend", backend, "--phases", "api", *flags)
     assert "| api | 13 | 13 | 0 | 0 |" in out and "every check holds" in out
+
+
+def test_the_load_sent_in_bursts_gives_a_row_a_burst(tmp_path):
+    """--load-bursts 2: the load twice, one burst after the other, each complete in its row."""
+    out = serve_check(tmp_path, "--backend", "reference", "--phases", "load", "--load-bursts",
+                      "2")
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| load")]
+    assert [r[1].strip() for r in rows] == ["load 1", "load 2"], out
+    assert all(r[2].strip() == r[3].strip() == "16" and r[4].strip() == "0" for r in rows), out
+    assert "every check holds" in out

@@ -98,6 +98,15 @@ def _ctype_shape(t):
     return None if t is None else "p" if t is ctypes.c_void_p else ctypes.sizeof(t)
 
 
+def parse_types(ffi, types):
+    """Parses C types ahead of the calls that name them. cffi parses a type the first time a
+    call names it, against every declaration of its binding (milliseconds a type for
+    Vulkan's), so a backend has its steps' types parsed when its device opens, not in the time
+    of its first request."""
+    for t in types:
+        ffi.typeof(t)
+
+
 def address(ffi, pointer):
     """A cdata pointer as the int ctypes passes for a void *."""
     return int(ffi.cast("uintptr_t", pointer))

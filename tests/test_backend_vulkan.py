@@ -7,6 +7,10 @@ is missing, and a whole tiny-model run under the Khronos validation layer. Kerne
 against numpy are in test_kernels.py, the runner against the reference in
 test_device_runner.py.
 """
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -272,3 +276,44 @@ def test_validation_layer_reports_no_errors_over_a_tiny_model_run(tmp_path, dtyp
         assert int(np.argmax(got[0])) == tokens[-1]
     assert runner.graphs, "decode steps ran from a recording"
     device.synchronize()
+
+
+# A fresh process: opens the device, builds a tiny model's runner, then serves a greedy request
+# and a sampled one with a penalty through an engine (prompt chunks, launches ahead, decode
+# recordings and replays, logit edits), printing the C types cffi parsed for them.
+STEP_TYPES_SCRIPT = """
+import sys, poot
+from pathlib import Path
+from poot.backends.select import open_device
+from poot.engine.engine import Engine
+from poot.engine.request import SamplingParams
+from tests.models import tiny_model
+device = open_device(sys.argv[1])
+ffi = sys.modules[type(device).__module__].ffi
+model = poot.load(tiny_model(Path(sys.argv[2])))
+runner = model.runner(device, num_blocks=16, max_tokens=16, max_seqs=2)
+parsed = set(ffi._parsed_types)
+engine = Engine(runner, model.tokenizer, max_seqs=2, step_tokens=16)
+for params in (SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+               SamplingParams(max_tokens=6, temperature=1, seed=3, top_p=0.9,
+                              presence_penalty=0.5, ignore_eos=True)):
+    tokens = [t for out in engine.generate(list(range(3, 40)), params) for t in out.token_ids]
+    assert len(tokens) == 6, tokens
+print(sorted(set(ffi._parsed_types) - parsed))
+"""
+
+
+@pytest.mark.parametrize("backend", ["vulkan", "wgpu"])
+def test_a_step_names_no_c_type_the_device_did_not_parse_when_it_opened(tmp_path, backend):
+    """cffi parses a C type the first time a call names it (milliseconds a type for Vulkan's
+    declarations): the device parses its steps' types (STEP_TYPES) when it opens, so the first
+    request's step does not pay for them."""
+    open_or_skip(backend)
+    from cffi import FFI
+    if not hasattr(FFI(), "_parsed_types"):
+        pytest.skip("this cffi keeps its parsed types elsewhere")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", STEP_TYPES_SCRIPT, backend, str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"types parsed in the steps: {done.stdout}"

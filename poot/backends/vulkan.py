@@ -17,7 +17,7 @@ from itertools import count
 
 import numpy as np
 
-from drivers import DriverError, LibraryNotFound, address, held_functions
+from drivers import DriverError, LibraryNotFound, address, held_functions, parse_types
 from drivers import vulkan as vk
 
 from ..codegen.spirv import TARGET, binding_layout, render_spirv
@@ -37,6 +37,16 @@ STAGING_BYTES = 64 << 20
 SPIN_SECONDS = {"gpu": 0.05, "cpu": 100e-6}
 SETS_PER_POOL = 256
 TIMED_LAUNCHES = 4096         # launches one start_timing/stop_timing may time
+# The C types a step's launches, copies and submissions name (descriptor sets, command
+# buffers, fences), parsed when the device opens (drivers.parse_types)
+STEP_TYPES = (
+    "VkDescriptorSet[1]", "VkDescriptorPool *", "VkDescriptorPoolSize *",
+    "VkDescriptorPoolCreateInfo", "VkDescriptorPoolCreateInfo *", "VkDescriptorSetAllocateInfo",
+    "VkDescriptorSetAllocateInfo *", "VkDescriptorBufferInfo *", "VkWriteDescriptorSet",
+    "VkWriteDescriptorSet[]", "VkCommandBuffer[1]", "VkCommandBuffer[]",
+    "VkCommandBufferAllocateInfo", "VkCommandBufferAllocateInfo *", "VkCommandBufferBeginInfo",
+    "VkCommandBufferBeginInfo *", "VkFence[1]", "VkFenceCreateInfo", "VkFenceCreateInfo *",
+    "VkSubmitInfo", "VkSubmitInfo *", "VkBufferCopy *")
 # VkPhysicalDeviceMaintenance3Properties (core 1.1) is not among the binding's declarations: it
 # is read as raw words {sType, pad, pNext, maxPerSetDescriptors, pad, maxMemoryAllocationSize}.
 MAINTENANCE_3_PROPERTIES = 1000168000
@@ -113,6 +123,7 @@ class VulkanDevice(Device):
         self._staging, self._staged = None, 0
         self._timed, self._queries = None, None
         self.page = self._page()
+        parse_types(ffi, STEP_TYPES)
 
     # -- opening -------------------------------------------------------------------------------
     def _describe(self, ordinal):

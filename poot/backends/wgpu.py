@@ -20,7 +20,7 @@ from itertools import count
 
 import numpy as np
 
-from drivers import DriverError, LibraryNotFound, address, held_functions
+from drivers import DriverError, LibraryNotFound, address, held_functions, parse_types
 from drivers import wgpu
 
 from ..codegen.spirv import TARGET, binding_layout, render_spirv
@@ -29,6 +29,11 @@ from . import Device, workgroups
 from .vulkan_instance import BUDGET_EXTENSION, PhysicalDeviceView
 
 ffi = wgpu.ffi
+# The C types a step's launches and read-backs name (bind groups, command buffers, the map
+# callback), parsed when the device opens (drivers.parse_types)
+STEP_TYPES = ("WGPUBindGroupDescriptor", "WGPUBindGroupDescriptor *", "WGPUBindGroupEntry",
+              "WGPUBindGroupEntry[]", "WGPUBufferMapCallback", "WGPUBufferMapCallbackInfo *",
+              "WGPUCommandBuffer[]")
 
 
 @dataclass(eq=False)
@@ -124,6 +129,7 @@ class WgpuDevice(Device):
         self._groups_of = {}          # buffer serial -> programs holding a group that binds it
         self._encoder = self._pass = None
         self._readback = None
+        parse_types(ffi, STEP_TYPES)
 
     def _describe(self, adapter):
         """(device name, (vendor id, device id), (min, max subgroup size), adapter type) of an

@@ -112,6 +112,25 @@ def test_without_ahead_the_same_runner_gives_the_same_tokens(model, device, monk
     assert off.stats().steps_ahead_total == 0
 
 
+def test_a_warmed_up_engine_gives_the_tokens_of_a_fresh_one(model, device, monkeypatch):
+    """Engine.warm_up (what a server runs before it serves) runs its request's steps on the
+    device: a prompt's, steps launched ahead on its tokens, the one-token decode recorded; then
+    the engine counts from zero with every block free, and greedy requests get the tokens a
+    fresh engine gives them."""
+    staged(device, monkeypatch)
+    requests = [(p, greedy(n)) for p, n in zip(prompts([12, 30, 4], 11), (9, 14, 20))]
+    want = run(make_engine(model, device), requests)
+    engine = make_engine(model, device)
+    engine.warm_up(prompts([5], 12)[0])
+    assert engine.runner.graphs
+    stats = engine.stats()
+    assert (stats.steps_total, stats.steps_ahead_total, stats.prompt_tokens_total,
+            stats.generation_tokens_total) == (0, 0, 0, 0), stats
+    assert engine.kv.num_free == engine.runner.num_blocks and engine.idle
+    assert run(engine, requests) == want
+    assert engine.stats().steps_ahead_total > 0
+
+
 def test_sampled_rows_are_drawn_on_the_device_and_go_ahead(model, device, monkeypatch):
     """A sampled (seeded) row is drawn on the device (choice.draw), so steps go ahead of it as
     of greedy ones, the drawn token their input, and its tokens are those the runner gives with

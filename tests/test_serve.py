@@ -1019,6 +1019,36 @@ def test_vulkan_without_a_budget_serves_within_a_memory_limit(tmp_path, backend,
 
 # ---- startup: backends, placement, the memory plan and its check -------------------------------
 
+def test_the_server_warms_its_engine_up_and_forgets_the_request(tiny):
+    """Before it serves, Server.load runs a short greedy request (Engine.warm_up) on the runner
+    it serves with, so that its first clients pay none of the steps' one-time work; nothing of
+    it shows: /metrics counts from zero, every KV block is free and none keeps a prefix (blocks
+    of one token: the prompt fills some), and injected faults count the served steps alone."""
+    from poot.engine.faults import Faults
+    runner = tiny.runner(num_blocks=64, block_size=1)
+    runner.faults = Faults(every=1)         # every served step would fail
+    server = Server(port=0)
+    server.load(tiny, runner, max_context=32)
+    try:
+        assert any(np.any(a != 0) for a in runner.interpreter.state.values())  # its keys, values
+        assert runner.faults.steps == 0
+        for name in ("poot_prompt_tokens_total", "poot_generation_tokens_total",
+                     "poot_engine_steps_total", "poot_engine_steps_ahead_total",
+                     "poot_kv_blocks_used", "poot_kv_blocks_cached",
+                     "poot_prefix_cache_query_tokens_total"):
+            assert metric(server, name) == 0, name
+        assert metric(server, "poot_kv_blocks_free") == 64
+        runner.faults.every = None
+        prompt = tiny.tokenizer.encode("Ready.")        # the warm-up's own prompt
+        status, _, body = call(server, "POST", "/v1/completions", {
+            "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        assert metric(server, "poot_prefix_cache_query_tokens_total") == len(prompt)
+        assert metric(server, "poot_prefix_cache_hit_tokens_total") == 0
+    finally:
+        server.close(grace=0)
+
+
 def poll_health(port, proc, timeout=120):
     """Every /health answer from the first one the port gives until serving, as (status, body)."""
     seen, deadline = [], time.monotonic() + timeout

@@ -33,10 +33,12 @@ from dataclasses import dataclass, replace
 from poot.engine.kvcache import blocks_for
 from poot.engine.masks import MaskThread
 from poot.engine.request import (MAX_CHOICES, MAX_N, EngineFailed, Fork, InvalidRequest,
-                                 Sequence, TokenLogprob, Usage)
+                                 SamplingParams, Sequence, TokenLogprob, Usage)
 from poot.engine.scheduler import Scheduler
 
 log = logging.getLogger("poot.engine")
+
+WARM_UP_TOKENS = 4      # Engine.warm_up's request: a prompt step, then steps launched ahead
 
 
 @dataclass
@@ -312,6 +314,45 @@ class Engine:
     def run_until_idle(self):
         while self.step():
             pass
+
+    def warm_up(self, prompt_ids, max_tokens=WARM_UP_TOKENS, timeout=60.0):
+        """Runs one greedy request of max_tokens through the engine and then forgets it (its
+        KV blocks and prefix, every count /metrics reports), so that the first requests a
+        server takes do not pay the steps' one-time work (in the process, the driver and the
+        device): a server calls it before it takes requests. Tokens past the first come from
+        steps launched ahead where the engine launches them; the decode step's graph is
+        recorded. Faults injected into the runner (engine/faults.py) wait for the steps served
+        after it. Raises what the request raises."""
+        if not self.idle:
+            raise RuntimeError("warm_up: the engine is serving requests")
+        faults = [(lane, lane.faults) for lane in self.lanes
+                  if getattr(lane, "faults", None) is not None]
+        for lane, _ in faults:
+            lane.faults = None
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            for _ in self.generate(prompt_ids, params):
+                pass
+            deadline = time.monotonic() + timeout
+            while not self.idle:        # a step launched ahead of the request's end lands
+                if not self.threaded:
+                    self.step()
+                elif time.monotonic() > deadline:
+                    raise RuntimeError(f"warm_up: the engine was not idle after {timeout:.0f} s")
+                else:
+                    time.sleep(0.001)
+        finally:
+            for lane, held in faults:
+                lane.faults = held
+        with self._step_lock:
+            if self.error is not None:
+                raise EngineFailed(self.error)
+            self.scheduler.forget_totals()
+            self._steps_total = self._steps_ahead = self._step_failures_total = 0
+            self._gaps, self._gap_seconds, self._gap_cpu = 0, 0.0, 0.0
+            times = getattr(self.runner, "kernel_times", None)
+            if times is not None:
+                times.clear()
 
     def start(self):
         """Run steps on an engine thread until stop(); the masks that are not kept are

@@ -124,9 +124,16 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
-        # Popping from the end hands out low ids first, which keeps tests' block tables readable.
-        self._free = list(range(num_blocks - 1, -1, -1))
         self._refs = {}                 # held block -> how many sequences hold it
+        self.forget()
+
+    def forget(self):
+        """Back to as made: every block free, no prefix kept, the counts zero. Only while no
+        sequence holds a block."""
+        if self._refs:
+            raise ValueError(f"{len(self._refs)} blocks are held: nothing is forgotten")
+        # Popping from the end hands out low ids first, which keeps tests' block tables readable.
+        self._free = list(range(self.num_blocks - 1, -1, -1))
         self._key_of, self._block_of = {}, {}       # keyed block <-> its prefix key
         self._cached = OrderedDict()    # keyed blocks no sequence holds, least recent first
         self.hit_tokens = self.query_tokens = self.evictions = 0

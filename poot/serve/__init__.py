@@ -45,11 +45,13 @@ class Server:
         `prefix_caching`: whether requests reuse the KV blocks of prompts that began alike.
         `ahead`: whether steps are launched on the device's tokens of the step in flight, where
         the runner can (Engine's)."""
-        model.tokenizer.encode("Ready.")    # compiles its pre-tokenizer before the first request
         engine = Engine(runner, model.tokenizer, max_seqs=max_seqs, step_tokens=step_tokens,
                         max_context=max_context, prefix_caching=prefix_caching, ahead=ahead)
         engine.on_failure = on_failure
         engine.start()
+        # a short request before the first client's: the pre-tokenizer compiled, and every
+        # first-time cost of the steps paid (a burst of requests at start waits on it otherwise)
+        engine.warm_up(model.tokenizer.encode("Ready."))
         plan = dict(plan or {}, max_seqs=engine.max_seqs, context=engine.context_limit,
                     step_tokens=engine.step_tokens, launch_ahead=engine.ahead,
                     kv_blocks=runner.num_blocks,

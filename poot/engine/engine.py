@@ -329,9 +329,11 @@ class Engine:
                   if getattr(lane, "faults", None) is not None]
         for lane, _ in faults:
             lane.faults = None
+        prompt = list(prompt_ids)[:max(1, self.context_limit - 1)]     # as the context holds
+        max_tokens = min(max_tokens, self.context_limit - len(prompt))
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            for _ in self.generate(prompt_ids, params):
+            for _ in self.generate(prompt, params):
                 pass
             deadline = time.monotonic() + timeout
             while not self.idle:        # a step launched ahead of the request's end lands

@@ -209,13 +209,7 @@ class Engine:
         self._handles = {}
         self._thread = None
         self._stopping = False
-        self._steps_total = 0
-        self._steps_ahead = 0
-        self._step_failures_total = 0
-        self._gaps = 0              # launches that followed a landing in the same step() ...
-        self._gap_seconds = 0.0     # ... and their host time between: the device idles there
-        self._gap_cpu = 0.0         # ... of it, the engine thread's own CPU time (the rest it
-                                    # waited: for the interpreter's lock, or the CPU)
+        self._zero_counts()
         self._landed_cpu = 0.0      # the engine thread's CPU time when its last step landed
         # clear from a step's landing to the next launch: threads that work per token (the
         # server's stream writer) wait for it at their loop's head, so as not to take the
@@ -229,6 +223,16 @@ class Engine:
         self.host_free = threading.Event()
         self.host_free.set()
         self._gates_intake = all(getattr(lane, "queues", False) for lane in self.lanes)
+
+    def _zero_counts(self):
+        """The engine's own counts (stats()), from zero."""
+        self._steps_total = 0
+        self._steps_ahead = 0
+        self._step_failures_total = 0
+        self._gaps = 0              # launches that followed a landing in the same step() ...
+        self._gap_seconds = 0.0     # ... and their host time between: the device idles there
+        self._gap_cpu = 0.0         # ... of it, the engine thread's own CPU time (the rest it
+                                    # waited: for the interpreter's lock, or the CPU)
 
     @property
     def kv(self):
@@ -349,9 +353,9 @@ class Engine:
         with self._step_lock:
             if self.error is not None:
                 raise EngineFailed(self.error)
-            self.scheduler.forget_totals()
-            self._steps_total = self._steps_ahead = self._step_failures_total = 0
-            self._gaps, self._gap_seconds, self._gap_cpu = 0, 0.0, 0.0
+            self.kv.forget()
+            self.scheduler.zero_totals()
+            self._zero_counts()
             times = getattr(self.runner, "kernel_times", None)
             if times is not None:
                 times.clear()

@@ -84,15 +84,13 @@ class Scheduler:
         # ahead (`ahead`) is in flight beside the one it follows)
         self.in_flight = {}
         self.holds = []     # forks holding their prompt's blocks for their waiting choices
-        self.forget_totals()
+        self.zero_totals()
         # whether a decoding sequence's mask is ready (a threaded engine's MaskThread.ready:
         # a sequence whose mask is not sits out the step); by default every one is
         self.mask_ready = lambda seq: True
 
-    def forget_totals(self):
-        """The counts of tokens and preemptions zero, the KV blocks as made (BlockAllocator.forget:
-        only while no sequence holds one)."""
-        self.kv.forget()
+    def zero_totals(self):
+        """The counts of tokens and preemptions (the engine's stats()), from zero."""
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.preemptions_total = 0

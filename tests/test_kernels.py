@@ -500,7 +500,9 @@ MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 409
                  ({"token_tiles": 4, "x16": True, "glu": "silu", "pipeline": True,
                    "unroll": 2}, 32, 200, 4096),
                  ({"token_tiles": 4, "tiles": 2, "residual": True}, 45, 216, 1024),
-                 ({"token_tiles": 2, "chains": 2, "x16": True, "split": 2}, 7, 200, 576)]
+                 ({"token_tiles": 2, "chains": 2, "x16": True, "split": 2}, 7, 200, 576),
+                 # an output head's shape (mma_vec.shape: one tile, split 2, one group a round)
+                 ({"x16": True, "split": 2, "chains": 2}, 1, 1000, 2048)]
 
 
 @pytest.mark.parametrize("dtype", mma_vec.DTYPES)

@@ -58,7 +58,8 @@ def mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T):
     rows together."""
     slots = min(n_experts, T * used)
     tiles = mma_vec.token_tiles(dtype, -(-T * used // slots))
-    return slots, mma_vec.shape(dtype, rows * slots, cols, multiprocessors, tiles)
+    return slots, mma_vec.shape(dtype, rows * slots, cols, multiprocessors, tiles,
+                                experts=True)
 
 
 @cache

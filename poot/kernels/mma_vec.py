@@ -99,7 +99,7 @@ def token_tiles(dtype, n_tokens):
     return 4 if dtype == "Q4_0" and n_tokens > 3 * TOKENS else 1
 
 
-def shape(dtype, rows, cols, multiprocessors, token_tiles=1):
+def shape(dtype, rows, cols, multiprocessors, token_tiles=1, experts=False):
     """The tiles, split, unroll, pipeline, chains and token_tiles (mma_vec's keywords) of an mma_vec
     over `rows` rows: F16/BF16 one tile a subgroup, the columns split over all 8 subgroups, two
     groups a round, pipelined; block quants two tiles, split while the launch has fewer than 1.5
@@ -107,8 +107,10 @@ def shape(dtype, rows, cols, multiprocessors, token_tiles=1):
     Q4_K, Q6_K and the UNIT_FORMATS one tile. Pipelined only where a subgroup has two rounds or more
     (with one the prefetch only loads that round again). Two accumulator chains for Q4_0 at one
     token tile, one for the rest and where token tiles make chains of their own. Four token tiles of
-    a block quant take one row tile (two spill registers on sm_90). The measurements behind each:
-    docs/benchmarks.md, "the kernel choices"."""
+    a block quant take one row tile (two spill registers on sm_90). Q4_0 rows that fill the device
+    unsplit at one token tile (an output head; `experts`: the rows of an expert launch's experts
+    together, left as they are) take one tile, split 2 and one group a round. The measurements
+    behind each: docs/benchmarks.md, "the kernel choices" and "an output head's shape"."""
     rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
     if dtype in ("F16", "BF16"):
         return dict(tiles=1, split=8, unroll=2, pipeline=rounds(8) >= 2, chains=1,
@@ -122,7 +124,12 @@ def shape(dtype, rows, cols, multiprocessors, token_tiles=1):
         split *= 2
     # the IQ4 formats' code lookups take the registers of a second group's loads (ptxas spills
     # hundreds of bytes of a gated unit's with two): one group a round
-    return dict(tiles=tiles, split=split, unroll=1 if dtype in ("IQ4_NL", "IQ4_XS") else 2,
+    unroll = 1 if dtype in ("IQ4_NL", "IQ4_XS") else 2
+    if dtype == "Q4_0" and token_tiles == 1 and split == 1 and tiles == 2 and not experts:
+        # rows that fill the device unsplit (an output head): four times the workgroups, each
+        # lighter (one tile, two subgroups a tile, one group a round), keep more reads in flight
+        tiles, split, unroll = 1, 2, 1
+    return dict(tiles=tiles, split=split, unroll=unroll,
                 chains=2 if dtype == "Q4_0" and token_tiles == 1 else 1,
                 pipeline=grid(rows, 1, tiles, split)[0] < multiprocessors and rounds(split) >= 2,
                 token_tiles=token_tiles)

@@ -1,6 +1,7 @@
 """scripts/bench end to end on whatever Vulkan device this machine has (lavapipe in CI): the
 table it prints must have a row per backend, model and batch, with finite figures, and --host
-its split of the step's time wherever steps are recorded."""
+its split of the step's time and --in-step each kernel's time wherever steps are recorded."""
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ def test_bench_prints_a_row_per_backend_and_batch(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench"), "--backend", ",".join(backends),
          "--models", "tiny:Q4_K", "--batches", "1,2", "--steps", "2", "--prefill", "16",
-         "--cache", str(tmp_path), "--host"], capture_output=True, text=True, timeout=600)
+         "--cache", str(tmp_path), "--host", "--in-step"], capture_output=True, text=True,
+        timeout=600)
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()
             if line.split()[:1] and line.split()[0] in backends and "tiny:Q4_K" in line]
@@ -37,6 +39,15 @@ def test_bench_prints_a_row_per_backend_and_batch(tmp_path):
     splits = [line for line in result.stdout.splitlines()
               if line.startswith("# tiny:Q4_K batch") and "replays back to back" in line]
     assert len(splits) == (2 if "vulkan" in backends else 0), result.stdout
+    # --in-step: a line per kernel of each recorded step, their launches all the step's
+    lines = result.stdout.splitlines()
+    steps = [i for i, line in enumerate(lines) if " in the step: " in line]
+    assert len(steps) == (2 if "vulkan" in backends else 0), result.stdout
+    for i in steps:
+        launches = int(lines[i].split(" in the step: ")[1].split()[0])
+        kernels = list(itertools.takewhile(lambda k: k[0] == "#" and len(k) == 5,
+                                           (line.split() for line in lines[i + 2:])))
+        assert launches > 0 and sum(int(k[2]) for k in kernels) == launches, result.stdout
 
 
 def test_pooled_random_models_draw_their_rows_from_the_pool(tmp_path):

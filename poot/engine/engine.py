@@ -286,6 +286,10 @@ class Engine:
             self._wake.notify()
         return handle
 
+    def check_prompt(self, prompt_ids, params):
+        """Raises InvalidRequest where submit would refuse this prompt; queues nothing."""
+        self._check_prompt(prompt_ids, params, "")
+
     def _check_prompt(self, prompt_ids, params, where):
         """(the prompt's token ids, its max_tokens) where it can run; else InvalidRequest."""
         prompt = [int(t) for t in prompt_ids]

@@ -452,6 +452,12 @@ class Handler(BaseHTTPRequestHandler):
         self.serving.require_engine()
         with self.serving.intake():
             request = Embeddings(body, self.serving.model, self.serving.names)
+        for i, ids in enumerate(request.inputs):   # all checked before any is queued
+            try:
+                self.serving.engine.check_prompt(ids, request.params)
+            except InvalidRequest as exc:
+                raise APIError(400, f"input {i}: {exc}", "invalid_request_error",
+                               "input") from None
         handles = []
         self.serving.enter()
         try:

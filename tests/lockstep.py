@@ -6,8 +6,8 @@ A value is an array over the workgroup's threads; If and For run their bodies un
 the threads inside. What it cannot see: races (asynchronous copies complete at once, and a
 barrier only checks that every live thread reaches it together), and the hardware's own
 rounding (mma sums in f32 from the f16 operands, exp2 is numpy's). An index outside its array
-in a live thread raises OutOfBounds. Enough of the language for the attention kernels; an op
-it lacks raises TypeError.
+in a live thread raises OutOfBounds. Enough of the language for the attention kernels and a
+tiny model's whole ptx runner (LockstepDevice); an op it lacks raises TypeError.
 """
 import numpy as np
 
@@ -55,6 +55,76 @@ def run(kernel, grid, *args, only=None):
                 if only is None or (x, y, z) in only:
                     _Workgroup(kernel, (x, y, z), grid, buffers, scalars).block(
                         kernel.body, np.ones(kernel.workgroup[0], bool))
+
+
+class Memory:
+    """A device buffer of LockstepDevice: bytes a launch sees as its parameter's dtype."""
+
+    def __init__(self, data):
+        self.data = data
+
+
+class LockstepDevice:
+    """A CUDA device as a device runner sees it (backends.Device's contract, without the
+    optional features but views), whose launches `run` executes: the ptx runner's own plan,
+    kernels and arguments, the tensor-core paths included, run end to end on the CPU. Small
+    models only: every workgroup is interpreted."""
+    backend, name, ordinal, subgroup_size, target = "ptx", "lockstep", 0, 32, "sm_90"
+    max_buffer, memory_source, multiprocessors = None, "lockstep", 132
+    features = frozenset({"views"})
+    step_staging = False
+
+    def __init__(self, caps):
+        self.caps, self.allocated, self.launched, self._programs = caps, 0, [], {}
+
+    def memory(self):
+        return 1 << 32, 1 << 32
+
+    def held(self):
+        return self.allocated, self.memory_source
+
+    def allocation_bytes(self, nbytes):
+        return -(-nbytes // 256) * 256
+
+    def alloc(self, nbytes):
+        self.allocated += nbytes
+        return Memory(np.zeros(max(nbytes, 4), np.uint8))
+
+    def free(self, buffer):
+        self.allocated -= buffer.data.size
+
+    def write(self, buffer, array, offset=0):
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        buffer.data[offset:offset + data.size] = data
+
+    def read(self, buffer, nbytes=None, offset=0):
+        end = buffer.data.size if nbytes is None else offset + nbytes
+        return buffer.data[offset:end].tobytes()
+
+    def copy(self, dst, src, nbytes):
+        dst.data[:nbytes] = src.data[:nbytes]
+
+    def view(self, buffer, offset):
+        return Memory(buffer.data[offset:])
+
+    def program(self, kernel):
+        return kernel
+
+    def require(self, kernel, limits=()):
+        kernel.require(self.caps, "the device", "lockstep: ")
+
+    def launch(self, program, kernel, grid, args):
+        call = []
+        for param, arg in zip(kernel.params, args, strict=True):
+            if param.kind == "buffer":
+                dtype = np.dtype(NUMPY[param.dtype.name])
+                arg = arg.data[:arg.data.size // dtype.itemsize * dtype.itemsize].view(dtype)
+            call.append(arg)
+        self.launched.append(kernel.name)
+        run(kernel, grid, *call)
+
+    def synchronize(self):
+        pass
 
 
 class _Workgroup:
@@ -171,6 +241,21 @@ class _Workgroup:
                 return (a[0].astype(np.float64) * a[1] + a[2]).astype(dtype)
             if op == "cast":
                 return a[0].astype(dtype)
+            if op == "bitcast":
+                return np.ascontiguousarray(a[0]).view(dtype)
+            if op == "unpack_half2":
+                word = a[0].astype(np.uint32)
+                return tuple((h & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16)
+                             .astype(np.float32) for h in (word, word >> np.uint32(16)))
+            if op == "half2":                   # each f16 half, f32 arithmetic rounded once
+                halves = [np.stack([(w & np.uint32(0xFFFF)), w >> np.uint32(16)])
+                          .astype(np.uint16).view(np.float16).astype(np.float32)
+                          for w in (x.astype(np.uint32) for x in a)]
+                arith = let.attr("arith")
+                value = (halves[0] - halves[1] if arith == "sub" else halves[0] * halves[1]
+                         if arith == "mul" else halves[0] * halves[1] + halves[2])
+                bits = value.astype(np.float16).view(np.uint16).astype(np.uint32)
+                return bits[0] | (bits[1] << np.uint32(16))
             if op == "pack_half2":
                 lo, hi = (x.astype(np.float16).view(np.uint16).astype(np.uint32) for x in a)
                 return lo | (hi << np.uint32(16))

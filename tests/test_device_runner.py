@@ -749,6 +749,43 @@ class LaunchLog:
         return buffer
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("multiprocessors", [132, 1])
+def test_a_decode_step_folds_its_rope_into_the_attention(tmp_path, arch, multiprocessors):
+    """On the host (LaunchLog): a step whose sequences are each at one position, every token
+    sampled, launches no rope_store_kv where the one-pass attention runs: that attention
+    takes the rope (its variant, with the rope's k, v, inv_freq and, for Qwen3's q/k norms,
+    their weights). A prompt's step (a sequence at several positions), a step with tokens not
+    sampled, and a step the tensor cores' decode kernel takes (one multiprocessor: it is
+    always full) launch the rope on its own."""
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_0", arch=arch))
+    log = LaunchLog(multiprocessors=multiprocessors)
+    runner = DeviceRunner(model, log, num_blocks=16, max_tokens=64, max_seqs=16)
+    runner.programs = {k.name: k for k in runner._kernels()}
+    runner.buffers = {a.name: a for a in runner.allocations()}
+    ropes = [op for op in runner.steps if op.kind == "rope_store_kv"]
+    assert len(ropes) == model.config.n_layers and \
+        all(("eps" in op.attrs) == (arch == "qwen3") for op in ropes)
+    for T, R, one in ((1, 1, True), (16, 16, True), (16, 16, False), (16, 3, True)):
+        runner._one_position = one
+        log.launched.clear()
+        for _ in runner.launches(T, R):
+            pass
+        folded = one and T == R and multiprocessors > 1
+        names = [kernel.name for kernel, _, _ in log.launched]
+        assert sum("rope_store_kv" in n for n in names) == (0 if folded else len(ropes))
+        attention = [(k, a) for k, _, a in log.launched if k.name.startswith("attention")]
+        assert all(("_rope_" in k.name) == folded for k, _ in attention)
+        if not folded:
+            continue
+        assert len(attention) == len(ropes)
+        for (kernel, args), rope in zip(attention, ropes):
+            given = dict(zip([p.name for p in kernel.params], args))
+            for name, t in zip(("k", "v", "inv_freq", "q_norm", "k_norm"),
+                               (*rope.inputs[1:3], *rope.inputs[8:])):
+                assert given[name] is runner._buffer(t), name
+
+
 @pytest.mark.parametrize("multiprocessors", [132, None, 1])
 @pytest.mark.parametrize("dtype", ["Q4_K", "F32"])
 def test_every_step_length_launches_compiled_kernels_within_the_partials(tmp_path,

@@ -40,26 +40,30 @@ def test_route(device, n_experts, used, normalize):
 
 @pytest.mark.parametrize("n_tokens,n_experts,used", [(1, 128, 8), (64, 128, 8), (13, 6, 2)])
 @pytest.mark.parametrize("norm_x16", [None, "Q4_0", "F16"])
-def test_route_grouped(device, n_tokens, n_experts, used, norm_x16):
+@pytest.mark.parametrize("grouped", [True, False])
+def test_route_grouped(device, n_tokens, n_experts, used, norm_x16, grouped):
     """route and expert_groups in one workgroup (a decode step's): their outputs, the same;
     with norm_x16 also each token's x normed, times the gain, rounded to f16 pairs in the
-    order the format's mma_vec takes them (quant formats pair values 0-2 and 1-3 of each 4)."""
+    order the format's mma_vec takes them (quant formats pair values 0-2 and 1-3 of each 4).
+    Not grouped: route's outputs alone (and the x16)."""
     logits = (3 * rng.standard_normal((n_tokens, n_experts))).astype(np.float32)
     cols, eps = 264, 1e-5
     x = (3 * rng.standard_normal((n_tokens, cols))).astype(np.float32)
     gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
     normed = [] if norm_x16 is None else [x, gain, np.zeros((n_tokens, cols // 2), np.uint32)]
     sg = device.subgroup_size
-    kernel = experts.route_grouped(sg, used, True, experts.route_slots(n_experts, sg), norm_x16)
+    kernel = experts.route_grouped(sg, used, True, experts.route_slots(n_experts, sg), norm_x16,
+                                   grouped)
+    group_bufs = [np.zeros(n_experts + 1, np.int32), np.zeros(n_tokens * used, np.int32),
+                  np.zeros(n_experts, np.int32)] if grouped else []
     out = run(device, kernel, (1,),
               logits, np.zeros((n_tokens, used), np.int32),
-              np.zeros((n_tokens, used), np.float32), np.zeros(n_experts + 1, np.int32),
-              np.zeros(n_tokens * used, np.int32), np.zeros(n_experts, np.int32), *normed,
+              np.zeros((n_tokens, used), np.float32), *group_bufs, *normed,
               n_experts, n_tokens, *([cols, eps] if normed else []))
     ids = ref.top_k(logits, used)
     assert np.array_equal(out["ids"], ids)
     assert rel_err(out["w"], ref.route_weights(logits, ids, True)) < 1e-5
-    want = groups(device, ids, n_experts)
+    want = groups(device, ids, n_experts) if grouped else ()
     for name, array in zip(("offsets", "routes", "active"), want):
         assert np.array_equal(out[name], array), name
     if norm_x16 is not None:
@@ -144,7 +148,11 @@ EXPERT_MMA_CASES = [({"glu": "silu", "x16": True, "tiles": 2, "split": 2}, 1, 8,
                     ({"tiles": 2, "split": 8}, 40, 6, 2, 96, 256),
                     ({"glu": "silu", "x16": True, "token_tiles": 4, "unroll": 2}, 64, 4, 3, 48,
                      1024),
-                    ({"chains": 2, "pipeline": True, "unroll": 2}, 9, 6, 2, 40, 4096)]
+                    ({"chains": 2, "pipeline": True, "unroll": 2}, 9, 6, 2, 40, 4096),
+                    # one token's routes, each its own workgroup column (by_route)
+                    ({"glu": "silu", "x16": True, "split": 8, "unroll": 2, "by_route": True},
+                     1, 16, 8, 96, 2048),
+                    ({"tiles": 2, "split": 4, "by_route": True}, 1, 8, 3, 200, 576)]
 
 
 @pytest.mark.parametrize("dtype", mma_vec.DTYPES)
@@ -170,13 +178,48 @@ def test_expert_mma_vec(cuda_device, dtype, variant, n_tokens, n_experts, used, 
     kernel = mma_vec.mma_vec(dtype, experts=True, **variant)
     grid = (mma_vec.grid(rows, 1, variant.get("tiles", 1), variant.get("split", 1))[0],
             min(n_experts, n_tokens * used))
-    got = run(cuda_device, kernel, grid, *[p for w, _ in weights for p in w], x_in, offsets,
-              routes, active, np.zeros((n_tokens, used, rows), np.float32), rows, cols,
-              used if x16 else 1)["y"]
+    by_route = variant.get("by_route")
+    taken = [ids] if by_route else [offsets, routes, active]
+    got = run(cuda_device, kernel, grid, *[p for w, _ in weights for p in w], x_in, *taken,
+              np.zeros((n_tokens, used, rows), np.float32), rows, cols,
+              used if x16 else 1, *([n_experts] if by_route else []))["y"]
     want = ref.expert_matmul(x, weights[0][1], ids)
     if glu:
         want = ref.glu(want, ref.expert_matmul(x, weights[1][1], ids), glu)
     assert rel_err(got, want) < (2e-2 if dtype == "BF16" else 3e-3), kernel.name
+
+
+def test_expert_mma_vec_by_route_in_lockstep():
+    """mma_vec's by_route expert variant at one token, run by numpy (tests/lockstep.py): each
+    route's rows of its expert, gate/up from norm_x16's words (every route reads the token's)
+    and down from the route's own x; a route whose id is no expert's (a router of NaN logits
+    chooses id n) writes nothing, as the grouping leaves it."""
+    from tests import lockstep
+    n_experts, used, rows, cols = 6, 3, 40, 256
+    ids = rng.permutation(n_experts)[:used].astype(np.int32).reshape(1, used)
+    ids[0, 1] = n_experts
+    for glu in ("silu", None):
+        x = rng.standard_normal((1, cols) if glu else (1, used, cols)).astype(np.float32)
+        x_in = x
+        if glu:
+            gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
+            x_in = np.zeros((1, cols // 2), np.uint32)
+            lockstep.run(mma_vec.norm_x16("Q4_0"), (1,), x, gain, x_in, cols, 1e-5)
+            x = ref.rms_norm(x, gain, 1e-5)
+        weights = [stacked_weight("Q4_0", n_experts, rows, cols) for _ in range(2 if glu else 1)]
+        shape = mma_vec.shape("Q4_0", rows * used, cols, 132, experts=True, x16=bool(glu))
+        kernel = mma_vec.mma_vec("Q4_0", glu=glu, x16=bool(glu), experts=True, by_route=True,
+                                 **shape)
+        y = np.full((1, used, rows), np.nan, np.float32)
+        lockstep.run(kernel, (mma_vec.grid(rows, 1, shape["tiles"], shape["split"])[0], used),
+                     *[p for w, _ in weights for p in w], x_in, ids, y, rows, cols,
+                     used if glu else 1, n_experts)
+        assert np.isnan(y[0, 1]).all()
+        chosen = ids[:, [0, 2]]
+        want = ref.expert_matmul(x if glu else x[:, [0, 2]], weights[0][1], chosen)
+        if glu:
+            want = ref.glu(want, ref.expert_matmul(x, weights[1][1], chosen), glu)
+        assert rel_err(y[:, [0, 2]], want) < 3e-3, kernel.name
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -232,6 +275,7 @@ def expert_kernels(subgroup_size):
            experts.expert_groups(fours=True),
            experts.route_grouped(subgroup_size, 8, True, slots, "Q4_0"),
            experts.route_grouped(subgroup_size, 8, True, slots, "F16"),
+           experts.route_grouped(subgroup_size, 8, True, slots, "Q4_0", grouped=False),
            experts.expert_sum(8), experts.expert_sum(8, residual=True),
            experts.expert_sum_norm_x16(8, "Q4_0"), experts.expert_sum_norm_x16(8, "F16"),
            experts.expert_sum_norm_x16(8, "BF16")]
@@ -247,9 +291,12 @@ def expert_mma_kernels(dtype, multiprocessors=132):
     out = {}
     for glu, rows, cols in (("silu", 768, 2048), (None, 2048, 768)):
         for T in range(1, 513):
-            _, shape = expert_steps.mma_shape(dtype, 128, rows, cols, 8, multiprocessors, T)
-            kernel = mma_vec.mma_vec(dtype, glu=glu, x16=glu is not None, experts=True, **shape)
-            out[kernel.name] = kernel
+            _, shape = expert_steps.mma_shape(dtype, 128, rows, cols, 8, multiprocessors, T,
+                                              x16=glu is not None)
+            for by_route in (False, True) if T == 1 else (False,):
+                kernel = mma_vec.mma_vec(dtype, glu=glu, x16=glu is not None, experts=True,
+                                         by_route=by_route, **shape)
+                out[kernel.name] = kernel
     return list(out.values())
 
 

@@ -56,6 +56,10 @@ def runner_kernels(subgroup_size):
             ops.attention_split(subgroup_size, 64), ops.attention_split(subgroup_size, 128),
             ops.attention(subgroup_size, 128, 4), ops.attention_split(subgroup_size, 128, 4),
             ops.attention(subgroup_size, 128, 4, untiled=True),
+            # a decode step's rope_store_kv folded into its attention
+            ops.attention(subgroup_size, 128, rope=("neox", 1.0, True)),
+            ops.attention(subgroup_size, 128, 4, rope=("normal", 1.0, False)),
+            ops.attention(subgroup_size, 64, rope=("neox", 1.19, False)),
             ops.attention_combine(64), ops.attention_combine(128), choice.argmax(subgroup_size),
             choice.argmax_chunks(subgroup_size), choice.top_candidates(subgroup_size),
             choice.logit_edits(), choice.feed_tokens(), choice.draw(subgroup_size)]
@@ -78,6 +82,7 @@ def gemma_kernels(subgroup_size):
     out = [ops.embedding(d, scaled=True) for d in DEVICE_DTYPES] + [softcap.softcap(30.0)]
     for mods in GEMMA_MODS:
         out += [ops.attention(subgroup_size, 256, 1, **mods),
+                ops.attention(subgroup_size, 256, 2, rope=("neox", 1.0, True), **mods),
                 ops.attention(subgroup_size, 256, 2, untiled=True, **mods),
                 ops.attention_split(subgroup_size, 256, 2, **mods)]
     return out + [ops.attention_combine(256)]
@@ -129,7 +134,8 @@ def mma_kernels(dtypes=DEVICE_DTYPES):
     tiled += list(chosen.values())
     vec = [mma_vec.mma_vec(d, **dict(shape), **mma_vec_variant(v))
            for d in mma_vec.DTYPES if d in dtypes for v in MATVEC_VARIANTS
-           for shape in {tuple(mma_vec.shape(d, rows, cols, 132, tt).items())
+           for shape in {tuple(mma_vec.shape(d, rows, cols, 132, tt,
+                                             x16=bool(v.get("norm"))).items())
                          for rows, cols in mma_vec_shapes(v) for tt in (1, 2, 4)}]
     prep = list({k.name: k for d in mma_vec.DTYPES if d in dtypes
                  for k in (mma_vec.norm_x16(d), mma_vec.reduce_norm_x16(d, 2),

@@ -502,7 +502,30 @@ MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 409
                  ({"token_tiles": 4, "tiles": 2, "residual": True}, 45, 216, 1024),
                  ({"token_tiles": 2, "chains": 2, "x16": True, "split": 2}, 7, 200, 576),
                  # an output head's shape (mma_vec.shape: one tile, split 2, one group a round)
-                 ({"x16": True, "split": 2, "chains": 2}, 1, 1000, 2048)]
+                 ({"x16": True, "split": 2, "chains": 2}, 1, 1000, 2048),
+                 # rows too few to fill the device (mma_vec.shape: one tile, split 8, two groups
+                 # a round, one chain)
+                 ({"x16": True, "split": 8, "unroll": 2}, 1, 1000, 2048),
+                 ({"residual": True, "split": 8, "unroll": 2}, 3, 200, 4096 + 256)]
+
+
+@pytest.mark.parametrize("rows,cols,x16,experts,tiles", [
+    (5120, 2048, True, False, 1),       # Qwen3-30B-A3B q/k/v: 160 workgroups of two tiles
+    (2048, 4096, False, False, 1),      # its o: one tile's 128 workgroups fit 132
+    (768 * 8, 2048, True, True, 1),     # its experts' gate/up at one token
+    (2048 * 8, 768, False, True, 2),    # its experts' down: split 4 fills the device
+    (6144, 4096, True, False, 1),       # Llama-8B q/k/v
+    (4096, 4096, False, False, 2),      # its o: one tile's 256 workgroups overfill it
+    (14336, 4096, True, False, 2)])     # its gate/up: split 4 fills the device
+def test_mma_vec_shape_takes_one_tile_where_rows_are_few(rows, cols, x16, experts, tiles):
+    """mma_vec.shape at one token, Q4_0, 132 multiprocessors: rows that leave the device idle
+    even split 8 ways take one tile, one chain, no pipeline where x is norm_x16's or one
+    tile's workgroups fit; the others keep two tiles."""
+    shape = mma_vec.shape("Q4_0", rows, cols, 132, 1, experts=experts, x16=x16)
+    assert shape["tiles"] == tiles
+    if tiles == 1:
+        assert shape == dict(tiles=1, split=8, unroll=2, chains=1, pipeline=False,
+                             token_tiles=1)
 
 
 @pytest.mark.parametrize("dtype", mma_vec.DTYPES)
@@ -903,6 +926,86 @@ def test_attention(device, head_dim, n_heads, n_kv, shared):
               cache_v.astype(np.float16).view(np.uint32), qpos, qrows, tables, n_heads, n_kv,
               tables.shape[1], bs, scale)["out"]
     assert rel_err(got, want) < 1e-5
+
+
+def rope_attention_case(device, style, pairs, scale, normed, head_dim, n_heads, n_kv, shared,
+                        mods, run_kernel):
+    """A decode step's rope_store_kv (normed: norm_rope_store_kv) and attention, unfused on
+    the device and as one launch (ops.attention's rope), from the same cache: every key but
+    each sequence's last stored beforehand, the rest of the cache poisoned (f16 NaNs). The
+    fused launch writes the same cache words, bit for bit, and nothing else; its output is
+    the unfused one's (the own key's terms added first) and the reference's."""
+    bs, nb, eps, sg = 16, 64, 1e-6, device.subgroup_size if device else 32
+    lengths = [1, 300, 57, 33] if device else [1, 40, 17]
+    tables, positions, seq_rows, k, v = paged_case(n_kv, head_dim, lengths, bs, nb)
+    last = np.array([np.nonzero(seq_rows == s)[0][-1] for s in range(len(lengths))])
+    T, qpos, qrows = len(last), positions[last], seq_rows[last]
+    q = rng.standard_normal((T, n_heads, head_dim)).astype(np.float32)
+    q_w, k_w = (rng.uniform(0.5, 1.5, head_dim).astype(np.float32) for _ in range(2))
+    inv_freq = (1.0 / 10000 ** (np.arange(pairs) / pairs)).astype(np.float32)
+    turn = lambda x, w, p: ref.rope(ref.rms_norm(x, w, eps) if normed else x,  # noqa: E731
+                                    p, inv_freq, style, scale)
+    kr = turn(k, k_w, positions)
+    before_k, before_v = (np.full((nb, bs, n_kv, head_dim), np.nan, np.float32)
+                          for _ in range(2))
+    earlier = np.setdiff1d(np.arange(len(positions)), last)
+    ref.store_kv(kr[earlier], v[earlier], before_k, before_v, positions[earlier],
+                 seq_rows[earlier], tables)
+    words = [c.astype(np.float16).view(np.uint32) for c in (before_k, before_v)]
+    norms, eps_ = ([q_w, k_w], [eps]) if normed else ([], [])
+    att_scale = head_dim ** -0.5
+    cache = lambda kc, vc: (kc.copy(), vc.copy(), qpos, qrows, tables)  # noqa: E731
+    rope_kernel = ops.norm_rope_store_kv(style, sg, scale) if normed else \
+        ops.rope_store_kv(style, scale)
+    grid = -(-T * (n_heads + n_kv) // (ops.WG // sg)) if normed else \
+        -(-T * (n_heads + n_kv) * head_dim // 2 // ops.WG)
+    unfused = run_kernel(rope_kernel, (grid,), q.copy(), k[last], v[last], *cache(*words),
+                         inv_freq, *norms, T, n_heads, n_kv, head_dim, pairs, tables.shape[1],
+                         bs, *eps_)
+    for name, before in zip(("k_cache", "v_cache"), words):     # a "w" buffer comes poisoned
+        unfused[name] = np.where(unfused[name] == 0xFFFFFFFF, before, unfused[name])
+    plain = ops.attention(sg, head_dim, shared, **mods)
+    want_out = run_kernel(plain, (T * n_heads // shared,), unfused["q"],
+                          np.zeros_like(q), unfused["k_cache"], unfused["v_cache"], qpos, qrows,
+                          tables, n_heads, n_kv, tables.shape[1], bs, att_scale)["out"]
+    fused = ops.attention(sg, head_dim, shared, rope=(style, scale, normed), **mods)
+    got = run_kernel(fused, (T * n_heads // shared,), q, np.zeros_like(q), *cache(*words),
+                     n_heads, n_kv, tables.shape[1], bs, att_scale, k[last], v[last],
+                     inv_freq, *norms, pairs, *eps_)
+    for name in ("k_cache", "v_cache"):
+        assert np.array_equal(got[name], unfused[name]), name
+    assert rel_err(got["out"], want_out) < 1e-5
+    full_k, full_v = (c.view(np.float16).astype(np.float32) for c in
+                      (got["k_cache"], got["v_cache"]))
+    want = ref.attention(turn(q, q_w, qpos), full_k, full_v, qpos, qrows, tables, att_scale,
+                         **mods)
+    assert rel_err(got["out"], want) < 1e-4
+
+
+@pytest.mark.parametrize("style,pairs,scale,normed", [("neox", 32, 1.0, True),
+                                                      ("normal", 24, 1.19, False),
+                                                      ("normal", 64, 1.0, True),
+                                                      ("neox", 24, 1.0, False)])
+@pytest.mark.parametrize("head_dim,n_heads,n_kv,shared,mods", [
+    (64, 9, 3, 1, {}), (64, 8, 4, 2, {}), (128, 8, 2, 1, {}),
+    (64, 8, 2, 2, {"window": 40, "softcap": 30.0})])
+def test_attention_folds_the_rope(device, style, pairs, scale, normed, head_dim, n_heads, n_kv,
+                                  shared, mods):
+    if pairs * 2 > head_dim:
+        pytest.skip("more pairs than the head has")
+    rope_attention_case(device, style, pairs, scale, normed, head_dim, n_heads, n_kv, shared,
+                        mods, lambda kernel, grid, *args: run(device, kernel, grid, *args))
+
+
+@pytest.mark.parametrize("style,normed", [("neox", True), ("normal", False)])
+def test_attention_folds_the_rope_in_lockstep_at_32_lanes(style, normed):
+    """The same at NVIDIA's subgroup size, run by numpy (tests/lockstep.py)."""
+    def run_lockstep(kernel, grid, *args):
+        args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        lockstep.run(kernel, grid, *args)
+        return {p.name: a for p, a in zip(kernel.params, args)
+                if p.kind == "buffer" and p.access in ("w", "rw")}
+    rope_attention_case(None, style, 48, 1.0, normed, 128, 8, 2, 1, {}, run_lockstep)
 
 
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 32, 8), (64, 9, 3), (128, 32, 2),

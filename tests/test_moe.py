@@ -16,6 +16,7 @@ from poot.ir import reference
 from poot.kernels.lang import MMA_CAPS
 from poot.loader import hf_weight_names
 from poot.models import llama
+from tests import lockstep
 from tests.models import tiny_model
 from tests.test_device_runner import greedy, prefill_of
 from tests.test_llama import Harness, hf_logits, permute_for_gguf, rel_err
@@ -222,6 +223,38 @@ def test_tiny_moe_on_a_device_matches_the_reference(tmp_path, device, arch, dtyp
     assert rel_err(runner.logits(batch), want) < 2e-3
 
 
+def test_the_ptx_runner_in_lockstep_gives_the_reference_tokens(tmp_path, monkeypatch):
+    """The ptx runner's own launches of a tiny Qwen3-MoE (Q4_0), every workgroup run by numpy
+    at 32 lanes (tests/lockstep.py's LockstepDevice): greedy tokens and logits of the
+    reference, through the prompt step and decode steps whose attention does the rope and
+    cache store and whose experts take their routes one a workgroup column; the same logits,
+    bit for bit, as launches that keep those apart."""
+    from poot.codegen.ptx import PTX_CAPS
+    from poot.engine import expert_steps
+    from poot.engine.device_runner import DeviceRunner
+    model = poot.load(tiny_model(tmp_path, dtype="Q4_0", arch="qwen3moe", shape="tiny-moe"))
+    table, prompt = list(np.random.default_rng(0).permutation(32)), [5, 80, 9, 41]
+    want_ids, want = greedy(model.runner(None, num_blocks=32), prompt, 3, table)
+    runs = []
+    for apart in (False, True):
+        with monkeypatch.context() as patch:
+            if apart:
+                patch.setattr(DeviceRunner, "_folds_rope", lambda self, i, T, R: None)
+                patch.setattr(expert_steps, "takes_routes", lambda T: False)
+            device = lockstep.LockstepDevice(PTX_CAPS)
+            runner = model.runner(device, num_blocks=32, max_tokens=64)
+            runs.append((*greedy(runner, prompt, 3, table), set(device.launched)))
+    (got_ids, got, launched), (_, apart_logits, apart_launched) = runs
+    assert got_ids == want_ids
+    assert rel_err(got, want) < 2e-3
+    assert np.array_equal(got, apart_logits)
+    assert {"attention_d64_s32_rope_neox_norm",
+            "expert_mma_vec_q4_0_u2_k8_x16_swiglu_routes"} <= launched
+    assert "norm_rope_store_kv_neox_s32" in apart_launched and not any(
+        name.startswith("attention") and "_rope_" in name or name.endswith("_routes")
+        for name in apart_launched)
+
+
 def test_a_moe_layer_lowers_to_its_expert_steps(tmp_path):
     """The router's matmul, its choice and weights in one step (with the grouping), one expert
     matvec for gate and up with their SwiGLU, one for down, and the weighted sum with the
@@ -274,17 +307,19 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path, matrix):
         routing = ["route_grouped2_s32_v1_norm"] if T * 2 <= 512 else ["route2_s32_v1_norm",
                                                                       "expert_groups"]
         if matrix and T <= 8:           # the route's workgroup makes the experts' x16 too
-            routing = ["route_grouped2_s32_v1_norm_x16_f16_pairs"]
+            # (one token's routes, each a different expert, are taken by route: no groups)
+            routing = ["route_grouped2_s32_v1_norm_x16_f16_pairs" + "_ungrouped" * (T == 1)]
         at = names.index(routing[0]) + len(routing)
         if matrix:
             tiles = "_n4" * (T * 2 > 3 * 8 * cfg.n_experts)     # mma_vec.token_tiles
             if T > 8:
                 assert names[at] == "norm_x16_f16_pairs"
                 at += 1
+            by_route = "_routes" * (T == 1)
             assert names[at].startswith("expert_mma_vec_q4_0_") and \
-                names[at].endswith(f"_x16{tiles}_swiglu")
+                names[at].endswith(f"_x16{tiles}_swiglu{by_route}")
             assert names[at + 1].startswith("expert_mma_vec_q4_0_") and \
-                names[at + 1].endswith(tiles) and "x16" not in names[at + 1]
+                names[at + 1].endswith(tiles + by_route) and "x16" not in names[at + 1]
             # the sum makes the x16 of the next layer's q/k/v matmul: mma_vec's words in a
             # short step, mma_tiled's in a long one; the last layer's sum is a plain one
             long = T >= runner.choice.mma_min_tokens
@@ -303,7 +338,8 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path, matrix):
         assert names.count(routing[-1]) == cfg.n_layers
         for kernel, grid, args in matvecs:                  # the experts T can choose
             assert grid[1] == min(cfg.n_experts, T * cfg.experts_used)
-            assert runner.buffers["expert_active"] in args
+            by_route = matrix and T == 1
+            assert (runner.buffers["expert_active"] in args) != by_route
 
 
 def test_a_hugging_face_moe_folder_on_a_device_matches_the_reference(tmp_path, device,

@@ -126,6 +126,14 @@ class StepBatch:
     def num_tokens(self):
         return len(self.tokens)
 
+    def one_position_each(self):
+        """Whether each sequence's tokens in the step sit at one position (a decode step, its
+        padded copies of a token included): then every key a token attends to but its own
+        was stored by an earlier step."""
+        first = np.zeros(len(self.block_tables), np.int64)
+        first[self.seq_rows[::-1]] = self.positions[::-1]      # each row's first token's
+        return bool(np.array_equal(first[self.seq_rows], self.positions))
+
 
 @dataclass
 class StepOutput:

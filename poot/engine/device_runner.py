@@ -31,7 +31,8 @@ from .kernel_choice import (ARGMAX_CHUNKS, MAX_SPLITS, SPLIT_MIN_CONTEXT, SPLIT_
 from .batch import TABLES
 from .sampling import EXP2
 from .kvcache import ring_tensors
-from .lowering import assign_slots, lower, next_matmul, normed_after, shared_buffers
+from .lowering import (assign_slots, lower, next_matmul, normed_after, rope_before,
+                       shared_buffers)
 from . import expert_steps, placement
 from .device_choice import EDITS_PER_ROW, DeviceChoice
 from .step_inputs import StepInputs
@@ -77,6 +78,7 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
         self.two_phase_floats = TWO_PHASE_FLOATS
         self.long = False           # this step splits its attention (run() decides)
         self._step_rows = None      # the uploaded step's sequence rows (host), for attention
+        self._one_position = False  # ... whether each sequence is at one position (batch.py)
         self._step_tiles = None     # ... and which of its tokens attention_tiles takes
         self._shared = shared_buffers(self.graph)
         # a device that runs every weight on the tensor cores stacks a gated unit's gate and
@@ -301,6 +303,7 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
             raise ValueError(f"step of {T} tokens / {R} rows exceeds the runner's "
                              f"{self.max_tokens} / {self.max_seqs}")
         self._step_rows, self._step_tiles = batch.seq_rows, None
+        self._one_position = batch.one_position_each()
         self._upload_edits(batch.sampling)
         self._upload_inputs(batch)
 
@@ -402,11 +405,14 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
                      self.block_size)
 
     def _rope_store_kv(self, op, T, R, i, long):
-        """One thread a word of two dims; with the heads' norms, one subgroup a head."""
+        """One thread a word of two dims; with the heads' norms, one subgroup a head; none
+        where the attention after it does its work (_folds_rope)."""
         B = self._buffer
         q, k, v, kc, vc, positions, seq_rows, tables_t, inv_freq = op.inputs[:9]
         if self._uses[q.name] != 1 or B(q) != B(op.output):
             raise RuntimeError("rope_store_kv rotates q in place: q is used only by it")
+        if i + 1 < len(self.steps) and self._folds_rope(i + 1, T, R):
+            return
         _, heads, hd = q.shape
         kv_heads = k.shape[1]
         kernel = rope_store_kv_kernel(self, op)
@@ -446,10 +452,30 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
                 self._launch(decode or ops.attention(sg, head_dim, shared, untiled=True, **mods),
                              (T * (kv_heads if decode else heads // shared),), B(q), B(out),
                              *cache, T)
+        elif rope := self._folds_rope(i, T, R):
+            q, k, v, inv_freq, *norms = (rope.inputs[j] for j in (0, 1, 2, 8, 9, 10)
+                                         if j < len(rope.inputs))
+            self._launch(ops.attention(sg, head_dim, shared, rope=rope_of(rope), **mods),
+                         (T * heads // shared,), B(q), B(out), *cache, B(k), B(v), B(inv_freq),
+                         *map(B, norms), inv_freq.shape[0],
+                         *([rope.attrs["eps"]] if norms else []))
         else:
             decode = self.choice.attention_decode(T, heads, kv_heads, **mods)
             self._launch(decode or ops.attention(sg, head_dim, shared, **mods),
                          (T * (kv_heads if decode else heads // shared),), B(q), B(out), *cache)
+
+    def _folds_rope(self, i, T, R):
+        """The rope_store_kv step before attention step i that the attention does itself
+        (ops.attention's rope), or None: in a step of sampled tokens whose every sequence is at
+        one position (StepBatch.one_position_each), where the one-pass kernel runs (not the
+        split, nor the tensor cores' decode kernel)."""
+        rope = rope_before(self.steps, i)
+        if rope is None or T != R or not self._one_position or self._splits_attention(T):
+            return None
+        op = self.steps[i]
+        decode = self.choice.attention_decode(T, op.inputs[0].shape[1], op.inputs[1].shape[2],
+                                              **attention_mods(op))
+        return None if decode else rope
 
     def _gather(self, op, T, R, i, long):
         """The sampled rows' hidden states (indices count from the step's first token)."""
@@ -727,6 +753,19 @@ def rope_store_kv_kernel(runner, op):
     return ops.rope_store_kv(style, scale)
 
 
+def rope_of(op):
+    """ops.attention's `rope` of a rope_store_kv step: (style, scale, whether it norms)."""
+    return op.attrs["style"], op.attrs["scale"], "eps" in op.attrs
+
+
+def _attention_kernels(runner, steps, i, long):
+    """Every kernel an attention step may launch (KernelChoice.attention_kernels), with the
+    one-pass kernels that fold in the rope_store_kv before it where there is one."""
+    op, rope = steps[i], rope_before(steps, i)
+    return runner.choice.attention_kernels(op, runner.attention_splits > 1,
+                                           None if rope is None else rope_of(rope))
+
+
 def _one(make):
     """The kernels entry of a step kind that launches one kernel, made from the step."""
     return lambda runner, steps, i, long: [make(runner, steps[i])]
@@ -749,8 +788,7 @@ STEPS = {
                      DeviceRunner._rope),
     "store_kv": StepKind(_one(lambda r, op: ops.store_kv()), DeviceRunner._store_kv),
     "rope_store_kv": StepKind(_one(rope_store_kv_kernel), DeviceRunner._rope_store_kv),
-    "attention": StepKind(lambda r, steps, i, long: r.choice.attention_kernels(
-        steps[i], r.attention_splits > 1), DeviceRunner._attention),
+    "attention": StepKind(_attention_kernels, DeviceRunner._attention),
     "gather": StepKind(_one(lambda r, op: ops.gather_rows()), DeviceRunner._gather),
     "all_reduce": StepKind(_reduce_kernels, DeviceRunner._reduce),
     "all_gather": StepKind(_one(lambda r, op: ops.all_gather(op.attrs["world"])),

@@ -51,39 +51,42 @@ def on_tensor_cores(runner, op):
 
 
 @cache
-def mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T):
+def mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T, x16=False):
     """(slots, mma_vec keywords) of the expert mma_vec of a T-token step: as many workgroup
     columns as experts its routes can choose; token tiles for the routes an expert has on
     average (mma_vec.token_tiles), the rows' shape (mma_vec.shape) for all those experts'
-    rows together."""
+    rows together (`x16`: x comes as norm_x16's words)."""
     slots = min(n_experts, T * used)
     tiles = mma_vec.token_tiles(dtype, -(-T * used // slots))
     return slots, mma_vec.shape(dtype, rows * slots, cols, multiprocessors, tiles,
-                                experts=True)
+                                experts=True, x16=x16)
 
 
 @cache
-def mma_shapes(dtype, n_experts, rows, cols, used, multiprocessors, most):
+def mma_shapes(dtype, n_experts, rows, cols, used, multiprocessors, most, x16=False):
     """The distinct mma_vec keywords of mma_shape over steps of 1 to `most` tokens (they stop
     changing once every expert can be chosen and the token tiles are at their most)."""
-    shapes, last = {}, mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, most)[1]
+    shapes, last = {}, mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, most,
+                                 x16)[1]
     for T in range(1, most + 1):
-        shape = mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T)[1]
+        shape = mma_shape(dtype, n_experts, rows, cols, used, multiprocessors, T, x16)[1]
         shapes[tuple(sorted(shape.items()))] = shape
         if T * used >= n_experts and shape == last:
             break
     return list(shapes.values())
 
 
-def mma_kernel(runner, op, T, shape=None):
+def mma_kernel(runner, op, T, shape=None, by_route=None):
     """(slots, kernel, its shape) of an ExpertMatvec's mma_vec in a T-token step (of `shape`
-    where given)."""
+    where given): by route in a one-token step (its routes choose different experts), else
+    over the route groups (`by_route` where given: which)."""
     n_experts, rows, cols = op.weight.shape
     slots, chosen = mma_shape(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
-                              runner.choice.multiprocessors, T)
+                              runner.choice.multiprocessors, T, op.norm is not None)
     shape = shape or chosen
+    by_route = takes_routes(T) if by_route is None else by_route
     return slots, mma_vec.mma_vec(op.weight.dtype, glu=op.glu, x16=op.norm is not None,
-                                  experts=True, **shape), shape
+                                  experts=True, by_route=by_route, **shape), shape
 
 
 def token_group(dtype, T):
@@ -109,17 +112,36 @@ def normed_in_route(runner, steps, i, T):
 def route_kernels(runner, steps, i, long):
     op, sg = steps[i], runner.device.subgroup_size
     normed = normed_in_route(runner, steps, i, 1)
-    return [experts.route(sg, op.used, op.normalize, experts.route_slots(op.logits.shape[1], sg)),
-            experts.expert_groups(op.used % 4 == 0), grouped_kernel(runner, op)] + (
-        [] if normed is None else [grouped_kernel(runner, op, normed.weight.dtype)])
+    x16 = None if normed is None else normed.weight.dtype
+    out = [experts.route(sg, op.used, op.normalize, experts.route_slots(op.logits.shape[1], sg)),
+           experts.expert_groups(op.used % 4 == 0), grouped_kernel(runner, op)]
+    out += [] if x16 is None else [grouped_kernel(runner, op, x16)]
+    return out + ([grouped_kernel(runner, op, x16, False)]
+                  if routes_alone(runner, steps, i, 1) else [])
 
 
-def grouped_kernel(runner, op, norm_x16=None):
+def takes_routes(T):
+    """Whether the expert mma_vec of a T-token step takes its routes a workgroup column each
+    (mma_vec's by_route): one token's routes choose different experts."""
+    return T == 1
+
+
+def routes_alone(runner, steps, i, T):
+    """Whether Route step steps[i] of a T-token step leaves its routes ungrouped: one token's
+    routes choose different experts, and every expert matvec reading them takes them by route
+    (mma_vec's by_route: on the tensor cores)."""
+    op = steps[i]
+    return takes_routes(T) and all(on_tensor_cores(runner, after) for after in steps
+                          if after.kind == "expert_matmul" and
+                          after.ids.name == op.outputs[0].name)
+
+
+def grouped_kernel(runner, op, norm_x16=None, grouped=True):
     """The route_grouped of Route op (with norm_x16, the experts' weight format, where it makes
-    their x16)."""
+    their x16; not `grouped`, the routes alone)."""
     sg = runner.device.subgroup_size
     return experts.route_grouped(sg, op.used, op.normalize,
-                                 experts.route_slots(op.logits.shape[1], sg), norm_x16)
+                                 experts.route_slots(op.logits.shape[1], sg), norm_x16, grouped)
 
 
 def route(runner, op, T, R, i, long):
@@ -127,20 +149,19 @@ def route(runner, op, T, R, i, long):
     grouped by expert; one launch where the step has at most experts.GROUPED_ROUTES routes
     (decode steps), else two. In steps of a few tokens the launch also makes the x16 of the
     expert mma_vec next (normed_in_route)."""
-    route_, groups, grouped = route_kernels(runner, [op], 0, long)[:3]
+    route_, groups = route_kernels(runner, [op], 0, long)[:2]
     (ids, weights), n_experts = op.outputs, op.logits.shape[1]
     B = runner._buffer
     if T * op.used <= experts.GROUPED_ROUTES:
         normed = normed_in_route(runner, runner.steps, i, T)
-        if normed is not None:
-            grouped = grouped_kernel(runner, op, normed.weight.dtype)
-            x16 = [B(normed.x), B(normed.norm), runner.buffers["expert_x16"]]
-            runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights),
-                           *expert_buffers(runner), *x16, n_experts, T, normed.weight.shape[2],
-                           normed.eps)
-            return
-        runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights), *expert_buffers(runner),
-                       n_experts, T)
+        alone = routes_alone(runner, runner.steps, i, T)
+        grouped = grouped_kernel(runner, op, None if normed is None else normed.weight.dtype,
+                                 not alone)
+        x16 = [] if normed is None else [B(normed.x), B(normed.norm),
+                                         runner.buffers["expert_x16"]]
+        rest = [] if normed is None else [normed.weight.shape[2], normed.eps]
+        runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights),
+                       *([] if alone else expert_buffers(runner)), *x16, n_experts, T, *rest)
         return
     runner._launch(route_, (T,), B(op.logits), B(ids), B(weights), n_experts)
     runner._launch(groups, (1,), B(ids), *expert_buffers(runner), T * op.used, n_experts)
@@ -163,9 +184,10 @@ def matvec_kernels(runner, steps, i, long):
     if on_tensor_cores(runner, op):
         n_experts, rows, cols = op.weight.shape
         shapes = mma_shapes(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
-                            runner.choice.multiprocessors, runner.max_tokens)
+                            runner.choice.multiprocessors, runner.max_tokens, op.norm is not None)
         prep = [mma_vec.norm_x16(op.weight.dtype)] if op.norm is not None else []
-        return prep + [mma_kernel(runner, op, 1, shape)[1] for shape in shapes]
+        return prep + [mma_kernel(runner, op, 1, shape, False)[1] for shape in shapes] + \
+            [mma_kernel(runner, op, 1, by_route=True)[1]]   # a one-token step's
     return [matvec_kernel(runner, op, group)[0]
             for group in experts.expert_tokens(op.weight.dtype)]
 
@@ -187,8 +209,10 @@ def matvec(runner, op, T, R, i, long):
                 runner._launch(mma_vec.norm_x16(op.weight.dtype), (T,), B(op.x), B(op.norm),
                                x, cols, op.eps)
         grid = (mma_vec.grid(rows, 1, shape["tiles"], shape["split"])[0], slots)
-        runner._launch(kernel, grid, *planes, x, *expert_buffers(runner), B(op.outputs[0]),
-                       rows, cols, x_per)
+        by_route = takes_routes(T)
+        groups = [B(op.ids)] if by_route else expert_buffers(runner)
+        runner._launch(kernel, grid, *planes, x, *groups, B(op.outputs[0]), rows, cols, x_per,
+                       *([n_experts] if by_route else []))
         return
     kernel, rows_per = matvec_kernel(runner, op, token_group(op.weight.dtype, T))
     grid = experts.expert_grid(rows, min(n_experts, T * op.ids.shape[1]), sg, rows_per)

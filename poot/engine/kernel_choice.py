@@ -168,7 +168,8 @@ class KernelChoice:
         rows = w.shape[0]
         if group >= mma_vec.least_tokens(w.dtype) and self.runs_mma_vec(w):
             tt = max(1, group // mma_vec.TOKENS)
-            shape = mma_vec.shape(w.dtype, *w.shape, self.multiprocessors, tt)
+            shape = mma_vec.shape(w.dtype, *w.shape, self.multiprocessors, tt,
+                                  x16=bool(variant["norm"]))
             prep = None
             if variant["norm"]:
                 variant, prep = dict(variant, norm=False, x16=True), mma_vec.norm_x16(w.dtype)
@@ -402,10 +403,11 @@ class KernelChoice:
         kernel = flash.attention_decode(head_dim, group, untiled)
         return kernel if kernel.caps <= self.device.caps else None
 
-    def attention_kernels(self, op, split):
+    def attention_kernels(self, op, split, rope=None):
         """Every kernel an attention step may launch: the one-pass kernel for each share of
-        heads a step can take, the untiled one beside the tiles, the split ones where the
-        context is split (`split`), and the tiles."""
+        heads a step can take (and with the `rope` before it folded in, where given), the
+        untiled one beside the tiles, the split ones where the context is split (`split`),
+        and the tiles."""
         sg, head_dim = self.device.subgroup_size, self.model.config.head_dim
         heads, kv_heads = op.inputs[0].shape[1], op.inputs[1].shape[2]
         shares = {1, self.attention_heads(self.max_tokens, heads, kv_heads)}
@@ -413,6 +415,7 @@ class KernelChoice:
         tiles = self.attention_tiles(heads, kv_heads, **mods)
         return [kernel for shared in sorted(shares) for kernel in (
             [ops.attention(sg, head_dim, shared, **mods)]
+            + ([ops.attention(sg, head_dim, shared, rope=rope, **mods)] if rope else [])
             + ([ops.attention(sg, head_dim, shared, untiled=True, **mods)] if tiles else [])
             + ([ops.attention_split(sg, head_dim, shared, **mods)] if split else []))] + \
             ([ops.attention_combine(head_dim)] if split else []) + ([tiles] if tiles else []) + \

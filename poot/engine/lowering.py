@@ -295,10 +295,12 @@ def assign_slots(steps, outputs, shared, elements):
     """(uses, slot of each value, slot sizes) of a lowering: arena slots by liveness, a
     value taking a free slot of its size at its op and freeing it after its last use; a
     reshape, and rope and rope_store_kv (which rotate q in place), share their input's
-    slot."""
+    slot; what a rope_store_kv reads lives until the attention that may fold it in
+    (rope_before)."""
     last_use, alias = {}, {}
     for i, op in enumerate(steps):
-        for t in op.inputs:
+        rope = rope_before(steps, i)
+        for t in [*op.inputs, *(rope.inputs if rope is not None else ())]:
             last_use[t.name] = i
         if op.kind in SHARES_INPUT:
             alias[op.output.name] = alias.get(op.inputs[0].name, op.inputs[0].name)
@@ -321,7 +323,9 @@ def assign_slots(steps, outputs, shared, elements):
                 slot_of[out.name] = slot
             elif op.kind in SHARES_INPUT:
                 slot_of[out.name] = slot_of[alias[out.name]]
-        for t in dict.fromkeys(op.inputs):     # once each, in order: the same slots every run
+        rope = rope_before(steps, i)
+        for t in dict.fromkeys([*op.inputs, *(rope.inputs if rope is not None else ())]):
+            # once each, in order: the same slots every run
             root = alias.get(t.name, t.name)
             if t.kind == "value" and last_use.get(root) == i and root in slot_of:
                 free.setdefault(sizes[slot_of[root]], []).append(slot_of[root])
@@ -341,6 +345,18 @@ def part_rows(stacked):
             out[p.name] = (whole, row)
             row += p.shape[0]
     return out
+
+
+def rope_before(steps, i):
+    """The rope_store_kv step right before attention step steps[i] that rotates its q, or
+    None: the attention of a decode step does that step's work itself (ops.attention's
+    rope), reading its inputs."""
+    op = steps[i]
+    prev = steps[i - 1] if i else None
+    if op.kind == "attention" and prev is not None and prev.kind == "rope_store_kv" and \
+            prev.output.name == op.inputs[0].name:
+        return prev
+    return None
 
 
 def next_matmul(steps, i):

@@ -46,9 +46,10 @@ class StepRunner:
         """Runs a step on the device, leaving logits (edited) and its tokens there; with
         choose=False, only its logits (unedited), choose() doing the rest later.
 
-        A pure decode step (every token sampled) runs as one replay of the launches recorded
-        for its bucket, the next power of two of its size; the batch is padded to the bucket by
-        repeating its last token, which rewrites the same cache slot with the same values. A
+        A pure decode step (every token sampled, each sequence at one position) runs as one
+        replay of the launches recorded for its bucket, the next power of two of its size; the
+        batch is padded to the bucket by repeating its last token, which rewrites the same
+        cache slot with the same values. A
         bucket has a recording with the logits' edits and one without, so steps without any
         launch nothing for them.
         `record=False` issues every launch one by one instead (per-kernel device timing).
@@ -72,7 +73,8 @@ class StepRunner:
                 total[1] += seconds
             return self._issued(R)
         bucket = 1 << max(T - 1, 0).bit_length()
-        if record and T == R and bucket <= self.max_seqs and self._can_capture():
+        if record and T == R and bucket <= self.max_seqs and self._can_capture() and \
+                batch.one_position_each():
             pad = bucket - T
             padded = batch if pad == 0 else StepBatch(
                 *(np.concatenate([a, np.repeat(a[-1:], pad)]) for a in (

@@ -176,7 +176,7 @@ def route(subgroup_size, used, normalize, slots):
 
 
 @cache
-def route_grouped(subgroup_size, used, normalize, slots, norm_x16=None):
+def route_grouped(subgroup_size, used, normalize, slots, norm_x16=None, grouped=True):
     """route, then expert_groups, in one workgroup: for steps of at most GROUPED_ROUTES
     routes (decode steps), whose choices the workgroup keeps in shared memory for the
     grouping. Buffers route's, then expert_groups' outputs; scalars n (at most
@@ -185,27 +185,30 @@ def route_grouped(subgroup_size, used, normalize, slots, norm_x16=None):
     With `norm_x16` (a weight format), then mma_vec.norm_x16's words of the step's x for the
     experts' mma_vec of that format, token after token (for steps of a few tokens, a launch
     fewer): buffers x f32 [T, cols], norm (the gain), x16 after active; scalars cols, eps
-    after n_tokens."""
+    after n_tokens. Not `grouped`: route's outputs alone (no expert_groups buffers), for
+    expert launches that take each route by its id (mma_vec's by_route)."""
     name = f"route_grouped{used}_s{subgroup_size}_v{slots}" + "_norm" * normalize
     if norm_x16 is not None:
         name += f"_x16_{mma_operand(norm_x16).name}" + "_pairs" * mma_vec.quant_pairs(norm_x16)
-    k = KernelBuilder(name, (WG,))
+    k = KernelBuilder(name + "_ungrouped" * (not grouped), (WG,))
     logits, ids, w = _route_params(k)
-    offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
-    active = k.buffer("active", I32, "w")
+    if grouped:
+        offsets, routes = k.buffer("offsets", I32, "w"), k.buffer("routes", I32, "w")
+        active = k.buffer("active", I32, "w")
     if norm_x16 is not None:
         x, gain, x16 = k.buffer("x", F32), k.buffer("norm", F32), k.buffer("x16", U32, "w")
     n, n_tokens = k.scalar("n", I32), k.scalar("n_tokens", I32)
-    kept = k.shared("kept", I32, GROUPED_ROUTES + 4)
+    kept = k.shared("kept", I32, GROUPED_ROUTES + 4) if grouped else None
     n_routes = n_tokens * used
     with k.for_(k.subgroup_id(), n_tokens, WG // subgroup_size) as t:
         _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, slots, kept)
-    tid = k.thread_id()
-    with k.if_(tid < 4):                # past the last route, for the loads of four
-        kept[n_routes + tid] = -1
-    k.barrier()
-    _group(k, lambda r: kept[r], n_routes, n, offsets, routes, active,
-           lambda r: kept.load(r, 4))
+    if grouped:
+        tid = k.thread_id()
+        with k.if_(tid < 4):                # past the last route, for the loads of four
+            kept[n_routes + tid] = -1
+        k.barrier()
+        _group(k, lambda r: kept[r], n_routes, n, offsets, routes, active,
+               lambda r: kept.load(r, 4))
     if norm_x16 is not None:
         cols, eps = k.scalar("cols", I32), k.scalar("eps", F32)
         scratch = k.shared("scratch", F32, WG // subgroup_size)

@@ -99,7 +99,7 @@ def token_tiles(dtype, n_tokens):
     return 4 if dtype == "Q4_0" and n_tokens > 3 * TOKENS else 1
 
 
-def shape(dtype, rows, cols, multiprocessors, token_tiles=1, experts=False):
+def shape(dtype, rows, cols, multiprocessors, token_tiles=1, experts=False, x16=False):
     """The tiles, split, unroll, pipeline, chains and token_tiles (mma_vec's keywords) of an mma_vec
     over `rows` rows: F16/BF16 one tile a subgroup, the columns split over all 8 subgroups, two
     groups a round, pipelined; block quants two tiles, split while the launch has fewer than 1.5
@@ -109,8 +109,11 @@ def shape(dtype, rows, cols, multiprocessors, token_tiles=1, experts=False):
     token tile, one for the rest and where token tiles make chains of their own. Four token tiles of
     a block quant take one row tile (two spill registers on sm_90). Q4_0 rows that fill the device
     unsplit at one token tile (an output head; `experts`: the rows of an expert launch's experts
-    together, left as they are) take one tile, split 2 and one group a round. The measurements
-    behind each: docs/benchmarks.md, "the kernel choices" and "an output head's shape"."""
+    together, left as they are) take one tile, split 2 and one group a round. Q4_0 rows too few
+    to fill the device even split 8 ways take one tile, one chain and no pipeline where x comes
+    as norm_x16's words (`x16`) or one tile's workgroups are no more than the multiprocessors.
+    The measurements behind each: docs/benchmarks.md, "the kernel choices", "an output head's
+    shape" and "mma_vec's shapes swept in the step"."""
     rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
     if dtype in ("F16", "BF16"):
         return dict(tiles=1, split=8, unroll=2, pipeline=rounds(8) >= 2, chains=1,
@@ -125,6 +128,12 @@ def shape(dtype, rows, cols, multiprocessors, token_tiles=1, experts=False):
     # the IQ4 formats' code lookups take the registers of a second group's loads (ptxas spills
     # hundreds of bytes of a gated unit's with two): one group a round
     unroll = 1 if dtype in ("IQ4_NL", "IQ4_XS") else 2
+    few = grid(rows, 1, tiles, split)[0] < 1.5 * multiprocessors
+    if dtype == "Q4_0" and token_tiles == 1 and tiles == 2 and few and \
+            (x16 or grid(rows, 1, 1, split)[0] <= multiprocessors):
+        # rows that leave multiprocessors idle: twice the workgroups, each with one tile's
+        # loads in flight and no dependent round ahead of them
+        return dict(tiles=1, split=split, unroll=2, chains=1, pipeline=False, token_tiles=1)
     if dtype == "Q4_0" and token_tiles == 1 and split == 1 and tiles == 2 and not experts:
         # rows that fill the device unsplit (an output head): four times the workgroups, each
         # lighter (one tile, two subgroups a tile, one group a round), keep more reads in flight
@@ -245,7 +254,8 @@ def _load(buffer, index, n):
 
 @cache
 def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, split=1,
-            unroll=1, pipeline=False, chains=1, x16=False, token_tiles=1, experts=False):
+            unroll=1, pipeline=False, chains=1, x16=False, token_tiles=1, experts=False,
+            by_route=False):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split, token_tiles). Buffers and
     scalars as matvec.matvec's of the same variant but norm: a norm comes before, from
     norm_x16, and `x16` reads its words (u32 [T, cols / 2]: x normed, rounded and paired as the
@@ -261,7 +271,12 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     and workgroup column s takes expert active[s] (none where it is -1), its routes
     routes[offsets[e]:offsets[e + 1]] 8 * token_tiles at a time, each reading x row
     route / x_per and writing y[route, :]. Buffers: W's planes, x (x16), offsets, routes,
-    active, y; scalars rows, cols, x_per; grid (grid(rows, 1, tiles, split)[0], slots)."""
+    active, y; scalars rows, cols, x_per; grid (grid(rows, 1, tiles, split)[0], slots).
+    `by_route` (experts, one token tile): workgroup column s takes route s alone, its expert
+    ids[s] (the route's choice, buffer ids in place of offsets, routes and active; a further
+    scalar n_experts), for steps whose routes each choose a different expert (one token's): a
+    load before the weights' where the groups take three in a row. grid (grid(rows, 1, tiles,
+    split)[0], routes)."""
     if dtype not in DTYPES:
         raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
     n_sub = WORKGROUP // SUBGROUP
@@ -275,14 +290,16 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     name = f"mma_vec_{dtype.lower()}_u{unroll}" + f"_r{tiles}" * (tiles > 1) + "_p" * pipeline
     name += f"_k{split}" * (split > 1) + f"_c{chains}" * (chains > 1) + "_x16" * x16
     name += f"_n{token_tiles}" * (token_tiles > 1)
-    name += variant_name(residual, False, outputs, glu)
+    name += variant_name(residual, False, outputs, glu) + "_routes" * by_route
     if experts and (residual or outputs > 1):
         raise ValueError("mma_vec: an expert matvec writes one output, with no residual")
+    if by_route and (not experts or token_tiles > 1):
+        raise ValueError("mma_vec: by_route is an expert matvec's, of one token tile")
     k = KernelBuilder("expert_" * experts + name, (WORKGROUP,))
     planes = reader(dtype).plane_names
     if experts:
-        bufs, x, offsets, routes, active, ys, rows, cols, x_per = _expert_params(
-            k, dtype, matrices, x16)
+        bufs, x, groups, ys, rows, cols, x_per = _expert_params(k, dtype, matrices, x16,
+                                                                by_route)
         res, splits = None, []
     else:
         bufs, x, _, ys, res, rows, cols, n_tokens, splits, _ = matvec_params(
@@ -296,7 +313,16 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     # an expert's routes, TOKENS * token_tiles a pass: the rest of the kernel is that loop's
     # body (closed before the build); a dense launch's tokens, from grid y
     passes = ExitStack()
-    if experts:
+    if by_route:
+        route = k.block_id(1)
+        expert, n_tokens, t0 = groups[0][route], 1, 0
+        n_experts = k.scalar("n_experts", I32)
+        with k.if_((expert < 0) | (expert >= n_experts)):  # no expert's (a route of NaN
+            k.return_()                                     # logits): nothing, as grouped
+        routes_at = lambda t: route  # noqa: E731
+        x_rows = [route / x_per * (cols >> 1 if x16 else cols)]
+    elif experts:
+        offsets, routes, active = groups
         expert = active[k.block_id(1)]
         with k.if_(expert < 0):             # the whole workgroup: no barrier waits for it
             k.return_()
@@ -562,7 +588,7 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
         for p in range(1, split):
             values = [v + shared[((base + p * len(values)) + i) * SUBGROUP + lane]
                       for i, v in enumerate(values)]
-        if experts:
+        if experts and not by_route:
             k.barrier()                     # read before the next pass writes them
     it = iter(values)
     sums = [[[[next(it) for _ in range(4)] for _ in range(token_tiles)] for _ in range(tiles)]
@@ -582,12 +608,13 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     return k.build()
 
 
-def _expert_params(k, dtype, matrices, x16):
+def _expert_params(k, dtype, matrices, x16, by_route):
     """An expert mma_vec's parameters, declared on k in their order: (W's planes by matrix,
-    x, offsets, routes, active, [y], rows, cols, x_per)."""
+    x, [offsets, routes, active] or [ids] by route, [y], rows, cols, x_per)."""
     bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in reader(dtype).plane_names} for m in matrices]
     x = k.buffer("x16", U32) if x16 else k.buffer("x", F32)
-    groups = [k.buffer(name, I32) for name in ("offsets", "routes", "active")]
+    groups = [k.buffer(name, I32) for name in
+              (("ids",) if by_route else ("offsets", "routes", "active"))]
     y = k.buffer("y", F32, "w")
-    return (bufs, x, *groups, [y], k.scalar("rows", I32), k.scalar("cols", I32),
+    return (bufs, x, groups, [y], k.scalar("rows", I32), k.scalar("cols", I32),
             k.scalar("x_per", I32))

@@ -9,6 +9,7 @@ Activations are f32 [tokens, features]; the KV cache holds f16 pairs in u32 word
 """
 import math
 import struct
+from contextlib import nullcontext
 from functools import cache
 
 from . import activations
@@ -255,20 +256,13 @@ def rope_store_kv(style, scale=1.0):
         with k.else_(stmt):
             kvh = h - n_heads
             base = (t * n_kv + kvh) * head_dim
-            d = word * 2
-            if style == "normal":                   # dims d, d + 1 are pair `word`
-                rotated = word < n_pairs
-                sin, cos = _turn(k, angle * inv_freq[k.min(word, n_pairs - 1)], scale)
-                a, b = key[base + d], key[base + d + 1]
-                ka = k.select(rotated, a * cos - b * sin, a)
-                kb = k.select(rotated, a * sin + b * cos, b)
-            else:                                   # dim i pairs with i +- n_pairs
-                ka, kb = (_neox_dim(k, lambda j: key[base + j], i, n_pairs, angle, inv_freq,
-                                    scale) for i in (d, d + 1))
+            ka, kb = _roped_word(k, style, lambda j: key[base + j], word, n_pairs, angle,
+                                 inv_freq, scale)
             pos = positions[t]
             slot = cache_slot(tables, seq_rows[t], pos, table_width, block_size) * n_kv + kvh
             k_cache[slot * half + word] = k.pack_half2(ka, kb)
-            v_cache[slot * half + word] = k.pack_half2(value[base + d], value[base + d + 1])
+            v_cache[slot * half + word] = k.pack_half2(value[base + word * 2],
+                                                       value[base + word * 2 + 1])
     return k.build()
 
 
@@ -320,15 +314,7 @@ def norm_rope_store_kv(style, subgroup_size, scale=1.0):
             half = head_dim / 2
             with k.for_(lane, half, subgroup_size) as word:
                 d = word * 2
-                if style == "normal":
-                    rotated = word < n_pairs
-                    sin, cos = _turn(k, angle * inv_freq[k.min(word, n_pairs - 1)], scale)
-                    a, b = normed(d), normed(d + 1)
-                    ka = k.select(rotated, a * cos - b * sin, a)
-                    kb = k.select(rotated, a * sin + b * cos, b)
-                else:
-                    ka, kb = (_neox_dim(k, normed, i, n_pairs, angle, inv_freq, scale)
-                              for i in (d, d + 1))
+                ka, kb = _roped_word(k, style, normed, word, n_pairs, angle, inv_freq, scale)
                 k_cache[slot * half + word] = k.pack_half2(ka, kb)
                 v_cache[slot * half + word] = k.pack_half2(value[base + d], value[base + d + 1])
     return k.build()
@@ -341,7 +327,21 @@ def _head_rms(k, x, base, head_dim, eps, lane, subgroup_size):
     with k.for_(lane, head_dim, subgroup_size) as d:
         v = x[base + d]
         acc.set(k.fma(v, v, acc.get()))
-    return k.rsqrt(k.subgroup_add(acc.get()) / head_dim.to(F32) + eps)
+    dims = float(head_dim) if isinstance(head_dim, int) else head_dim.to(F32)
+    return k.rsqrt(k.subgroup_add(acc.get()) / dims + eps)
+
+
+def _roped_word(k, style, load, word, n_pairs, angle, inv_freq, scale):
+    """Dims 2 word and 2 word + 1 of a head (`load(j)` reads its dim j) after the rope by
+    `angle` (a position) times inv_freq, times `scale`: normal pairs (2i, 2i + 1), neox
+    (i, i + n_pairs); dims past the rotated pairs as they are."""
+    d = word * 2
+    if style == "normal":                   # dims d, d + 1 are pair `word`
+        rotated = word < n_pairs
+        sin, cos = _turn(k, angle * inv_freq[k.min(word, n_pairs - 1)], scale)
+        a, b = load(d), load(d + 1)
+        return k.select(rotated, a * cos - b * sin, a), k.select(rotated, a * sin + b * cos, b)
+    return tuple(_neox_dim(k, load, i, n_pairs, angle, inv_freq, scale) for i in (d, d + 1))
 
 
 def _neox_dim(k, load, i, n_pairs, angle, inv_freq, scale):
@@ -372,38 +372,52 @@ def attention_heads(n_heads, n_kv_heads, head_dim, subgroup_size):
                if group % h == 0 and (h == 1 or h * sums <= SHARED_SUMS_BYTES))
 
 
-def _attention_params(k, out):
+def _attention_params(k, out, cache="r"):
     """The parameters every attention kernel starts with, declared on k in their order: q, the
-    output buffer named `out`, the paged cache and its tables, the head counts, the table's
-    width, the block size and the scale."""
-    buffers = [k.buffer("q", F32), k.buffer(out, F32, "w"), k.buffer("k_cache", U32),
-               k.buffer("v_cache", U32), k.buffer("positions", I32), k.buffer("seq_rows", I32),
-               k.buffer("block_tables", I32)]
+    output buffer named `out`, the paged cache (`cache`: its access) and its tables, the head
+    counts, the table's width, the block size and the scale."""
+    buffers = [k.buffer("q", F32), k.buffer(out, F32, "w"), k.buffer("k_cache", U32, cache),
+               k.buffer("v_cache", U32, cache), k.buffer("positions", I32),
+               k.buffer("seq_rows", I32), k.buffer("block_tables", I32)]
     scalars = [k.scalar(s, I32) for s in ("n_heads", "n_kv_heads", "table_width", "block_size")]
     return (*buffers, *scalars, k.scalar("scale", F32))
 
 
-def _attention(subgroup_size, head_dim, split, heads, untiled=False, window=0, softcap=0.0):
+def _attention(subgroup_size, head_dim, split, heads, untiled=False, window=0, softcap=0.0,
+               rope=None):
     """The body of both attention kernels: the subgroups of one workgroup share the keys
     [lo, hi) of its token and `heads` query heads of one KV head, each subgroup taking
     KEYS_PER_ROUND consecutive keys a round (every head scoring the same K and V rows), with
     its own running max and sum per head (see `attention`); the subgroups' sums are then
     combined and either normalised (split=False: lo, hi = 0, L) or written as the partials of
     split block_id(1) (split=True). A `window` starts the keys at window_start, a `softcap`
-    caps each score (kernels/softcap.py)."""
+    caps each score (kernels/softcap.py). `rope` (one-pass only): see `attention`."""
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim}: even")
+    if rope is not None and (split or untiled):
+        raise ValueError("attention: the rope is folded into the one-pass kernel only")
     half, sg = head_dim // 2, subgroup_size
     per_lane = -(-half // sg)                       # cache words a lane holds of each key row
     n_sub = WG // sg
     rounds = KEYS_PER_ROUND
     name = "attention_split" if split else "attention"
-    k = KernelBuilder(f"{name}_d{head_dim}_s{subgroup_size}" + f"_h{heads}" * (heads > 1)
-                      + "_untiled" * untiled + suffix(window, softcap), (WG,))
+    name = f"{name}_d{head_dim}_s{subgroup_size}" + f"_h{heads}" * (heads > 1) + \
+        "_untiled" * untiled + suffix(window, softcap)
+    if rope is not None:
+        style, turn_scale, normed = rope
+        name = _scaled(f"{name}_rope_{style}" + "_norm" * normed, turn_scale)
+    k = KernelBuilder(name, (WG,))
     q, out, k_cache, v_cache, positions, seq_rows, tables, n_heads, n_kv, table_width, \
-        block_size, scale = _attention_params(k, "partials" if split else "out")
+        block_size, scale = _attention_params(k, "partials" if split else "out",
+                                              "r" if rope is None else "rw")
     split_tokens = k.scalar("split_tokens", I32) if split else None
     n_tokens = k.scalar("n_tokens", I32) if untiled else None
+    if rope is not None:
+        key, value, inv_freq = (k.buffer(s, F32) for s in ("k", "v", "inv_freq"))
+        q_norm, k_norm = (k.buffer(s, F32) for s in ("q_norm", "k_norm")) if normed else \
+            (None, None)
+        n_pairs = k.scalar("n_pairs", I32)
+        eps = k.scalar("eps", F32) if normed else None
     maxima = k.shared("maxima", F32, n_sub * heads)
     sums = k.shared("sums", F32, n_sub * heads)
     partial = k.shared("partial", F32, n_sub * heads * head_dim)
@@ -418,8 +432,8 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False, window=0, s
     if split:       # a split past the length scans nothing: its partial is the neutral one
         lo = k.block_id(1) * split_tokens
         hi = k.min(lo + split_tokens, length)
-    else:
-        lo, hi = 0, length
+    else:           # with the rope, the token's own key comes from registers, not the loop
+        lo, hi = 0, length if rope is None else length - 1
     if window:
         lo = k.max(window_start(k, length - 1, window), lo)
     row = seq_rows[t]
@@ -428,18 +442,63 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False, window=0, s
     words = [lane + sg * i for i in range(per_lane)]
     valid = [None if half % sg == 0 else w < half for w in words]
     words = [w if ok is None else k.select(ok, w, 0) for w, ok in zip(words, valid)]
+    if rope is not None:
+        angle = positions[t].to(F32)
+
+        def roped(x, base, gain):
+            """The head at x[base] normed (where the rope has norms) and rotated, as
+            norm_rope_store_kv leaves it: (dim 2w, dim 2w + 1) of each of the lane's words."""
+            load = lambda j: x[base + j]  # noqa: E731
+            if normed:
+                r = _head_rms(k, x, base, head_dim, eps, lane, sg)
+                load = lambda j: x[base + j] * r * gain[j]  # noqa: E731
+            return [_roped_word(k, style, load, w, n_pairs, angle, inv_freq, turn_scale)
+                    for w in words]
     qv = []                                         # [head][word] (q of 2w, q of 2w + 1) * scale
     for hh in range(heads):
         first = (t * n_heads + h0 + hh) * head_dim
+        dims = roped(q, first, q_norm) if rope is not None else \
+            [[q[first + 2 * w + e] for e in (0, 1)] for w in words]
         pairs = []
-        for w, ok in zip(words, valid):
-            pair = [q[first + 2 * w + e] * scale for e in (0, 1)]
+        for pair, ok in zip(dims, valid):
+            pair = [v * scale for v in pair]
             pairs.append(pair if ok is None else [k.select(ok, v, 0.0) for v in pair])
         qv.append(pairs)
+
+    def score_of(hh, key_words):
+        """Head hh's score of a key row (its words as the lane holds them, unpacked)."""
+        dot = None
+        for (qa, qb), (ka, kb) in zip(qv[hh], key_words):
+            dot = k.fma(ka, qa, kb * qb if dot is None else k.fma(kb, qb, dot))
+        score = k.subgroup_add(dot)
+        return capped(k, score, softcap) if softcap else score
 
     running_max = [k.var(F32, LOWEST) for _ in range(heads)]
     running_sum = [k.var(F32, 0.0) for _ in range(heads)]
     acc = [[k.var(F32, 0.0) for _ in range(2 * per_lane)] for _ in range(heads)]
+    if rope is not None:
+        # the token's own key and value: subgroup 0 makes them as norm_rope_store_kv would
+        # store them (f16), starts its sums with them, and the KV head's first workgroup
+        # stores them; the other keys are earlier steps' (StepBatch.one_position_each)
+        with k.if_(sub.eq(0)):
+            base = (t * n_kv + kvh) * head_dim
+            key_words = [k.pack_half2(*pair) for pair in roped(key, base, k_norm)]
+            value_words = [k.pack_half2(value[base + 2 * w], value[base + 2 * w + 1])
+                           for w in words]
+            with k.if_((h0 % (n_heads / n_kv)).eq(0)):
+                slot = (cache_slot(tables, row, length - 1, table_width, block_size) * n_kv
+                        + kvh) * half
+                for w, ok, kw, vw in zip(words, valid, key_words, value_words):
+                    with k.if_(ok) if ok is not None else nullcontext():
+                        k_cache[slot + w] = kw
+                        v_cache[slot + w] = vw
+            own_k = [k.unpack_half2(w) for w in key_words]
+            own_v = [v for w in value_words for v in k.unpack_half2(w)]
+            for hh in range(heads):
+                running_max[hh].set(score_of(hh, own_k))
+                running_sum[hh].set(1.0)
+                for var, v in zip(acc[hh], own_v):
+                    var.set(v)
     with k.for_(lo + sub * rounds, hi, n_sub * rounds) as j0:
         keys = [k.min(j0 + u, hi - 1) for u in range(rounds)]
         bases = [(cache_slot(tables, row, j, table_width, block_size) * n_kv + kvh) * half
@@ -449,11 +508,7 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False, window=0, s
         for hh in range(heads):
             scores = []
             for u in range(rounds):
-                dot = None
-                for (qa, qb), (ka, kb) in zip(qv[hh], kw[u]):
-                    dot = k.fma(ka, qa, kb * qb if dot is None else k.fma(kb, qb, dot))
-                score = k.subgroup_add(dot)
-                score = capped(k, score, softcap) if softcap else score
+                score = score_of(hh, kw[u])
                 scores.append(score if u == 0 else k.select(j0 + u < hi, score, LOWEST))
             new_max = running_max[hh].get()
             for score in scores:
@@ -676,7 +731,8 @@ def attention_tiles(head_dim, heads, window=0, softcap=0.0):
 
 
 @cache
-def attention(subgroup_size, head_dim, heads=1, untiled=False, window=0, softcap=0.0):
+def attention(subgroup_size, head_dim, heads=1, untiled=False, window=0, softcap=0.0,
+              rope=None):
     """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
     f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
     token and `heads` query heads of one KV head (attention_heads: they read its K and V rows
@@ -686,8 +742,15 @@ def attention(subgroup_size, head_dim, heads=1, untiled=False, window=0, softcap
     each subgroup keeps its own running max, sum and weighted sum of values for each head, and
     the subgroups' are combined at the end. grid (T * n_heads / heads). `untiled`: the tokens
     attention_tiles takes (tiled_token_tile; a further scalar n_tokens) are left to it.
-    `window`, `softcap`: the graph's attention attributes (kernels/softcap.py)."""
-    return _attention(subgroup_size, head_dim, False, heads, untiled, window, softcap)
+    `window`, `softcap`: the graph's attention attributes (kernels/softcap.py).
+
+    `rope` = (style, scale, normed): the layer's rope_store_kv (normed: norm_rope_store_kv)
+    folded in, a launch fewer, for steps whose every token's earlier keys were stored by
+    earlier steps: q is read as the projection left it and rotated in registers, and the
+    token's own key and value are made, stored and scored by the workgroup, not read from the
+    cache. Further buffers k, v, inv_freq (then q_norm, k_norm) and scalars n_pairs (then
+    eps), as rope_store_kv's."""
+    return _attention(subgroup_size, head_dim, False, heads, untiled, window, softcap, rope)
 
 
 @cache

@@ -131,9 +131,9 @@ def routes_alone(runner, steps, i, T):
     routes choose different experts, and every expert matvec reading them takes them by route
     (mma_vec's by_route: on the tensor cores)."""
     op = steps[i]
-    return takes_routes(T) and all(on_tensor_cores(runner, after) for after in steps
-                          if after.kind == "expert_matmul" and
-                          after.ids.name == op.outputs[0].name)
+    return takes_routes(T) and all(
+        on_tensor_cores(runner, after) for after in steps
+        if after.kind == "expert_matmul" and after.ids.name == op.outputs[0].name)
 
 
 def grouped_kernel(runner, op, norm_x16=None, grouped=True):

@@ -297,10 +297,13 @@ def assign_slots(steps, outputs, shared, elements):
     reshape, and rope and rope_store_kv (which rotate q in place), share their input's
     slot; what a rope_store_kv reads lives until the attention that may fold it in
     (rope_before)."""
-    last_use, alias = {}, {}
+    reads = []                  # each step's inputs, a folded rope's with an attention's
     for i, op in enumerate(steps):
         rope = rope_before(steps, i)
-        for t in [*op.inputs, *(rope.inputs if rope is not None else ())]:
+        reads.append([*op.inputs, *(rope.inputs if rope is not None else ())])
+    last_use, alias = {}, {}
+    for i, op in enumerate(steps):
+        for t in reads[i]:
             last_use[t.name] = i
         if op.kind in SHARES_INPUT:
             alias[op.output.name] = alias.get(op.inputs[0].name, op.inputs[0].name)
@@ -323,9 +326,7 @@ def assign_slots(steps, outputs, shared, elements):
                 slot_of[out.name] = slot
             elif op.kind in SHARES_INPUT:
                 slot_of[out.name] = slot_of[alias[out.name]]
-        rope = rope_before(steps, i)
-        for t in dict.fromkeys([*op.inputs, *(rope.inputs if rope is not None else ())]):
-            # once each, in order: the same slots every run
+        for t in dict.fromkeys(reads[i]):     # once each, in order: the same slots every run
             root = alias.get(t.name, t.name)
             if t.kind == "value" and last_use.get(root) == i and root in slot_of:
                 free.setdefault(sizes[slot_of[root]], []).append(slot_of[root])

@@ -49,9 +49,8 @@ class StepRunner:
         A pure decode step (every token sampled, each sequence at one position) runs as one
         replay of the launches recorded for its bucket, the next power of two of its size; the
         batch is padded to the bucket by repeating its last token, which rewrites the same
-        cache slot with the same values. A
-        bucket has a recording with the logits' edits and one without, so steps without any
-        launch nothing for them.
+        cache slot with the same values. A bucket has a recording with the logits' edits and
+        one without, so steps without any launch nothing for them.
         `record=False` issues every launch one by one instead (per-kernel device timing).
         A step whose longest sequence spans more than one attention split runs (and records)
         attention split along the context; shorter ones keep the one-pass kernel.

@@ -17,6 +17,7 @@ from poot.engine.kernel_choice import matvec_rows
 from poot.formats.quants import QUANTS, dequantize, quantize
 from poot.ir import reference as ref
 from poot.kernels import experts, mma_vec
+from poot.kernels.matvec import matvec, matvec_grid
 from poot.kernels.quant import DEVICE_DTYPES, planes, reader
 from tests.test_kernels import check_x16, cuda_device, rel_err, run  # noqa: F401 (a fixture)
 
@@ -220,6 +221,111 @@ def test_expert_mma_vec_by_route_in_lockstep():
         if glu:
             want = ref.glu(want, ref.expert_matmul(x, weights[1][1], chosen), glu)
         assert rel_err(y[:, [0, 2]], want) < 3e-3, kernel.name
+
+
+# (experts, used, normalize, edit): a router's 128 experts with a three-way tie across a
+# lane's logits; NaN logits (never chosen) with the softmax over all; fewer logits above
+# LOWEST than routes (id n: that route's launch writes no rows)
+CHOOSE_CASES = [(128, 8, True, "tie"), (60, 4, False, "nan"), (8, 3, True, "few")]
+
+
+def choosing_case(n_experts, used, normalize, edit):
+    """(logits [1, n_experts], kernel, grid, x16 of x, x normed, weights) of one token's gate/up
+    mma_vec that chooses its routes (by_route with choose), rows that are not whole tiles."""
+    rows, cols = 40, 256
+    logits = (3 * rng.standard_normal((1, n_experts))).astype(np.float32)
+    if edit == "tie":
+        logits[0, [3, 35, n_experts - 1]] = 12.0
+    elif edit == "nan":
+        logits[0, ::3] = np.nan
+    else:
+        logits[0, 2:] = -np.inf
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
+    x16 = np.zeros((1, cols // 2), np.uint32)
+    from tests import lockstep
+    lockstep.run(mma_vec.norm_x16("Q4_0"), (1,), x, gain, x16, cols, 1e-5)
+    weights = [stacked_weight("Q4_0", n_experts, rows, cols) for _ in range(2)]
+    shape = mma_vec.shape("Q4_0", rows * used, cols, 132, experts=True, x16=True)
+    choose = (used, normalize, experts.route_slots(n_experts, mma_vec.SUBGROUP))
+    kernel = mma_vec.mma_vec("Q4_0", glu="silu", x16=True, experts=True, by_route=True,
+                             choose=choose, **shape)
+    grid = (mma_vec.grid(rows, 1, shape["tiles"], shape["split"])[0], used)
+    return logits, kernel, grid, x16, ref.rms_norm(x, gain, 1e-5), weights, rows, cols
+
+
+def check_choice(out, logits, want_ids, want_w, x, weights, n_experts):
+    """The choosing launch's ids and weights, bit for bit those of the route kernel; each
+    route's rows of its expert (none for a route of id n)."""
+    assert np.array_equal(out["ids"], want_ids)
+    assert np.array_equal(out["w"], want_w, equal_nan=True)
+    taken = want_ids[0] < n_experts
+    chosen = want_ids[:, taken]
+    want = ref.glu(ref.expert_matmul(x, weights[0][1], chosen),
+                   ref.expert_matmul(x, weights[1][1], chosen), "silu")
+    assert rel_err(out["y"][:, taken], want) < 3e-3
+    return taken
+
+
+@pytest.mark.parametrize("n_experts,used,normalize,edit", CHOOSE_CASES)
+def test_an_expert_mma_vec_chooses_its_routes_as_the_route_kernel(cuda_device, n_experts, used,
+                                                                  normalize, edit):
+    """mma_vec's choosing by_route variant (a one-token step's gate/up, no route launch): the
+    ids and weights of experts.route, bit for bit, written by each route's first workgroup,
+    and each route's rows of the expert it chose."""
+    logits, kernel, grid, x16, x, weights, rows, cols = choosing_case(n_experts, used,
+                                                                      normalize, edit)
+    slots = experts.route_slots(n_experts, cuda_device.subgroup_size)
+    want = run(cuda_device, experts.route(cuda_device.subgroup_size, used, normalize, slots),
+               (1,), logits, np.zeros((1, used), np.int32), np.zeros((1, used), np.float32),
+               n_experts)
+    out = run(cuda_device, kernel, grid, *[p for w, _ in weights for p in w], x16, logits,
+              np.zeros((1, used), np.int32), np.zeros((1, used), np.float32),
+              np.zeros((1, used, rows), np.float32), rows, cols, used, n_experts)
+    taken = check_choice(out, logits, want["ids"], want["w"], x, weights, n_experts)
+    assert taken.all() == (edit != "few")
+
+
+@pytest.mark.parametrize("n_experts,used,normalize,edit", CHOOSE_CASES)
+def test_an_expert_mma_vec_chooses_its_routes_in_lockstep(n_experts, used, normalize, edit):
+    """The same, both kernels run by numpy at 32 lanes (tests/lockstep.py); a route of id n
+    leaves its rows as they were."""
+    from tests import lockstep
+    logits, kernel, grid, x16, x, weights, rows, cols = choosing_case(n_experts, used,
+                                                                      normalize, edit)
+    want_ids, want_w = np.zeros((1, used), np.int32), np.zeros((1, used), np.float32)
+    lockstep.run(experts.route(32, used, normalize, experts.route_slots(n_experts, 32)), (1,),
+                 logits, want_ids, want_w, n_experts)
+    out = {"ids": np.full((1, used), -7, np.int32), "w": np.full((1, used), -7, np.float32),
+           "y": np.full((1, used, rows), np.inf, np.float32)}
+    lockstep.run(kernel, grid, *[p for w, _ in weights for p in w], x16, logits, out["ids"],
+                 out["w"], out["y"], rows, cols, used, n_experts)
+    taken = check_choice(out, logits, want_ids, want_w, x, weights, n_experts)
+    assert np.isinf(out["y"][:, ~taken]).all()
+
+
+@pytest.mark.parametrize("dtype", ["Q4_0", "F16"])
+def test_a_router_matvec_makes_its_experts_x16(device, dtype):
+    """The router's f32 matvec with normed_out: its logits, bit for bit those of the plain
+    norm variant, and from its one workgroup more norm_x16's words of x for the experts'
+    mma_vec of that format, bit for bit."""
+    n_experts, cols, eps = 128, 2048, 1e-6
+    w = rng.standard_normal((n_experts, cols)).astype(np.float32)
+    x = (3 * rng.standard_normal((1, cols))).astype(np.float32)
+    gain = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
+    sg = device.subgroup_size
+    plain = matvec("F32", sg, 1, norm=True)
+    kernel = matvec("F32", sg, 1, norm=True, normed_out=dtype)
+    if not kernel.caps <= device.caps:
+        pytest.skip(f"{kernel.name} needs {sorted(kernel.caps - device.caps)}")
+    width, height = matvec_grid(n_experts, 1, sg)
+    args = (w.view(np.uint32), x, gain, np.zeros((1, n_experts), np.float32), n_experts, cols,
+            1, eps)
+    want = run(device, plain, (width, height), *args)["y"]
+    out = run(device, kernel, (width + 1, height), *args, np.zeros((1, cols // 2), np.uint32))
+    words = run(device, mma_vec.norm_x16(dtype, sg), (1,), x, gain,
+                np.zeros((1, cols // 2), np.uint32), cols, eps)["x16"]
+    assert np.array_equal(out["y"], want) and np.array_equal(out["x16"], words)
 
 
 @pytest.mark.parametrize("residual", [False, True])

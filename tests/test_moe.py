@@ -227,8 +227,9 @@ def test_the_ptx_runner_in_lockstep_gives_the_reference_tokens(tmp_path, monkeyp
     """The ptx runner's own launches of a tiny Qwen3-MoE (Q4_0), every workgroup run by numpy
     at 32 lanes (tests/lockstep.py's LockstepDevice): greedy tokens and logits of the
     reference, through the prompt step and decode steps whose attention does the rope and
-    cache store and whose experts take their routes one a workgroup column; the same logits,
-    bit for bit, as launches that keep those apart."""
+    cache store and whose experts take their routes one a workgroup column, the first expert
+    launch choosing them itself (no route launch; the router's matvec makes the experts'
+    x16); the same logits, bit for bit, as launches that keep those apart."""
     from poot.codegen.ptx import PTX_CAPS
     from poot.engine import expert_steps
     from poot.engine.device_runner import DeviceRunner
@@ -248,11 +249,12 @@ def test_the_ptx_runner_in_lockstep_gives_the_reference_tokens(tmp_path, monkeyp
     assert got_ids == want_ids
     assert rel_err(got, want) < 2e-3
     assert np.array_equal(got, apart_logits)
-    assert {"attention_d64_s32_rope_neox_norm",
-            "expert_mma_vec_q4_0_u2_k8_x16_swiglu_routes"} <= launched
+    assert {"attention_d64_s32_rope_neox_norm", "matvec_f32_t1_u2_s32_r2_normed_q4_0_norm",
+            "expert_mma_vec_q4_0_u2_k8_x16_swiglu_routes_choose2_v1_norm",
+            "expert_mma_vec_q4_0_u2_k8_routes"} <= launched
     assert "norm_rope_store_kv_neox_s32" in apart_launched and not any(
-        name.startswith("attention") and "_rope_" in name or name.endswith("_routes")
-        for name in apart_launched)
+        name.startswith("attention") and "_rope_" in name or "_routes" in name or
+        "_normed_" in name for name in apart_launched)
 
 
 def test_a_moe_layer_lowers_to_its_expert_steps(tmp_path):
@@ -280,7 +282,9 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path, matrix):
     its arguments, the expert matvec over every expert the step can choose; and the plan holds
     every expert's weights in their format's planes. With the matrix instructions the experts
     run mma_vec's expert variant (its norm a norm_x16 launch first, its token tiles by the
-    routes an expert has on average), without them expert_matvec by token groups."""
+    routes an expert has on average), without them expert_matvec by token groups. A one-token
+    step with them launches no route: the router's matvec (one workgroup more) makes the
+    experts' x16, and the gate/up launch chooses each workgroup column's route itself."""
     from poot.engine.device_runner import DeviceRunner
     from poot.kernels.quant import reader
     from tests.test_device_runner import LaunchLog
@@ -307,8 +311,10 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path, matrix):
         routing = ["route_grouped2_s32_v1_norm"] if T * 2 <= 512 else ["route2_s32_v1_norm",
                                                                       "expert_groups"]
         if matrix and T <= 8:           # the route's workgroup makes the experts' x16 too
-            # (one token's routes, each a different expert, are taken by route: no groups)
-            routing = ["route_grouped2_s32_v1_norm_x16_f16_pairs" + "_ungrouped" * (T == 1)]
+            routing = ["route_grouped2_s32_v1_norm_x16_f16_pairs"]
+        if matrix and T == 1:           # the router makes it; gate/up chooses each route
+            routing = ["matvec_f32_t1_u2_s32_r2_normed_q4_0_norm"]
+            assert not any(name.startswith("route") for name in names)
         at = names.index(routing[0]) + len(routing)
         if matrix:
             tiles = "_n4" * (T * 2 > 3 * 8 * cfg.n_experts)     # mma_vec.token_tiles
@@ -316,8 +322,9 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path, matrix):
                 assert names[at] == "norm_x16_f16_pairs"
                 at += 1
             by_route = "_routes" * (T == 1)
+            chooses = "_choose2_v1_norm" * (T == 1)
             assert names[at].startswith("expert_mma_vec_q4_0_") and \
-                names[at].endswith(f"_x16{tiles}_swiglu{by_route}")
+                names[at].endswith(f"_x16{tiles}_swiglu{by_route}{chooses}")
             assert names[at + 1].startswith("expert_mma_vec_q4_0_") and \
                 names[at + 1].endswith(tiles + by_route) and "x16" not in names[at + 1]
             # the sum makes the x16 of the next layer's q/k/v matmul: mma_vec's words in a
@@ -336,6 +343,13 @@ def test_the_ptx_runner_launches_every_expert_step_it_builds(tmp_path, matrix):
                 f"expert_matvec_q4_0_t{group}_s32{rows[1]}", "expert_sum2_residual"]
             matvecs = log.launched[at:at + 2]
         assert names.count(routing[-1]) == cfg.n_layers
+        if matrix and T == 1:           # the router's rows, and its workgroup for the x16
+            given = [dict(zip([p.name for p in kernel.params], args))
+                     for kernel, _, args in log.launched[at - 1:at + 3]]
+            assert log.launched[at - 1][1] == (-(-cfg.n_experts // 16) + 1, 1)  # 16 rows a WG
+            assert given[0]["x16"] is runner.buffers["expert_x16"] is given[1]["x16"]
+            assert given[1]["logits"] is given[0]["y"]
+            assert given[1]["ids"] is given[2]["ids"] and given[1]["w"] is given[3]["w"]
         for kernel, grid, args in matvecs:                  # the experts T can choose
             assert grid[1] == min(cfg.n_experts, T * cfg.experts_used)
             by_route = matrix and T == 1

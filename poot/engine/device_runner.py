@@ -360,11 +360,16 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
 
     def _matmul(self, op, T, R, i, long):
         """On the tensor cores in a long step where the weight runs there (_launch_tiled),
-        else the matvec."""
+        else the matvec (a router's making its experts' x16 where their launch chooses the
+        routes: expert_steps.router)."""
         n = self._shape(op.x, T, R)[0]
         if long and self.choice.mma_launch(self.choice.tiled_weight(op), n):
             self._x16["mma"] = self._launch_tiled(op, T, R, self._x16["mma"],
                                                   next_matmul(self.steps, i))
+            return
+        dtype = None if long else expert_steps.router_normed_out(self, self.steps, i, T)
+        if dtype is not None:
+            expert_steps.router(self, op, n, dtype)
             return
         B, w = self._buffer, op.weight
         rows, cols = w.shape
@@ -779,7 +784,8 @@ STEPS = {
                         DeviceRunner._softcap),
     "rms_norm": StepKind(_one(rms_norm_kernel), DeviceRunner._rms_norm),
     "matmul": StepKind(lambda r, steps, i, long: r.choice.matmul_kernels(
-        steps[i], long, next_matmul(steps, i)), DeviceRunner._matmul),
+        steps[i], long, next_matmul(steps, i)) + expert_steps.router_kernels(r, steps, i, long),
+        DeviceRunner._matmul),
     "add": StepKind(_one(lambda r, op: ops.elementwise("add")), DeviceRunner._elementwise),
     "scale": StepKind(_one(lambda r, op: ops.scale()), DeviceRunner._scale),
     "glu": StepKind(_one(lambda r, op: ops.elementwise("glu", op.attrs["activation"])),

@@ -11,15 +11,16 @@ On a device that runs mma_vec on the experts' format (ptx), their matvecs are mm
 variant for every step length: each expert's routes gathered into 8-token tiles on the tensor
 cores, its rows read once a pass of up to 8 * token_tiles routes; a folded norm is a norm_x16
 launch first, into `expert_x16`, or in steps of a few tokens the route's own launch makes it
-(normed_in_route). Elsewhere expert_matvec streams each expert's rows for its
-routes, a token group at a time.
+(normed_in_route). A one-token step's first expert launch may choose its routes itself
+(chooses_itself): then the route launches nothing and the router's matvec makes the x16.
+Elsewhere expert_matvec streams each expert's rows for its routes, a token group at a time.
 """
 import math
 from functools import cache
 
 from ..kernels import experts, mma_vec
 from .kernel_choice import matvec_rows, sum_x16_formats
-from .lowering import normed_after
+from .lowering import normed_after, route_before
 
 
 ROUTE_NORM_TOKENS = 8       # steps this short make the experts' x16 in the route's workgroup
@@ -76,17 +77,20 @@ def mma_shapes(dtype, n_experts, rows, cols, used, multiprocessors, most, x16=Fa
     return list(shapes.values())
 
 
-def mma_kernel(runner, op, T, shape=None, by_route=None):
+def mma_kernel(runner, op, T, shape=None, by_route=None, route=None):
     """(slots, kernel, its shape) of an ExpertMatvec's mma_vec in a T-token step (of `shape`
     where given): by route in a one-token step (its routes choose different experts), else
-    over the route groups (`by_route` where given: which)."""
+    over the route groups (`by_route` where given: which); choosing the routes of Route op
+    `route` itself where given (mma_vec's choose)."""
     n_experts, rows, cols = op.weight.shape
     slots, chosen = mma_shape(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
                               runner.choice.multiprocessors, T, op.norm is not None)
     shape = shape or chosen
     by_route = takes_routes(T) if by_route is None else by_route
+    choose = None if route is None else (
+        route.used, route.normalize, experts.route_slots(route.logits.shape[1], mma_vec.SUBGROUP))
     return slots, mma_vec.mma_vec(op.weight.dtype, glu=op.glu, x16=op.norm is not None,
-                                  experts=True, by_route=by_route, **shape), shape
+                                  experts=True, by_route=by_route, choose=choose, **shape), shape
 
 
 def token_group(dtype, T):
@@ -136,6 +140,70 @@ def routes_alone(runner, steps, i, T):
         if after.kind == "expert_matmul" and after.ids.name == op.outputs[0].name)
 
 
+def router_before(steps, i):
+    """The matmul step right before Route step steps[i] (past reshapes) that makes its logits,
+    or None."""
+    for op in reversed(steps[:i]):
+        if op.kind != "reshape":
+            return op if op.kind == "matmul" and \
+                op.outputs[0].name == steps[i].logits.name else None
+    return None
+
+
+def chooses_itself(runner, steps, i, T):
+    """The ExpertMatvec after Route step steps[i] that makes the route's choice itself
+    (mma_vec's choose), so that the route launches nothing, or None: in a one-token step
+    whose expert launches all take their routes by route (routes_alone), where the first
+    reads x through the norm that the router's matvec folds in too (the same x, gain and
+    eps; the router a plain matvec, whose one workgroup more makes that x16: normed_out)."""
+    after = normed_in_route(runner, steps, i, T)
+    if after is None or not routes_alone(runner, steps, i, T):
+        return None
+    router = router_before(steps, i)
+    if router is None or router.norm is None or router.residual is not None or \
+            router.up is not None or len(router.outputs) != 1 or \
+            router.x.name != after.x.name or router.norm.name != after.norm.name or \
+            router.eps != after.eps or runner.choice.runs_mma_vec(router.weight):
+        return None
+    return after
+
+
+def router_normed_out(runner, steps, i, T):
+    """The weight format whose x16 router matmul steps[i] makes (matvec's normed_out) for the
+    expert launch that chooses after its route (chooses_itself), else None."""
+    j = next((j for j in range(i + 1, len(steps)) if steps[j].kind != "reshape"), None)
+    if j is None or steps[j].kind != "route" or router_before(steps, j) is not steps[i]:
+        return None
+    after = chooses_itself(runner, steps, j, T)
+    return None if after is None else after.weight.dtype
+
+
+def router_variant(runner, op, T, dtype):
+    """(kernel, grid of T tokens) of router matmul op's matvec that makes the experts' x16
+    of format dtype too."""
+    w = op.weight
+    return runner.choice.matvec(w, runner.choice.group_of(w, T),
+                                dict(op.variant, normed_out=dtype))[:2]
+
+
+def router_kernels(runner, steps, i, long):
+    """The router matvec a one-token step launches where its expert launch chooses."""
+    dtype = None if long else router_normed_out(runner, steps, i, 1)
+    return [] if dtype is None else [router_variant(runner, steps[i], 1, dtype)[0]]
+
+
+def router(runner, op, T, dtype):
+    """Router matmul op's matvec with one workgroup more, the last, which writes the experts'
+    x16 (of format dtype) into expert_x16."""
+    B = runner._buffer
+    kernel, grid = router_variant(runner, op, T, dtype)
+    width, height = grid(T)
+    rows, cols = op.weight.shape
+    runner._launch(kernel, (width + 1, height), *runner._weight_planes(op.weight), B(op.x),
+                   B(op.norm), B(op.outputs[0]), rows, cols, T, op.eps,
+                   runner.buffers["expert_x16"])
+
+
 def grouped_kernel(runner, op, norm_x16=None, grouped=True):
     """The route_grouped of Route op (with norm_x16, the experts' weight format, where it makes
     their x16; not `grouped`, the routes alone)."""
@@ -148,7 +216,9 @@ def route(runner, op, T, R, i, long):
     """A Route (lowering.py): each token's experts and their weights, then the step's routes
     grouped by expert; one launch where the step has at most experts.GROUPED_ROUTES routes
     (decode steps), else two. In steps of a few tokens the launch also makes the x16 of the
-    expert mma_vec next (normed_in_route)."""
+    expert mma_vec next (normed_in_route). Nothing where that expert launch chooses itself."""
+    if chooses_itself(runner, runner.steps, i, T) is not None:
+        return
     route_, groups = route_kernels(runner, [op], 0, long)[:2]
     (ids, weights), n_experts = op.outputs, op.logits.shape[1]
     B = runner._buffer
@@ -186,8 +256,11 @@ def matvec_kernels(runner, steps, i, long):
         shapes = mma_shapes(op.weight.dtype, n_experts, rows, cols, op.ids.shape[1],
                             runner.choice.multiprocessors, runner.max_tokens, op.norm is not None)
         prep = [mma_vec.norm_x16(op.weight.dtype)] if op.norm is not None else []
+        route = route_before(steps, i)
+        chooser = route is not None and chooses_itself(runner, steps, i - 1, 1) is op
         return prep + [mma_kernel(runner, op, 1, shape, False)[1] for shape in shapes] + \
-            [mma_kernel(runner, op, 1, by_route=True)[1]]   # a one-token step's
+            [mma_kernel(runner, op, 1, by_route=True)[1]] + (   # a one-token step's
+                [mma_kernel(runner, op, 1, route=route)[1]] if chooser else [])
     return [matvec_kernel(runner, op, group)[0]
             for group in experts.expert_tokens(op.weight.dtype)]
 
@@ -199,18 +272,20 @@ def matvec(runner, op, T, R, i, long):
     planes = runner._weight_planes(op.weight) + (runner._weight_planes(op.up) if op.up else [])
     B = runner._buffer
     if on_tensor_cores(runner, op):
-        slots, kernel, shape = mma_kernel(runner, op, T)
+        route = route_before(runner.steps, i)
+        chooser = route is not None and chooses_itself(runner, runner.steps, i - 1, T) is op
+        slots, kernel, shape = mma_kernel(runner, op, T, route=route if chooser else None)
         x = B(op.x)
         if op.norm is not None:
             x = runner.buffers["expert_x16"]
-            made = i > 0 and runner.steps[i - 1].kind == "route" and \
-                normed_in_route(runner, runner.steps, i - 1, T) is op
+            made = route is not None and normed_in_route(runner, runner.steps, i - 1, T) is op
             if not made:
                 runner._launch(mma_vec.norm_x16(op.weight.dtype), (T,), B(op.x), B(op.norm),
                                x, cols, op.eps)
         grid = (mma_vec.grid(rows, 1, shape["tiles"], shape["split"])[0], slots)
         by_route = takes_routes(T)
-        groups = [B(op.ids)] if by_route else expert_buffers(runner)
+        groups = [B(route.logits), *map(B, route.outputs)] if chooser else \
+            [B(op.ids)] if by_route else expert_buffers(runner)
         runner._launch(kernel, grid, *planes, x, *groups, B(op.outputs[0]), rows, cols, x_per,
                        *([n_experts] if by_route else []))
         return

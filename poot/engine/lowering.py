@@ -296,11 +296,12 @@ def assign_slots(steps, outputs, shared, elements):
     value taking a free slot of its size at its op and freeing it after its last use; a
     reshape, and rope and rope_store_kv (which rotate q in place), share their input's
     slot; what a rope_store_kv reads lives until the attention that may fold it in
-    (rope_before)."""
-    reads = []                  # each step's inputs, a folded rope's with an attention's
+    (rope_before), a Route's logits until the expert launch that may choose itself
+    (route_before)."""
+    reads = []                  # each step's inputs, with those of the step it may do itself
     for i, op in enumerate(steps):
-        rope = rope_before(steps, i)
-        reads.append([*op.inputs, *(rope.inputs if rope is not None else ())])
+        before = rope_before(steps, i) or route_before(steps, i)
+        reads.append([*op.inputs, *(before.inputs if before is not None else ())])
     last_use, alias = {}, {}
     for i, op in enumerate(steps):
         for t in reads[i]:
@@ -356,6 +357,18 @@ def rope_before(steps, i):
     prev = steps[i - 1] if i else None
     if op.kind == "attention" and prev is not None and prev.kind == "rope_store_kv" and \
             prev.output.name == op.inputs[0].name:
+        return prev
+    return None
+
+
+def route_before(steps, i):
+    """The Route step right before expert_matmul step steps[i] that reads its ids, or None:
+    the expert launch of a one-token step may make that choice itself (mma_vec's choose),
+    reading its logits."""
+    op = steps[i]
+    prev = steps[i - 1] if i else None
+    if op.kind == "expert_matmul" and prev is not None and prev.kind == "route" and \
+            prev.outputs[0].name == op.ids.name:
         return prev
     return None
 

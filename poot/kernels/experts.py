@@ -21,6 +21,7 @@ from .lang import F32, I32, U32, KernelBuilder
 from .matmul import mma_operand
 from .ops import LOWEST
 from .quant import reader
+from .routes import denominator
 
 WG = 256
 MAX_EXPERTS = 1024
@@ -58,20 +59,11 @@ def _choose(k, logits, ids, w, t, n, used, normalize, subgroup_size, slots, kept
         top = k.subgroup_max(best.get())
         chosen.append(k.subgroup_min(k.select(best.get().eq(top), best_at.get(), n)))
         tops.append(top)
-    total = None
-    for e, v in zip(mine, values):
-        share = k.select(e < n, k.exp(v - tops[0]), 0.0)
-        total = share if total is None else total + share
-    shares = [k.exp(top - tops[0]) for top in tops]
-    denominator = k.subgroup_add(total)
-    if normalize:
-        denominator = shares[0]
-        for share in shares[1:]:
-            denominator = denominator + share
+    over = denominator(k, mine, values, tops, n, normalize)
     with k.if_(lane.eq(0)):
-        for j, (at, share) in enumerate(zip(chosen, shares)):
+        for j, (at, top) in enumerate(zip(chosen, tops)):
             ids[t * used + j] = at
-            w[t * used + j] = share / denominator
+            w[t * used + j] = k.exp(top - tops[0]) / over
             if kept is not None:
                 kept[t * used + j] = at
 

@@ -25,7 +25,7 @@ def matvec_unroll(dtype, streams):
 
 @cache
 def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=False, outputs=1,
-           glu=None, rows_per=1, split=1):
+           glu=None, rows_per=1, split=1, normed_out=None):
     """y[t, m] for t < n_tokens; grid matvec_grid(rows, n_tokens, subgroup_size, tokens,
     rows_per, split).
 
@@ -44,6 +44,9 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
     - `norm`: x is RMS-normalised first, y = W (x * g) / sqrt(mean(x^2) + eps), with g f32
       [cols] (buffer `norm`, after x) and scalar eps (last). Each subgroup streams all of x for
       its rows anyway, so it sums the squares of what it loads; no other thread is waited for.
+    - `normed_out` (with `norm`; a weight format): one workgroup more, the last, writes x
+      normed as norm_x16 makes it for an mma_vec of that format (buffer x16, after eps): a
+      router's, for its experts' mma_vec, which chooses the routes itself.
     - `outputs` > 1: W is several matrices stacked row-wise (q, k and v) and y is split the
       same way: rows [split_i, split_i+1) go to buffer y_i as [T, split_i+1 - split_i]; scalars
       split_1 .. split_{outputs-1} follow n_tokens.
@@ -55,16 +58,30 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
     unroll = unroll or matvec_unroll(dtype, len(matrices) * rows_per)
     name = f"matvec_{dtype.lower()}_t{tokens}_u{unroll}_s{subgroup_size}"
     name += f"_r{rows_per}" * (rows_per > 1) + f"_k{split}" * (split > 1)
+    name += f"_normed_{normed_out.lower()}" if normed_out is not None else ""
     k = KernelBuilder(name + variant_name(residual, norm, outputs, glu), (WORKGROUP,))
     bufs, x, gain, ys, res, rows, cols, n_tokens, splits, eps = matvec_params(
         k, dtype, residual, norm, outputs, glu)
+    t0 = k.block_id(1) * tokens
+    if normed_out is not None:
+        if not norm:
+            raise ValueError("matvec: normed_out is a norm variant's")
+        from .mma_vec import normed_row     # mma_vec.py builds on this module
+        x16 = k.buffer("x16", U32, "w")
+        scratch = k.shared("norm_scratch", F32, WORKGROUP // subgroup_size)
+        load = lambda base, i: x.load(base + i, 4)  # noqa: E731
+        with k.if_(k.block_id(0).eq(k.num_blocks(0) - 1)):
+            for t in range(tokens):
+                with k.if_(t0 + t < n_tokens):
+                    normed_row(k, normed_out, subgroup_size, gain, x16, load, load,
+                               (t0 + t) * cols, cols, eps, scratch)
+            k.return_()
     n_sub = WORKGROUP // subgroup_size
     if n_sub % split:
         raise ValueError(f"matvec: split {split} does not divide {n_sub} subgroups")
     sub = k.subgroup_id()
     part = sub % split if split > 1 else 0
     first = (k.block_id(0) * (n_sub // split) + (sub / split if split > 1 else sub)) * rows_per
-    t0 = k.block_id(1) * tokens
     lane = k.lane_id()
     if split == 1:
         with k.if_(first >= rows):

@@ -47,6 +47,7 @@ from .matmul import _pack, mma_operand
 from .matvec import WORKGROUP, matvec_params, store_row, variant_name
 from .ops import block_reduce
 from .quant import UNIT_FORMATS, _small_int, reader
+from .routes import denominator, ranked_choice
 
 GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
 TOKENS = 8                       # the mma's n: the tokens of a token tile
@@ -255,7 +256,7 @@ def _load(buffer, index, n):
 @cache
 def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, split=1,
             unroll=1, pipeline=False, chains=1, x16=False, token_tiles=1, experts=False,
-            by_route=False):
+            by_route=False, choose=None):
     """y[t, m] for t < n_tokens; grid(rows, n_tokens, tiles, split, token_tiles). Buffers and
     scalars as matvec.matvec's of the same variant but norm: a norm comes before, from
     norm_x16, and `x16` reads its words (u32 [T, cols / 2]: x normed, rounded and paired as the
@@ -276,7 +277,11 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     ids[s] (the route's choice, buffer ids in place of offsets, routes and active; a further
     scalar n_experts), for steps whose routes each choose a different expert (one token's): a
     load before the weights' where the groups take three in a row. grid (grid(rows, 1, tiles,
-    split)[0], routes)."""
+    split)[0], routes). `choose` (by_route; (used, normalize, slots) as the route kernels take
+    them): the workgroup chooses its route's expert itself from the router's logits
+    (kernels/routes.py; buffers logits, then ids and w written, in place of ids), and the
+    first workgroup of each route column writes its id and weight for the launches after it:
+    a one-token step needs no route launch."""
     if dtype not in DTYPES:
         raise ValueError(f"mma_vec: no mma decoding of {dtype} (one of {DTYPES})")
     n_sub = WORKGROUP // SUBGROUP
@@ -291,15 +296,20 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     name += f"_k{split}" * (split > 1) + f"_c{chains}" * (chains > 1) + "_x16" * x16
     name += f"_n{token_tiles}" * (token_tiles > 1)
     name += variant_name(residual, False, outputs, glu) + "_routes" * by_route
+    if choose is not None:
+        used, normalize, n_slots = choose
+        name += f"_choose{used}_v{n_slots}" + "_norm" * normalize
     if experts and (residual or outputs > 1):
         raise ValueError("mma_vec: an expert matvec writes one output, with no residual")
     if by_route and (not experts or token_tiles > 1):
         raise ValueError("mma_vec: by_route is an expert matvec's, of one token tile")
+    if choose is not None and not by_route:
+        raise ValueError("mma_vec: a launch chooses its routes only by_route")
     k = KernelBuilder("expert_" * experts + name, (WORKGROUP,))
     planes = reader(dtype).plane_names
     if experts:
         bufs, x, groups, ys, rows, cols, x_per = _expert_params(k, dtype, matrices, x16,
-                                                                by_route)
+                                                                by_route, choose is not None)
         res, splits = None, []
     else:
         bufs, x, _, ys, res, rows, cols, n_tokens, splits, _ = matvec_params(
@@ -315,8 +325,23 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     passes = ExitStack()
     if by_route:
         route = k.block_id(1)
-        expert, n_tokens, t0 = groups[0][route], 1, 0
+        n_tokens, t0 = 1, 0
         n_experts = k.scalar("n_experts", I32)
+        if choose is None:
+            expert = groups[0][route]
+        else:
+            logits, ids, weights = groups
+            j = route % used
+            chosen, tops, held = ranked_choice(k, logits, route / used, n_experts, used, n_slots,
+                                               SUBGROUP, WORKGROUP)
+            expert = chosen[j]
+            with k.if_(k.block_id(0).eq(0) & sub.eq(0)):
+                mine = [lane + i * SUBGROUP for i in range(n_slots)]
+                over = denominator(k, mine, [held[e] for e in mine],
+                                   [tops[i] for i in range(used)], n_experts, normalize)
+                with k.if_(lane.eq(0)):
+                    ids[route] = expert
+                    weights[route] = k.exp(tops[j] - tops[0]) / over
         with k.if_((expert < 0) | (expert >= n_experts)):  # no expert's (a route of NaN
             k.return_()                                     # logits): nothing, as grouped
         routes_at = lambda t: route  # noqa: E731
@@ -608,13 +633,17 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     return k.build()
 
 
-def _expert_params(k, dtype, matrices, x16, by_route):
+def _expert_params(k, dtype, matrices, x16, by_route, choose=False):
     """An expert mma_vec's parameters, declared on k in their order: (W's planes by matrix,
-    x, [offsets, routes, active] or [ids] by route, [y], rows, cols, x_per)."""
+    x, [offsets, routes, active] or [ids] by route or [logits, ids, w] choosing, [y], rows,
+    cols, x_per)."""
     bufs = [{p: k.buffer(f"{m}_{p}", U32) for p in reader(dtype).plane_names} for m in matrices]
     x = k.buffer("x16", U32) if x16 else k.buffer("x", F32)
-    groups = [k.buffer(name, I32) for name in
-              (("ids",) if by_route else ("offsets", "routes", "active"))]
+    if choose:
+        groups = [k.buffer("logits", F32), k.buffer("ids", I32, "w"), k.buffer("w", F32, "w")]
+    else:
+        groups = [k.buffer(name, I32) for name in
+                  (("ids",) if by_route else ("offsets", "routes", "active"))]
     y = k.buffer("y", F32, "w")
     return (bufs, x, groups, [y], k.scalar("rows", I32), k.scalar("cols", I32),
             k.scalar("x_per", I32))

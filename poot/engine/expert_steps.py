@@ -114,14 +114,22 @@ def normed_in_route(runner, steps, i, T):
 
 
 def route_kernels(runner, steps, i, long):
-    op, sg = steps[i], runner.device.subgroup_size
+    op = steps[i]
     normed = normed_in_route(runner, steps, i, 1)
     x16 = None if normed is None else normed.weight.dtype
-    out = [experts.route(sg, op.used, op.normalize, experts.route_slots(op.logits.shape[1], sg)),
-           experts.expert_groups(op.used % 4 == 0), grouped_kernel(runner, op)]
+    out = [*route_apart(runner, op), grouped_kernel(runner, op)]
     out += [] if x16 is None else [grouped_kernel(runner, op, x16)]
-    return out + ([grouped_kernel(runner, op, x16, False)]
-                  if routes_alone(runner, steps, i, 1) else [])
+    return out + ([grouped_kernel(runner, op, x16, False)]     # one token's, where it launches
+                  if routes_alone(runner, steps, i, 1) and
+                  chooses_itself(runner, steps, i, 1) is None else [])
+
+
+def route_apart(runner, op):
+    """The route and expert_groups kernels of Route op, launched apart (steps of more than
+    experts.GROUPED_ROUTES routes)."""
+    sg = runner.device.subgroup_size
+    return (experts.route(sg, op.used, op.normalize, experts.route_slots(op.logits.shape[1], sg)),
+            experts.expert_groups(op.used % 4 == 0))
 
 
 def takes_routes(T):
@@ -155,7 +163,15 @@ def chooses_itself(runner, steps, i, T):
     (mma_vec's choose), so that the route launches nothing, or None: in a one-token step
     whose expert launches all take their routes by route (routes_alone), where the first
     reads x through the norm that the router's matvec folds in too (the same x, gain and
-    eps; the router a plain matvec, whose one workgroup more makes that x16: normed_out)."""
+    eps; the router a plain matvec, whose one workgroup more makes that x16: normed_out).
+    Asked for each layer's launches of every step: the answer is the runner's once a route."""
+    if not takes_routes(T):
+        return None
+    return runner.choice._once(("chooses", steps[i].outputs[0].name),
+                               lambda: _chooser(runner, steps, i, T))
+
+
+def _chooser(runner, steps, i, T):
     after = normed_in_route(runner, steps, i, T)
     if after is None or not routes_alone(runner, steps, i, T):
         return None
@@ -219,7 +235,6 @@ def route(runner, op, T, R, i, long):
     expert mma_vec next (normed_in_route). Nothing where that expert launch chooses itself."""
     if chooses_itself(runner, runner.steps, i, T) is not None:
         return
-    route_, groups = route_kernels(runner, [op], 0, long)[:2]
     (ids, weights), n_experts = op.outputs, op.logits.shape[1]
     B = runner._buffer
     if T * op.used <= experts.GROUPED_ROUTES:
@@ -233,6 +248,7 @@ def route(runner, op, T, R, i, long):
         runner._launch(grouped, (1,), B(op.logits), B(ids), B(weights),
                        *([] if alone else expert_buffers(runner)), *x16, n_experts, T, *rest)
         return
+    route_, groups = route_apart(runner, op)
     runner._launch(route_, (T,), B(op.logits), B(ids), B(weights), n_experts)
     runner._launch(groups, (1,), B(ids), *expert_buffers(runner), T * op.used, n_experts)
 

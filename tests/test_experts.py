@@ -385,6 +385,8 @@ def expert_kernels(subgroup_size):
            experts.expert_sum(8), experts.expert_sum(8, residual=True),
            experts.expert_sum_norm_x16(8, "Q4_0"), experts.expert_sum_norm_x16(8, "F16"),
            experts.expert_sum_norm_x16(8, "BF16")]
+    out += [matvec("F32", subgroup_size, 1, rows_per=matvec_rows("F32", 1, 1), norm=True,
+                   normed_out=d) for d in ("Q4_0", "F16")]      # a router making the x16
     return out + [experts.expert_matvec(d, subgroup_size, tokens, glu, rows_per, glu is not None)
                   for d in DEVICE_DTYPES for tokens in experts.expert_tokens(d)
                   for glu in (None, "silu")
@@ -402,6 +404,10 @@ def expert_mma_kernels(dtype, multiprocessors=132):
             for by_route in (False, True) if T == 1 else (False,):
                 kernel = mma_vec.mma_vec(dtype, glu=glu, x16=glu is not None, experts=True,
                                          by_route=by_route, **shape)
+                out[kernel.name] = kernel
+            if T == 1 and glu:          # a one-token step's gate/up, choosing its routes
+                kernel = mma_vec.mma_vec(dtype, glu=glu, x16=True, experts=True, by_route=True,
+                                         choose=(8, True, 4), **shape)
                 out[kernel.name] = kernel
     return list(out.values())
 

@@ -18,10 +18,10 @@ from functools import cache
 
 from . import activations, mma_vec
 from .lang import F32, I32, U32, KernelBuilder
-from .matmul import mma_operand
 from .ops import LOWEST
 from .quant import reader
 from .routes import denominator
+from .x16 import mma_operand, normed_row, quant_pairs
 
 WG = 256
 MAX_EXPERTS = 1024
@@ -181,7 +181,7 @@ def route_grouped(subgroup_size, used, normalize, slots, norm_x16=None, grouped=
     expert launches that take each route by its id (mma_vec's by_route)."""
     name = f"route_grouped{used}_s{subgroup_size}_v{slots}" + "_norm" * normalize
     if norm_x16 is not None:
-        name += f"_x16_{mma_operand(norm_x16).name}" + "_pairs" * mma_vec.quant_pairs(norm_x16)
+        name += f"_x16_{mma_operand(norm_x16).name}" + "_pairs" * quant_pairs(norm_x16)
     k = KernelBuilder(name + "_ungrouped" * (not grouped), (WG,))
     logits, ids, w = _route_params(k)
     if grouped:
@@ -206,7 +206,7 @@ def route_grouped(subgroup_size, used, normalize, slots, norm_x16=None, grouped=
         scratch = k.shared("scratch", F32, WG // subgroup_size)
         load = lambda base, i: x.load(base + i, 4)  # noqa: E731
         with k.for_(0, n_tokens) as t:
-            mma_vec.normed_row(k, norm_x16, subgroup_size, gain, x16, load, load, t * cols, cols,
+            normed_row(k, norm_x16, subgroup_size, gain, x16, load, load, t * cols, cols,
                                eps, scratch)
     return k.build()
 
@@ -349,7 +349,7 @@ def expert_sum_norm_x16(used, dtype, subgroup_size=mma_vec.SUBGROUP):
     first matmul, a launch fewer a layer. Buffers expert_sum's (y, w, residual, out), norm
     (the gain), x16; scalars cols (a multiple of 8), eps. One workgroup a token; grid (T)."""
     name = f"expert_sum{used}_norm_x16_{mma_operand(dtype).name}"
-    k = KernelBuilder(name + "_pairs" * mma_vec.quant_pairs(dtype), (WG,))
+    k = KernelBuilder(name + "_pairs" * quant_pairs(dtype), (WG,))
     y, w = k.buffer("y", F32), k.buffer("w", F32)
     res, out = k.buffer("residual", F32), k.buffer("out", F32, "rw")
     gain, x16 = k.buffer("norm", F32), k.buffer("x16", U32, "w")
@@ -365,7 +365,7 @@ def expert_sum_norm_x16(used, dtype, subgroup_size=mma_vec.SUBGROUP):
         out.store(base + i, *total)
         return total
 
-    mma_vec.normed_row(k, dtype, subgroup_size, gain, x16, summed,
+    normed_row(k, dtype, subgroup_size, gain, x16, summed,
                        lambda base, i: out.load(base + i, 4), t * cols, cols, eps,
                        k.shared("scratch", F32, WG // subgroup_size))
     return k.build()

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from functools import cache
 
 from . import activations
-from .lang import BF16, BOX_COLS, F16, F32, I32, U16, U32, U64, KernelBuilder
+from .lang import BF16, BOX_COLS, F16, F32, I32, U32, U64, KernelBuilder
 from .matvec import WORKGROUP, store_row, variant_name
 from .matvec import matvec, matvec_grid, matvec_split  # noqa: F401 (the runner's matmul.matvec)
 from .quant import reader
+from .x16 import mma_operand, pack
 
 # mma_tiled: a workgroup of 8 subgroups computes `tokens` (MMA_TOKENS, or 32 or 64 for short
 # steps, whose workgroups would otherwise compute rows of tokens that are not there) x
@@ -70,13 +71,6 @@ MMA_VARIANTS = {
 }
 
 
-def mma_operand(dtype):
-    """The 16-bit type W (and x) are rounded to for the tensor cores: bf16 for BF16 weights
-    (f16 could not hold their range), f16 for the others (F32 and block-quant weights rounded)."""
-    reader(dtype)
-    return BF16 if dtype == "BF16" else F16
-
-
 def a_fragment_index(lane, token, step, row_words=ROW_WORDS):
     """The word of the x tile this lane names to fragment_load for mma's `a`: the 16 x 16 block
     of tokens token.. and columns 16 step.. (matrices: tokens 0-7 of columns 0-7, tokens 8-15,
@@ -94,14 +88,6 @@ def b_fragment_index(lane, row, step, row_words=ROW_WORDS):
 def accumulator_position(lane, j):
     """(token, row) within a 16 x 8 mma tile of accumulator value j of `lane`."""
     return (lane >> 2) + 8 * (j >> 1), 2 * (lane & 3) + (j & 1)
-
-
-def _pack(k, operand, lo, hi):
-    """One u32 word of two f32 values rounded to the operand type, lo in the low half."""
-    if operand == F16:
-        return k.pack_half2(lo, hi)
-    bits = lambda v: v.to(BF16).bitcast(U16).to(U32)  # noqa: E731
-    return bits(lo) | (bits(hi) << 16)
 
 
 @cache
@@ -294,7 +280,7 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
                 xs.store(base + to, *[k.select(inside, w, 0) for w in values[4 * p:4 * p + 4]])
                 continue
             v = [k.select(inside, value, 0.0) for value in values[4 * p:4 * p + 4]]
-            xs.store(base + to, _pack(k, operand, v[0], v[1]), _pack(k, operand, v[2], v[3]))
+            xs.store(base + to, pack(k, operand, v[0], v[1]), pack(k, operand, v[2], v[3]))
 
     def store_w_words(words, c0):
         for p in range(w_parts):
@@ -312,7 +298,7 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
             block = c0 / unit + u
             inside = block < n_units
             values = r.decode(k, buf, m, k.min(block, n_units - 1), cols)
-            words = [_pack(k, operand, k.select(inside, values[e], 0.0),
+            words = [pack(k, operand, k.select(inside, values[e], 0.0),
                            k.select(inside, values[e + 1], 0.0)) for e in range(0, unit, 2)]
             for e in range(0, unit // 2, 4):
                 ws.store(row * row_words + u * (unit // 2) + e, *words[e:e + 4])
@@ -519,7 +505,7 @@ def _store_units(k, acc, xs, ws, y, glu, glu_x16, g0, t0, half, n_tokens):
         # an even unit's thread keeps token j's word, an odd one's token j + 1's
         a, b = unit_of(j), unit_of(j + 1)
         theirs = k.shuffle_xor(k.select(odd.eq(1), a, b), 4)
-        word = k.select(odd.eq(1), _pack(k, operand, theirs, b), _pack(k, operand, a, theirs))
+        word = k.select(odd.eq(1), pack(k, operand, theirs, b), pack(k, operand, a, theirs))
         t, first = token(j) + odd, place(j) - odd
         with k.if_((t < n_tokens) & (first < half)):
             y[t * (half / 2) + (first >> 1)] = word
@@ -556,7 +542,7 @@ def dequant_f16(dtype):
     with k.if_(j < rows * units):
         m, u = j / units, j % units
         values = r.decode(k, buf, m, u, cols)
-        words = [_pack(k, F16, values[e], values[e + 1]) for e in range(0, unit, 2)]
+        words = [pack(k, F16, values[e], values[e + 1]) for e in range(0, unit, 2)]
         at = m * (cols / 2) + u * (unit // 2)
         for e in range(0, unit // 2, 4):
             out.store(at + e, *words[e:e + 4])
@@ -575,7 +561,7 @@ def mma_x16(dtype):
     i = (k.block_id() * WORKGROUP + k.thread_id()) * 4
     with k.if_(i < n):
         v = x.load(i, 4)
-        x16.store(i >> 1, _pack(k, operand, v[0], v[1]), _pack(k, operand, v[2], v[3]))
+        x16.store(i >> 1, pack(k, operand, v[0], v[1]), pack(k, operand, v[2], v[3]))
     return k.build()
 
 
@@ -633,7 +619,7 @@ def split_sum(residual=False, outputs=1, glu=None, x16=None):
             for j in range(2):
                 pair.append(activations.glu(k, glu, summed(gate_at + j, 2 * n),
                                             summed(gate_at + half + j, 2 * n)))
-            words[i] = _pack(k, mma_operand(x16), *pair)
+            words[i] = pack(k, mma_operand(x16), *pair)
         return k.build()
     with k.if_(i < n):
         if glu:                         # i = t * half + c: gate at t * 2 half + c, up half on

@@ -13,6 +13,7 @@ from functools import cache
 from . import activations
 from .lang import F32, I32, U32, KernelBuilder
 from .quant import reader
+from .x16 import normed_row
 
 WORKGROUP = 256
 
@@ -66,7 +67,6 @@ def matvec(dtype, subgroup_size, tokens=1, unroll=None, residual=False, norm=Fal
     if normed_out is not None:
         if not norm:
             raise ValueError("matvec: normed_out is a norm variant's")
-        from .mma_vec import normed_row     # mma_vec.py builds on this module
         x16 = k.buffer("x16", U32, "w")
         scratch = k.shared("norm_scratch", F32, WORKGROUP // subgroup_size)
         load = lambda base, i: x.load(base + i, 4)  # noqa: E731

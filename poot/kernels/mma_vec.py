@@ -43,11 +43,10 @@ from contextlib import ExitStack
 from functools import cache
 
 from .lang import F32, I32, U32, KernelBuilder
-from .matmul import _pack, mma_operand
 from .matvec import WORKGROUP, matvec_params, store_row, variant_name
-from .ops import block_reduce
 from .quant import UNIT_FORMATS, _small_int, reader
 from .routes import denominator, ranked_choice
+from .x16 import mma_operand, normed_row, pack, quant_pairs  # noqa: F401 (mma_vec's)
 
 GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
 TOKENS = 8                       # the mma's n: the tokens of a token tile
@@ -145,13 +144,6 @@ def shape(dtype, rows, cols, multiprocessors, token_tiles=1, experts=False, x16=
                 token_tiles=token_tiles)
 
 
-def quant_pairs(dtype):
-    """Whether mma_vec pairs a 4-value run (a, b, c, d) of x as (a, c), (b, d) in its B words
-    (block quants: a quant word's nibbles or bytes 0 and 2 make one f16 pair), else (a, b),
-    (c, d)."""
-    return dtype not in ("F16", "BF16")
-
-
 @cache
 def norm_x16(dtype, subgroup_size=SUBGROUP):
     """x16[t] (u32 [T, cols / 2]) = x[t] / sqrt(mean(x[t]^2) + eps) * gain, rounded to the
@@ -199,25 +191,6 @@ def _normed_pairs(k, dtype, subgroup_size, gain, x16, first_read, second_read):
     normed_row(k, dtype, subgroup_size, gain, x16, first_read, second_read, k.block_id() * cols,
                cols, eps, scratch)
     return k.build()
-
-
-def normed_row(k, dtype, subgroup_size, gain, x16, first_read, second_read, base, cols, eps,
-               scratch):
-    """norm_x16's words of the token whose row starts at `base`, by the whole workgroup
-    (every thread calls it: it waits at barriers), summing through `scratch` (f32, a word a
-    subgroup)."""
-    operand, pairs = mma_operand(dtype), quant_pairs(dtype)
-    first = k.thread_id() * 4
-    square = k.var(F32, 0.0)
-    with k.for_(first, cols, WORKGROUP * 4) as i:
-        for v in first_read(base, i):
-            square.set(k.fma(v, v, square.get()))
-    total = block_reduce(k, square.get(), subgroup_size, scratch)
-    scale = k.rsqrt(total / cols.to(F32) + eps)
-    with k.for_(first, cols, WORKGROUP * 4) as i:
-        a, b, c, d = [v * scale * w for v, w in zip(second_read(base, i), gain.load(i, 4))]
-        lo, hi = ((a, c), (b, d)) if pairs else ((a, b), (c, d))
-        x16.store((base + i) >> 1, _pack(k, operand, *lo), _pack(k, operand, *hi))
 
 
 def _chain_sum(chains):
@@ -434,8 +407,8 @@ def mma_vec(dtype, residual=False, norm=False, outputs=1, glu=None, tiles=1, spl
     def b_words(run):
         a, b, c, d = run
         if quant:
-            return _pack(k, operand, a, c), _pack(k, operand, b, d)
-        return _pack(k, operand, a, b), _pack(k, operand, c, d)
+            return pack(k, operand, a, c), pack(k, operand, b, d)
+        return pack(k, operand, a, b), pack(k, operand, c, d)
 
     def splat(word, high):
         """The f16 half of a word in both halves."""

@@ -206,8 +206,8 @@ def route_grouped(subgroup_size, used, normalize, slots, norm_x16=None, grouped=
         scratch = k.shared("scratch", F32, WG // subgroup_size)
         load = lambda base, i: x.load(base + i, 4)  # noqa: E731
         with k.for_(0, n_tokens) as t:
-            normed_row(k, norm_x16, subgroup_size, gain, x16, load, load, t * cols, cols,
-                               eps, scratch)
+            normed_row(k, norm_x16, subgroup_size, gain, x16, load, load, t * cols, cols, eps,
+                       scratch)
     return k.build()
 
 
@@ -365,7 +365,6 @@ def expert_sum_norm_x16(used, dtype, subgroup_size=mma_vec.SUBGROUP):
         out.store(base + i, *total)
         return total
 
-    normed_row(k, dtype, subgroup_size, gain, x16, summed,
-                       lambda base, i: out.load(base + i, 4), t * cols, cols, eps,
-                       k.shared("scratch", F32, WG // subgroup_size))
+    normed_row(k, dtype, subgroup_size, gain, x16, summed, lambda base, i: out.load(base + i, 4),
+               t * cols, cols, eps, k.shared("scratch", F32, WG // subgroup_size))
     return k.build()

@@ -299,7 +299,7 @@ def mma_tiled(dtype, residual=False, tokens=MMA_TOKENS, split=False, depth=MMA_D
             inside = block < n_units
             values = r.decode(k, buf, m, k.min(block, n_units - 1), cols)
             words = [pack(k, operand, k.select(inside, values[e], 0.0),
-                           k.select(inside, values[e + 1], 0.0)) for e in range(0, unit, 2)]
+                          k.select(inside, values[e + 1], 0.0)) for e in range(0, unit, 2)]
             for e in range(0, unit // 2, 4):
                 ws.store(row * row_words + u * (unit // 2) + e, *words[e:e + 4])
 

@@ -46,7 +46,7 @@ from .lang import F32, I32, U32, KernelBuilder
 from .matvec import WORKGROUP, matvec_params, store_row, variant_name
 from .quant import UNIT_FORMATS, _small_int, reader
 from .routes import denominator, ranked_choice
-from .x16 import mma_operand, normed_row, pack, quant_pairs  # noqa: F401 (mma_vec's)
+from .x16 import mma_operand, normed_row, pack, quant_pairs
 
 GROUP = 128                      # columns of one pass of a subgroup: 8 mma steps of 16
 TOKENS = 8                       # the mma's n: the tokens of a token tile

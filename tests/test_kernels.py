@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from poot.engine.batch import LogitEdits, SamplingRows
-from poot.engine.kernel_choice import PROMPT_TILES
+from poot.engine.kernel_choice import FEW_TOKEN_ROUNDS, PROMPT_TILES
 from poot.engine import sampling
 from poot.engine.sampling import BANNED, edit_logits
 from poot.formats.quants import QUANTS, dequantize, quantize
@@ -503,10 +503,11 @@ MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 409
                  ({"token_tiles": 2, "chains": 2, "x16": True, "split": 2}, 7, 200, 576),
                  # an output head's shape (mma_vec.shape: one tile, split 2, one group a round)
                  ({"x16": True, "split": 2, "chains": 2}, 1, 1000, 2048),
-                 # rows too few to fill the device (mma_vec.shape: one tile, split 8, two groups
-                 # a round, one chain)
+                 # rows too few to fill the device (mma_vec.shape: one tile, split 8, one
+                 # chain, two groups a round from norm_x16's x, one from f32 x)
                  ({"x16": True, "split": 8, "unroll": 2}, 1, 1000, 2048),
-                 ({"residual": True, "split": 8, "unroll": 2}, 3, 200, 4096 + 256)]
+                 ({"residual": True, "split": 8, "unroll": 2}, 3, 200, 4096 + 256),
+                 ({"residual": True, "split": 8}, 1, 200, 4096 + 256)]
 
 
 @pytest.mark.parametrize("rows,cols,x16,experts,tiles", [
@@ -520,12 +521,13 @@ MMA_VEC_CASES = [({}, 1, 200, 512), ({}, 3, 96, 576), ({"tiles": 2}, 8, 200, 409
 def test_mma_vec_shape_takes_one_tile_where_rows_are_few(rows, cols, x16, experts, tiles):
     """mma_vec.shape at one token, Q4_0, 132 multiprocessors: rows that leave the device idle
     even split 8 ways take one tile, one chain, no pipeline where x is norm_x16's or one
-    tile's workgroups fit; the others keep two tiles."""
+    tile's workgroups fit, two groups a round from norm_x16's x, one from f32; the others keep
+    two tiles."""
     shape = mma_vec.shape("Q4_0", rows, cols, 132, 1, experts=experts, x16=x16)
     assert shape["tiles"] == tiles
     if tiles == 1:
-        assert shape == dict(tiles=1, split=8, unroll=2, chains=1, pipeline=False,
-                             token_tiles=1)
+        assert shape == dict(tiles=1, split=8, unroll=2 if x16 else 1, chains=1,
+                             pipeline=False, token_tiles=1)
 
 
 @pytest.mark.parametrize("dtype", mma_vec.DTYPES)
@@ -902,10 +904,12 @@ def test_head_norm_kernels_in_lockstep_at_32_lanes(style):
     assert rel_err(out, res + ref.rms_norm(x, w, 1e-6)) < 1e-5
 
 
-@pytest.mark.parametrize("head_dim,n_heads,n_kv,shared", [(64, 9, 3, 1), (64, 9, 3, 3),
-                                                          (128, 8, 8, 1), (64, 8, 4, 2)])
-def test_attention(device, head_dim, n_heads, n_kv, shared):
-    """shared: query heads of one KV head a workgroup takes (ops.attention_heads)."""
+@pytest.mark.parametrize("head_dim,n_heads,n_kv,shared,rounds", [
+    (64, 9, 3, 1, 4), (64, 9, 3, 3, 4), (128, 8, 8, 1, 4), (64, 8, 4, 2, 4),
+    (128, 8, 2, 1, FEW_TOKEN_ROUNDS), (64, 9, 3, 3, 8)])
+def test_attention(device, head_dim, n_heads, n_kv, shared, rounds):
+    """shared: query heads of one KV head a workgroup takes (ops.attention_heads); rounds:
+    keys a subgroup scores a round (kernel_choice.attention_rounds)."""
     bs, nb = 16, 128
     lengths = [1, 300, 57, 700]
     tables, positions, seq_rows, k, v = paged_case(n_kv, head_dim, lengths, bs, nb)
@@ -920,7 +924,7 @@ def test_attention(device, head_dim, n_heads, n_kv, shared):
     qpos, qrows = positions[pick], seq_rows[pick]
     scale = head_dim ** -0.5
     want = ref.attention(q, cache_k, cache_v, qpos, qrows, tables, scale)
-    got = run(device, ops.attention(device.subgroup_size, head_dim, shared),
+    got = run(device, ops.attention(device.subgroup_size, head_dim, shared, rounds=rounds),
               (len(pick) * n_heads // shared,), q,
               np.zeros_like(q), cache_k.astype(np.float16).view(np.uint32),
               cache_v.astype(np.float16).view(np.uint32), qpos, qrows, tables, n_heads, n_kv,
@@ -929,7 +933,7 @@ def test_attention(device, head_dim, n_heads, n_kv, shared):
 
 
 def rope_attention_case(device, style, pairs, scale, normed, head_dim, n_heads, n_kv, shared,
-                        mods, run_kernel):
+                        mods, run_kernel, rounds=ops.KEYS_PER_ROUND):
     """A decode step's rope_store_kv (normed: norm_rope_store_kv) and attention, unfused on
     the device and as one launch (ops.attention's rope), from the same cache: every key but
     each sequence's last stored beforehand, the rest of the cache poisoned (f16 NaNs). The
@@ -964,11 +968,12 @@ def rope_attention_case(device, style, pairs, scale, normed, head_dim, n_heads, 
                          bs, *eps_)
     for name, before in zip(("k_cache", "v_cache"), words):     # a "w" buffer comes poisoned
         unfused[name] = np.where(unfused[name] == 0xFFFFFFFF, before, unfused[name])
-    plain = ops.attention(sg, head_dim, shared, **mods)
+    plain = ops.attention(sg, head_dim, shared, rounds=rounds, **mods)
     want_out = run_kernel(plain, (T * n_heads // shared,), unfused["q"],
                           np.zeros_like(q), unfused["k_cache"], unfused["v_cache"], qpos, qrows,
                           tables, n_heads, n_kv, tables.shape[1], bs, att_scale)["out"]
-    fused = ops.attention(sg, head_dim, shared, rope=(style, scale, normed), **mods)
+    fused = ops.attention(sg, head_dim, shared, rope=(style, scale, normed), rounds=rounds,
+                          **mods)
     got = run_kernel(fused, (T * n_heads // shared,), q, np.zeros_like(q), *cache(*words),
                      n_heads, n_kv, tables.shape[1], bs, att_scale, k[last], v[last],
                      inv_freq, *norms, pairs, *eps_)
@@ -986,15 +991,16 @@ def rope_attention_case(device, style, pairs, scale, normed, head_dim, n_heads, 
                                                       ("normal", 24, 1.19, False),
                                                       ("normal", 64, 1.0, True),
                                                       ("neox", 24, 1.0, False)])
-@pytest.mark.parametrize("head_dim,n_heads,n_kv,shared,mods", [
-    (64, 9, 3, 1, {}), (64, 8, 4, 2, {}), (128, 8, 2, 1, {}),
-    (64, 8, 2, 2, {"window": 40, "softcap": 30.0})])
+@pytest.mark.parametrize("head_dim,n_heads,n_kv,shared,mods,rounds", [
+    (64, 9, 3, 1, {}, 4), (64, 8, 4, 2, {}, 4), (128, 8, 2, 1, {}, FEW_TOKEN_ROUNDS),
+    (64, 8, 2, 2, {"window": 40, "softcap": 30.0}, 4)])
 def test_attention_folds_the_rope(device, style, pairs, scale, normed, head_dim, n_heads, n_kv,
-                                  shared, mods):
+                                  shared, mods, rounds):
     if pairs * 2 > head_dim:
         pytest.skip("more pairs than the head has")
     rope_attention_case(device, style, pairs, scale, normed, head_dim, n_heads, n_kv, shared,
-                        mods, lambda kernel, grid, *args: run(device, kernel, grid, *args))
+                        mods, lambda kernel, grid, *args: run(device, kernel, grid, *args),
+                        rounds)
 
 
 @pytest.mark.parametrize("style,normed", [("neox", True), ("normal", False)])
@@ -1005,7 +1011,8 @@ def test_attention_folds_the_rope_in_lockstep_at_32_lanes(style, normed):
         lockstep.run(kernel, grid, *args)
         return {p.name: a for p, a in zip(kernel.params, args)
                 if p.kind == "buffer" and p.access in ("w", "rw")}
-    rope_attention_case(None, style, 48, 1.0, normed, 128, 8, 2, 1, {}, run_lockstep)
+    rope_attention_case(None, style, 48, 1.0, normed, 128, 8, 2, 1, {}, run_lockstep,
+                        FEW_TOKEN_ROUNDS)
 
 
 @pytest.mark.parametrize("head_dim,n_heads,n_kv", [(128, 32, 8), (64, 9, 3), (128, 32, 2),

@@ -442,6 +442,7 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
         cache = (B(kc), B(vc), B(positions), B(seq_rows), B(tables_t), heads,
                  kv_heads, self.table_width, self.block_size, op.attrs["scale"])
         shared, mods = self.choice.attention_heads(T, heads, kv_heads), attention_mods(op)
+        rounds = self.choice.attention_rounds(T, kv_heads)
         tiles = self.choice.attention_tiles(heads, kv_heads, **mods)
         if self._splits_attention(T):
             splits, partials = self.attention_splits, self.buffers["attention_partials"]
@@ -460,13 +461,14 @@ class DeviceRunner(DeviceChoice, StepInputs, StepRunner):
         elif rope := self._folds_rope(i, T, R):
             q, k, v, inv_freq, *norms = (rope.inputs[j] for j in (0, 1, 2, 8, 9, 10)
                                          if j < len(rope.inputs))
-            self._launch(ops.attention(sg, head_dim, shared, rope=rope_of(rope), **mods),
+            self._launch(ops.attention(sg, head_dim, shared, rope=rope_of(rope), rounds=rounds,
+                                       **mods),
                          (T * heads // shared,), B(q), B(out), *cache, B(k), B(v), B(inv_freq),
                          *map(B, norms), inv_freq.shape[0],
                          *([rope.attrs["eps"]] if norms else []))
         else:
             decode = self.choice.attention_decode(T, heads, kv_heads, **mods)
-            self._launch(decode or ops.attention(sg, head_dim, shared, **mods),
+            self._launch(decode or ops.attention(sg, head_dim, shared, rounds=rounds, **mods),
                          (T * (kv_heads if decode else heads // shared),), B(q), B(out), *cache)
 
     def _folds_rope(self, i, T, R):

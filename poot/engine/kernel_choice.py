@@ -19,6 +19,7 @@ from .lowering import next_matmul, normed_after, part_rows
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
 SHARED_HEADS_PER_SM = 1         # attention workgroups a multiprocessor before they share KV heads
+FEW_TOKEN_ROUNDS = 16           # keys a subgroup scores a round where they do not (ops.attention)
 MULTIPROCESSORS = 132           # an H100's or H200's, for a device that does not say its own
 # Steps this long run their matmuls on matrix instructions: the grouped matvec's x loads bind
 # it from two tokens on, where the tiled kernel reads the weights once for all of them. Where
@@ -385,10 +386,23 @@ class KernelChoice:
         ops.attention_heads allows where T * kv_heads workgroups still give every
         multiprocessor SHARED_HEADS_PER_SM of them (then K and V rows are read once for their
         heads); else one, for the most workgroups at once (a one-token step)."""
-        if T * kv_heads < SHARED_HEADS_PER_SM * self.multiprocessors:
+        if self._few_attention_tokens(T, kv_heads):
             return 1
         return ops.attention_heads(heads, kv_heads, self.model.config.head_dim,
                                    self.device.subgroup_size)
+
+    def attention_rounds(self, T, kv_heads):
+        """Keys a subgroup of the one-pass attention of a T-token step scores a round
+        (ops.attention's rounds): FEW_TOKEN_ROUNDS where its workgroups take a head each
+        (attention_heads), few of them, each waiting on its loads with registers to spare for
+        more in flight; else ops.KEYS_PER_ROUND."""
+        return FEW_TOKEN_ROUNDS if self._few_attention_tokens(T, kv_heads) else \
+            ops.KEYS_PER_ROUND
+
+    def _few_attention_tokens(self, T, kv_heads):
+        """Whether T * kv_heads attention workgroups leave a multiprocessor fewer than
+        SHARED_HEADS_PER_SM."""
+        return T * kv_heads < SHARED_HEADS_PER_SM * self.multiprocessors
 
     def attention_decode(self, T, heads, kv_heads, untiled=False, **mods):
         """The tensor cores' attention for a step's one-by-one tokens (flash.attention_decode:
@@ -405,18 +419,22 @@ class KernelChoice:
 
     def attention_kernels(self, op, split, rope=None):
         """Every kernel an attention step may launch: the one-pass kernel for each share of
-        heads a step can take (and with the `rope` before it folded in, where given), the
-        untiled one beside the tiles, the split ones where the context is split (`split`),
-        and the tiles."""
+        heads and keys a round a step can take (and with the `rope` before it folded in, where
+        given), the untiled one beside the tiles, the split ones where the context is split
+        (`split`), and the tiles."""
         sg, head_dim = self.device.subgroup_size, self.model.config.head_dim
         heads, kv_heads = op.inputs[0].shape[1], op.inputs[1].shape[2]
         shares = {1, self.attention_heads(self.max_tokens, heads, kv_heads)}
+        passes = {(self.attention_heads(T, heads, kv_heads), self.attention_rounds(T, kv_heads))
+                  for T in (1, self.max_tokens)}
         mods = attention_mods(op)
         tiles = self.attention_tiles(heads, kv_heads, **mods)
-        return [kernel for shared in sorted(shares) for kernel in (
-            [ops.attention(sg, head_dim, shared, **mods)]
-            + ([ops.attention(sg, head_dim, shared, rope=rope, **mods)] if rope else [])
-            + ([ops.attention(sg, head_dim, shared, untiled=True, **mods)] if tiles else [])
+        one_pass = [kernel for shared, rounds in sorted(passes) for kernel in
+                    [ops.attention(sg, head_dim, shared, rounds=rounds, **mods)]
+                    + ([ops.attention(sg, head_dim, shared, rope=rope, rounds=rounds, **mods)]
+                       if rope else [])]
+        return one_pass + [kernel for shared in sorted(shares) for kernel in (
+            ([ops.attention(sg, head_dim, shared, untiled=True, **mods)] if tiles else [])
             + ([ops.attention_split(sg, head_dim, shared, **mods)] if split else []))] + \
             ([ops.attention_combine(head_dim)] if split else []) + ([tiles] if tiles else []) + \
             [kernel for untiled in (False, bool(tiles)) for kernel in

@@ -111,7 +111,8 @@ def shape(dtype, rows, cols, multiprocessors, token_tiles=1, experts=False, x16=
     unsplit at one token tile (an output head; `experts`: the rows of an expert launch's experts
     together, left as they are) take one tile, split 2 and one group a round. Q4_0 rows too few
     to fill the device even split 8 ways take one tile, one chain and no pipeline where x comes
-    as norm_x16's words (`x16`) or one tile's workgroups are no more than the multiprocessors.
+    as norm_x16's words (`x16`) or one tile's workgroups are no more than the multiprocessors,
+    and then one group a round where x comes as f32.
     The measurements behind each: docs/benchmarks.md, "the kernel choices", "an output head's
     shape" and "mma_vec's shapes swept in the step"."""
     rounds = lambda split: cols // (GROUP * 2 * split)  # noqa: E731  (a subgroup's, unroll 2)
@@ -132,8 +133,10 @@ def shape(dtype, rows, cols, multiprocessors, token_tiles=1, experts=False, x16=
     if dtype == "Q4_0" and token_tiles == 1 and tiles == 2 and few and \
             (x16 or grid(rows, 1, 1, split)[0] <= multiprocessors):
         # rows that leave multiprocessors idle: twice the workgroups, each with one tile's
-        # loads in flight and no dependent round ahead of them
-        return dict(tiles=1, split=split, unroll=2, chains=1, pipeline=False, token_tiles=1)
+        # loads in flight and no dependent round ahead of them; one group a round where x
+        # comes as f32 (its words converted in the loop take the second group's registers)
+        return dict(tiles=1, split=split, unroll=2 if x16 else 1, chains=1, pipeline=False,
+                    token_tiles=1)
     if dtype == "Q4_0" and token_tiles == 1 and split == 1 and tiles == 2 and not experts:
         # rows that fill the device unsplit (an output head): four times the workgroups, each
         # lighter (one tile, two subgroups a tile, one group a round), keep more reads in flight

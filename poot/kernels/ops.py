@@ -384,10 +384,10 @@ def _attention_params(k, out, cache="r"):
 
 
 def _attention(subgroup_size, head_dim, split, heads, untiled=False, window=0, softcap=0.0,
-               rope=None):
+               rope=None, rounds=KEYS_PER_ROUND):
     """The body of both attention kernels: the subgroups of one workgroup share the keys
     [lo, hi) of its token and `heads` query heads of one KV head, each subgroup taking
-    KEYS_PER_ROUND consecutive keys a round (every head scoring the same K and V rows), with
+    `rounds` consecutive keys a round (every head scoring the same K and V rows), with
     its own running max and sum per head (see `attention`); the subgroups' sums are then
     combined and either normalised (split=False: lo, hi = 0, L) or written as the partials of
     split block_id(1) (split=True). A `window` starts the keys at window_start, a `softcap`
@@ -399,10 +399,9 @@ def _attention(subgroup_size, head_dim, split, heads, untiled=False, window=0, s
     half, sg = head_dim // 2, subgroup_size
     per_lane = -(-half // sg)                       # cache words a lane holds of each key row
     n_sub = WG // sg
-    rounds = KEYS_PER_ROUND
     name = "attention_split" if split else "attention"
     name = f"{name}_d{head_dim}_s{subgroup_size}" + f"_h{heads}" * (heads > 1) + \
-        "_untiled" * untiled + suffix(window, softcap)
+        f"_k{rounds}" * (rounds != KEYS_PER_ROUND) + "_untiled" * untiled + suffix(window, softcap)
     if rope is not None:
         style, turn_scale, normed = rope
         name = _scaled(f"{name}_rope_{style}" + "_norm" * normed, turn_scale)
@@ -732,12 +731,12 @@ def attention_tiles(head_dim, heads, window=0, softcap=0.0):
 
 @cache
 def attention(subgroup_size, head_dim, heads=1, untiled=False, window=0, softcap=0.0,
-              rope=None):
+              rope=None, rounds=KEYS_PER_ROUND):
     """out[t, h] = softmax(q[t, h] . K[:L] * scale) V[:L], L = positions[t] + 1, over the paged
     f16 cache of the token's sequence; KV head = h / (heads / kv_heads). One workgroup per
     token and `heads` query heads of one KV head (attention_heads: they read its K and V rows
-    once). Its subgroups take turns at the keys, KEYS_PER_ROUND consecutive keys a round (their
-    K and V words all loaded before any arithmetic, so a lane has that many rows in flight), a
+    once). Its subgroups take turns at the keys, `rounds` consecutive keys a round (their K
+    and V words all loaded before any arithmetic, so a lane has that many rows in flight), a
     lane holding the same few words of q, K and V rows (a subgroup sum gives a key's score);
     each subgroup keeps its own running max, sum and weighted sum of values for each head, and
     the subgroups' are combined at the end. grid (T * n_heads / heads). `untiled`: the tokens
@@ -750,7 +749,8 @@ def attention(subgroup_size, head_dim, heads=1, untiled=False, window=0, softcap
     token's own key and value are made, stored and scored by the workgroup, not read from the
     cache. Further buffers k, v, inv_freq (then q_norm, k_norm) and scalars n_pairs (then
     eps), as rope_store_kv's."""
-    return _attention(subgroup_size, head_dim, False, heads, untiled, window, softcap, rope)
+    return _attention(subgroup_size, head_dim, False, heads, untiled, window, softcap, rope,
+                      rounds)
 
 
 @cache

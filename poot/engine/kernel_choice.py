@@ -19,7 +19,7 @@ from .lowering import next_matmul, normed_after, part_rows
 TOKEN_GROUPS = (1, 2, 4, 8)     # matvec variants: tokens sharing one pass over the weights
 ARGMAX_CHUNKS = 64              # workgroups reading one row of logits for the greedy choice
 SHARED_HEADS_PER_SM = 1         # attention workgroups a multiprocessor before they share KV heads
-FEW_TOKEN_ROUNDS = 16           # keys a subgroup scores a round where they do not (ops.attention)
+FEW_TOKEN_ROUNDS = 16           # keys a round of attention workgroups that share no KV head
 MULTIPROCESSORS = 132           # an H100's or H200's, for a device that does not say its own
 # Steps this long run their matmuls on matrix instructions: the grouped matvec's x loads bind
 # it from two tokens on, where the tiled kernel reads the weights once for all of them. Where

@@ -11,7 +11,8 @@ import pytest
 
 from poot.codegen.ptx import PTX_CAPS, ptx_caps, render_ptx
 from poot.codegen.spirv import render_spirv
-from poot.engine.kernel_choice import PROMPT_TILES, TOKEN_GROUPS, matvec_rows, mma_choice
+from poot.engine.kernel_choice import (FEW_TOKEN_ROUNDS, PROMPT_TILES, TOKEN_GROUPS, matvec_rows,
+                                       mma_choice)
 from poot.ir.graph import ACTIVATIONS
 from poot.kernels import choice, matmul, matvec, mma_vec, ops, softcap
 from poot.kernels.lang import WGMMA
@@ -60,6 +61,9 @@ def runner_kernels(subgroup_size):
             ops.attention(subgroup_size, 128, rope=("neox", 1.0, True)),
             ops.attention(subgroup_size, 128, 4, rope=("normal", 1.0, False)),
             ops.attention(subgroup_size, 64, rope=("neox", 1.19, False)),
+            # a step too small to share KV heads: more keys a round (kernel_choice)
+            ops.attention(subgroup_size, 128, rope=("neox", 1.0, True), rounds=FEW_TOKEN_ROUNDS),
+            ops.attention(subgroup_size, 64, rounds=FEW_TOKEN_ROUNDS),
             ops.attention_combine(64), ops.attention_combine(128), choice.argmax(subgroup_size),
             choice.argmax_chunks(subgroup_size), choice.top_candidates(subgroup_size),
             choice.logit_edits(), choice.feed_tokens(), choice.draw(subgroup_size)]

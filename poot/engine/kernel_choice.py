@@ -424,9 +424,9 @@ class KernelChoice:
         (`split`), and the tiles."""
         sg, head_dim = self.device.subgroup_size, self.model.config.head_dim
         heads, kv_heads = op.inputs[0].shape[1], op.inputs[1].shape[2]
-        shares = {1, self.attention_heads(self.max_tokens, heads, kv_heads)}
         passes = {(self.attention_heads(T, heads, kv_heads), self.attention_rounds(T, kv_heads))
                   for T in (1, self.max_tokens)}
+        shares = {1} | {shared for shared, _ in passes}
         mods = attention_mods(op)
         tiles = self.attention_tiles(heads, kv_heads, **mods)
         one_pass = [kernel for shared, rounds in sorted(passes) for kernel in
